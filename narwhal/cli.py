@@ -1,0 +1,111 @@
+"""``narwhal serve | fake-engine | demo``: the standalone binary."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Sequence
+from functools import partial
+
+import trio
+
+from narwhal.config import ConfigError, load_config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="narwhal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the router on a fleet file")
+    serve.add_argument("--config", required=True, help="fleet file (.toml or .json)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--workers", type=int, default=1)
+
+    fake = sub.add_parser("fake-engine", help="run the built-in stand-in for a vLLM engine")
+    fake.add_argument("--port", type=int, required=True)
+    fake.add_argument("--host", default="127.0.0.1")
+    fake.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    fake.add_argument("--model", default="fake-model")
+    fake.add_argument("--engine-id", default="", help="NIXL engine id (default: a fresh uuid)")
+    fake.add_argument("--kv-port", type=int, default=0, help="KV side-channel port (0: any)")
+    fake.add_argument("--itl-s", type=float, default=0.0, help="delay between tokens")
+    fake.add_argument("--prefill-delay-per-token-s", type=float, default=0.0)
+    fake.add_argument("--kv-lease-s", type=float, default=30.0)
+    fake.add_argument("--max-model-len", type=int, default=32768)
+
+    demo = sub.add_parser("demo", help="two fake engines + the router; stream one chat")
+    demo.add_argument("--keep", action="store_true", help="keep the fleet up for curl")
+    demo.add_argument("--port", type=int, default=8000, help="router port (0: any)")
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "fake-engine":
+        return _fake_engine(args)
+    from narwhal.demo import run_demo
+
+    return run_demo(keep=args.keep, port=args.port)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        fleet = load_config(args.config)
+    except ConfigError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 2
+    if args.workers > 1:
+        from narwhal.server import run_workers
+
+        return run_workers(args.config, fleet, args.host, args.port, args.workers)
+    from narwhal.server import serve
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(partial(serve, fleet, host=args.host, port=args.port))
+            print(
+                f"narwhal: serving {fleet.model} on {url} with {len(fleet.engines)} engine(s)",
+                file=sys.stderr,
+            )
+
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(main)
+    return 0
+
+
+def _fake_engine(args: argparse.Namespace) -> int:
+    from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
+
+    engine = FakeEngine(
+        FakeEngineConfig(
+            model=args.model,
+            role=args.role,
+            engine_id=args.engine_id,
+            host=args.host,
+            port=args.port,
+            kv_port=args.kv_port,
+            itl_s=args.itl_s,
+            prefill_delay_per_token_s=args.prefill_delay_per_token_s,
+            kv_lease_s=args.kv_lease_s,
+            max_model_len=args.max_model_len,
+        )
+    )
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(engine.serve)
+            print(
+                f"fake-engine {engine.engine_id} ({args.role}) on {url}, "
+                f"kv side channel :{engine.kv_port}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(main)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

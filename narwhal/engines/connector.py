@@ -1,0 +1,181 @@
+"""The KV connector: prefill and decode bodies, and the handoff descriptor (SPEC 4.1 to 4.3).
+
+Pure code. The descriptor is kept as the producer's raw JSON bytes, so the decode leg
+carries it byte for byte (every field but the two we validate is opaque), and
+``PrefillResult.parameters()`` hands out a fresh decoded dict on every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from narwhal.faults import DescriptorInvalid, Phase
+
+# Fields that make no sense for a one-token, non-streaming prefill (SPEC 4.1).
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "n", "best_of", "max_completion_tokens")
+_RESERVED = "kv_transfer_params"
+
+
+class PrefillResult(msgspec.Struct, frozen=True):
+    """A validated descriptor bound to the producer, endpoint and backend request id."""
+
+    producer_url: str
+    endpoint: str
+    request_id: str
+    connector: str
+    descriptor: msgspec.Raw
+
+    def parameters(self) -> dict[str, Any]:
+        """A fresh, detached copy of the descriptor."""
+        params: dict[str, Any] = msgspec.json.decode(self.descriptor)
+        return params
+
+
+class _Choice(msgspec.Struct):
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+
+
+class _PrefillResponse(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+
+
+class _DescriptorView(msgspec.Struct):
+    """The two fields the router validates; the rest stays opaque."""
+
+    remote_engine_id: Any = msgspec.UNSET
+    remote_block_ids: Any = msgspec.UNSET
+
+
+def _present(raw: msgspec.Raw) -> bool:
+    return len(raw) > 0 and bytes(raw) != b"null"
+
+
+class NixlConnector:
+    """vLLM's NixlConnector wire format: the producer returns ``kv_transfer_params``."""
+
+    name = "NixlConnector"
+
+    def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+        out["max_tokens"] = 1
+        out["stream"] = False
+        out[_RESERVED] = {"do_remote_decode": True}
+        return out
+
+    def decode_body(
+        self, body: dict[str, Any], result: PrefillResult | None, *, endpoint: str
+    ) -> dict[str, Any]:
+        """The decode leg's body; ``result`` None means same-worker decode (no transfer)."""
+        out = {k: v for k, v in body.items() if k != _RESERVED}
+        out["stream"] = True
+        if result is not None:
+            self.check_compatible(result, endpoint)
+            out[_RESERVED] = result.descriptor
+        return out
+
+    def check_compatible(self, result: PrefillResult, endpoint: str) -> None:
+        if result.connector != self.name:
+            raise DescriptorInvalid(
+                f"connector mismatch: descriptor produced by {result.connector}, "
+                f"consumer uses {self.name}",
+                phase=Phase.HANDOFF,
+            )
+        if result.endpoint != endpoint:
+            raise DescriptorInvalid(
+                f"endpoint mismatch: descriptor produced on {result.endpoint}, "
+                f"decode leg is {endpoint}",
+                phase=Phase.HANDOFF,
+            )
+
+    def extract(
+        self, response: bytes, *, producer_url: str, endpoint: str, request_id: str
+    ) -> PrefillResult:
+        """Find and validate the descriptor in a prefill response (SPEC 4.1, 4.2)."""
+        try:
+            parsed = msgspec.json.decode(response, type=_PrefillResponse)
+        except msgspec.DecodeError as exc:
+            raise DescriptorInvalid(
+                f"prefill response is not an OpenAI completion: {exc}", phase=Phase.PREFILL
+            ) from None
+        raw = msgspec.Raw()
+        if parsed.choices and _present(parsed.choices[0].kv_transfer_params):
+            raw = parsed.choices[0].kv_transfer_params
+        elif _present(parsed.kv_transfer_params):
+            raw = parsed.kv_transfer_params
+        if not _present(raw):
+            raise DescriptorInvalid(
+                "missing engine identity: prefill response has no kv_transfer_params",
+                phase=Phase.PREFILL,
+            )
+        validate_descriptor(raw)
+        return PrefillResult(
+            producer_url=producer_url,
+            endpoint=endpoint,
+            request_id=request_id,
+            connector=self.name,
+            descriptor=raw,
+        )
+
+
+def validate_descriptor(raw: msgspec.Raw | bytes) -> None:
+    """Raise DescriptorInvalid with a distinct message for each rule of SPEC 4.2."""
+    try:
+        view = msgspec.json.decode(raw, type=_DescriptorView)
+    except msgspec.ValidationError:
+        raise DescriptorInvalid(
+            "missing engine identity: kv_transfer_params is not a JSON object",
+            phase=Phase.PREFILL,
+        ) from None
+    engine_id = view.remote_engine_id
+    if engine_id is msgspec.UNSET:
+        _reject("missing engine identity: remote_engine_id is absent")
+    if not isinstance(engine_id, str):
+        _reject(f"missing engine identity: remote_engine_id is {_kind(engine_id)}, not a string")
+    if not engine_id:
+        _reject("missing engine identity: remote_engine_id is empty")
+    problem = _block_ids_problem(view.remote_block_ids)
+    if problem:
+        _reject(f"malformed block ids: remote_block_ids {problem}")
+
+
+def _reject(message: str) -> None:
+    raise DescriptorInvalid(message, phase=Phase.PREFILL)
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _block_id_problem(value: object) -> str | None:
+    # bool is a subclass of int in Python; JSON true is not a block id.
+    if type(value) is not int:
+        return f"holds {_kind(value)} {value!r}, not a non-negative integer"
+    if value < 0:
+        return f"holds negative id {value}"
+    return None
+
+
+def _block_ids_problem(ids: object) -> str | None:
+    if ids is msgspec.UNSET:
+        return "is absent"
+    if not isinstance(ids, list):
+        return f"is {_kind(ids)}, not a list"
+    if not ids:
+        return "is empty"
+    if all(isinstance(group, list) for group in ids):
+        if not any(ids):
+            return "has only empty groups"
+        for group in ids:
+            for block in group:
+                if problem := _block_id_problem(block):
+                    return problem
+        return None
+    if any(isinstance(group, list) for group in ids):
+        return "mixes flat ids and groups"
+    for block in ids:
+        if problem := _block_id_problem(block):
+            return problem
+    return None

@@ -1,0 +1,200 @@
+"""The ASGI surface (SPEC 3): routing, body limits, admission, and the client sink.
+
+Served by hypercorn's trio worker. Everything here is about HTTP with the client; what a
+request does with engines lives in ``Router.handle`` and ``RequestRun``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import msgspec
+
+from narwhal.faults import Phase, RequestFault
+from narwhal.router.requests import BadRequest, parse_request
+from narwhal.router.service import Router
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+_COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+RETRY_AFTER_S = b"1"
+
+
+class Disconnected(Exception):
+    """The client went away before its request was read."""
+
+
+class TooLarge(RequestFault):
+    status = 413
+    kind = "request_too_large"
+
+
+class AsgiSink:
+    """Client output for one request; ``committed`` flips when 200 headers go out."""
+
+    __slots__ = ("_send", "committed", "rid")
+
+    def __init__(self, send: Send, rid: bytes) -> None:
+        self._send = send
+        self.rid = rid
+        self.committed = False
+
+    async def commit(self, data: bytes) -> None:
+        self.committed = True
+        headers = [*_SSE_HEADERS, (b"x-request-id", self.rid)]
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def send(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self, data: bytes = b"") -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def respond_json(self, status: int, body: bytes) -> None:
+        self.committed = True
+        await respond(self._send, status, body, self.rid)
+
+
+async def respond(send: Send, status: int, body: bytes, rid: bytes | None = None) -> None:
+    headers = [_JSON, (b"content-length", b"%d" % len(body))]
+    if rid is not None:
+        headers.append((b"x-request-id", rid))
+    if status in (429, 503):
+        headers.append((b"retry-after", RETRY_AFTER_S))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def error_json(fault: RequestFault) -> bytes:
+    return msgspec.json.encode({"error": fault.error_body()})
+
+
+class RouterApp:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.started = int(time.time())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.router.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        if path in _COMPLETION_PATHS:
+            if method != "POST":
+                await _error(send, 405, "method_not_allowed", f"{path} takes POST")
+                return
+            await self._completion(path, scope, receive, send)
+            return
+        if method != "GET":
+            await _error(send, 404, "not_found_error", f"no such endpoint: {method} {path}")
+            return
+        router = self.router
+        if path == "/health":
+            await respond(send, 200, b'{"status":"ok"}')
+        elif path == "/ready":
+            if router.fleet.ready():
+                await respond(send, 200, b'{"status":"ready"}')
+            else:
+                await respond(send, 503, b'{"status":"not ready"}')
+        elif path == "/v1/models":
+            card = {
+                "id": router.config.model,
+                "object": "model",
+                "created": self.started,
+                "owned_by": "narwhal",
+            }
+            await respond(send, 200, msgspec.json.encode({"object": "list", "data": [card]}))
+        elif path == "/narwhal/engines":
+            await respond(send, 200, router.engines_view())
+        else:
+            await _error(send, 404, "not_found_error", f"no such endpoint: {method} {path}")
+
+    async def _completion(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        router = self.router
+        rid_text = secrets.token_hex(8)
+        rid = rid_text.encode()
+        serving = router.config.serving
+        try:
+            raw = await _read_body(scope, receive, serving.max_request_bytes)
+        except Disconnected:
+            return
+        except RequestFault as fault:
+            await respond(send, fault.status, error_json(fault), rid)
+            return
+        if router.admitted >= serving.max_inflight:
+            await _error(
+                send,
+                429,
+                "rate_limit_exceeded",
+                f"router is at max_inflight={serving.max_inflight}; retry later",
+                rid,
+            )
+            return
+        try:
+            req = parse_request(raw, endpoint=path, model=router.config.model)
+        except RequestFault as fault:
+            await respond(send, fault.status, error_json(fault), rid)
+            return
+
+        async def wait_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        await router.handle(req, rid_text, AsgiSink(send, rid), wait_disconnect)
+
+
+async def _error(
+    send: Send, status: int, kind: str, message: str, rid: bytes | None = None
+) -> None:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    await respond(send, status, msgspec.json.encode(body), rid)
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if not value.isdigit():
+                raise BadRequest("content-length: not a number", "content-length")
+            if int(value) > limit:
+                raise TooLarge(
+                    f"body of {int(value)} bytes exceeds max_request_bytes={limit}",
+                    phase=Phase.ADMISSION,
+                )
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"body exceeds max_request_bytes={limit}", phase=Phase.ADMISSION)
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)

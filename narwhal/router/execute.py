@@ -1,0 +1,279 @@
+"""One client request's attempt: prefill on a producer, hand off, decode on a consumer, relay.
+
+This is the thin trio shell around the sans-IO pieces (connector, SSE parser, stream
+classification, lifecycle table). Timeouts are cancel scopes owned here: the prefill
+clock over the whole producer leg, and one decode clock that is the first-token budget
+until the first generated token (it starts before the decode request is opened) and the
+silence budget between transport chunks after it. The request deadline is the outer
+scope, owned by ``Router.handle``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import msgspec
+import trio
+
+from narwhal.config import FleetConfig
+from narwhal.engines.client import DecodeStream, EngineClient
+from narwhal.engines.connector import PrefillResult
+from narwhal.engines.stream import Kind, classify, parse_payload
+from narwhal.faults import (
+    FirstTokenTimeout,
+    HandoffExpired,
+    NoCapacity,
+    Phase,
+    PrefillTimeout,
+    RequestFault,
+    SilenceTimeout,
+    StreamBroken,
+)
+from narwhal.router.assemble import Assembler
+from narwhal.router.fleet import EngineState, Fleet
+from narwhal.router.lifecycle import Input, Lifecycle, State
+from narwhal.router.placement import pick
+from narwhal.router.requests import ClientRequest
+from narwhal.sse import SSEParser
+
+_DONE_FRAME = b"data: [DONE]\n\n"
+_PHASE_OF = {
+    State.ADMITTED: Phase.ADMISSION,
+    State.PREFILLING: Phase.PREFILL,
+    State.HANDOFF: Phase.HANDOFF,
+    State.DECODING: Phase.DECODE,
+    State.STREAMING: Phase.STREAM,
+    State.FINISHED: Phase.STREAM,
+}
+_encode = msgspec.json.encode
+
+
+class ClientSink(Protocol):
+    """Where the client's bytes go (the ASGI layer implements it)."""
+
+    committed: bool
+
+    async def commit(self, data: bytes) -> None: ...  # 200 + SSE headers + first bytes
+    async def send(self, data: bytes) -> None: ...
+    async def end(self, data: bytes = b"") -> None: ...
+    async def respond_json(self, status: int, body: bytes) -> None: ...
+
+
+class RouterState(Protocol):
+    """What an attempt needs from the router (see ``narwhal.router.service.Router``)."""
+
+    config: FleetConfig
+    client: EngineClient
+    fleet: Fleet
+
+
+class AttemptRecord(msgspec.Struct):
+    number: int
+    producer: str | None = None
+    consumer: str | None = None
+    error: str | None = None
+
+
+class RequestRun:
+    """The state one client request owns: lifecycle, attempts, clocks, measurements."""
+
+    def __init__(self, router: RouterState, req: ClientRequest, rid: str, sink: ClientSink) -> None:
+        self.router = router
+        self.req = req
+        self.rid = rid
+        self.sink = sink
+        self.arrival = trio.current_time()
+        self.lifecycle = Lifecycle()
+        self.attempts: list[AttemptRecord] = []
+        self.ttft_s: float | None = None
+        self.first_byte_s: float | None = None
+        self.chunks = 0
+
+    @property
+    def phase(self) -> Phase:
+        return _PHASE_OF[self.lifecycle.state]
+
+    @property
+    def elapsed(self) -> float:
+        return trio.current_time() - self.arrival
+
+    async def execute(self) -> None:
+        """Run one attempt to the end; raise a RequestFault for the caller to report."""
+        fleet = self.router.fleet
+        attempt = AttemptRecord(number=len(self.attempts) + 1)
+        self.attempts.append(attempt)
+        producer = pick(fleet.producers, turn=fleet.turn)
+        if producer is None:
+            raise NoCapacity("no placeable producer engine", phase=Phase.ADMISSION)
+        fleet.turn += 1
+        attempt.producer = producer.id
+        self.lifecycle.advance(Input.PREFILL)
+        handoff_start = trio.current_time()
+        result = await self._prefill(producer, attempt.number)
+        self.ttft_s = self.elapsed
+        self.lifecycle.advance(Input.DESCRIPTOR)
+        consumer = pick(fleet.consumers, turn=fleet.turn, prefer_not=producer.id)
+        if consumer is None:
+            raise NoCapacity("no placeable consumer engine", phase=Phase.HANDOFF)
+        attempt.consumer = consumer.id
+        self._check_handoff_age(handoff_start)
+        self.lifecycle.advance(Input.DISPATCH)
+        same_worker = consumer is producer
+        await self._decode(consumer, None if same_worker else result, attempt.number)
+
+    def _check_handoff_age(self, started: float) -> None:
+        limit = self.router.config.serving.handoff_timeout_s
+        age = trio.current_time() - started
+        if limit > 0 and age > limit:
+            raise HandoffExpired(
+                f"KV handoff expired: descriptor is {age:.3f}s old, limit {limit:g}s",
+                phase=Phase.HANDOFF,
+            )
+
+    async def _prefill(self, producer: EngineState, number: int) -> PrefillResult:
+        router = self.router
+        budget = router.config.serving.prefill_timeout_s
+        with trio.move_on_after(budget) as prefill_clock:
+            async with router.fleet.reserve(producer, "prefill"):
+                try:
+                    return await router.client.prefill(
+                        producer.url,
+                        self.req.endpoint,
+                        self.req.body,
+                        request_id=f"{self.rid}-a{number}-prefill",
+                    )
+                except RequestFault as fault:
+                    fault.engine_id = producer.id
+                    raise
+        assert prefill_clock.cancelled_caught
+        raise PrefillTimeout(
+            f"prefill on engine {producer.id} took longer than {budget:g}s",
+            phase=Phase.PREFILL,
+            engine_id=producer.id,
+        )
+
+    def _decode_body(self) -> dict[str, Any]:
+        body = self.req.body
+        if self.req.stream:
+            return body
+        # Non-streaming clients are served from a streamed decode; ask for usage to report it.
+        return {**body, "stream_options": {"include_usage": True}}
+
+    async def _decode(
+        self, consumer: EngineState, result: PrefillResult | None, number: int
+    ) -> None:
+        router = self.router
+        engine_cfg = router.config.engine
+        stream = router.client.decode(
+            consumer.url,
+            self.req.endpoint,
+            self._decode_body(),
+            result,
+            request_id=f"{self.rid}-a{number}-decode",
+        )
+        # decode_clock: first-token budget until the first token, then silence budget.
+        decode_clock = trio.CancelScope(
+            deadline=trio.current_time() + engine_cfg.first_token_timeout_s
+        )
+        with decode_clock:
+            try:
+                async with router.fleet.reserve(consumer, "decode"), stream:
+                    await self._relay(stream, decode_clock)
+                    return
+            except RequestFault as fault:
+                fault.engine_id = consumer.id
+                raise
+        if self.first_byte_s is None:
+            raise FirstTokenTimeout(
+                f"no first token within {engine_cfg.first_token_timeout_s:g}s from engine "
+                f"{consumer.id}",
+                phase=Phase.DECODE,
+                engine_id=consumer.id,
+            )
+        raise SilenceTimeout(
+            f"engine went silent between tokens: nothing from engine {consumer.id} for "
+            f"{engine_cfg.decode_read_timeout_s:g}s",
+            phase=Phase.STREAM,
+            engine_id=consumer.id,
+        )
+
+    async def _relay(self, stream: DecodeStream, clock: trio.CancelScope) -> None:
+        """Move the engine's stream to the client until ``[DONE]``; the hot path."""
+        silence = self.router.config.engine.decode_read_timeout_s
+        streaming = self.req.stream
+        assembler = (
+            None if streaming else Assembler(chat=self.req.chat, model=self.router.config.model)
+        )
+        parser = SSEParser()
+        pending: list[bytes] = []  # framed metadata held back until the commit point
+        async for data in stream:
+            out: list[bytes] = pending
+            done = False
+            try:
+                for payload in parser.feed(data):
+                    chunk = parse_payload(payload)
+                    if chunk is None:
+                        if self.first_byte_s is None:
+                            raise StreamBroken(
+                                "stream ended with [DONE] before any token arrived",
+                                phase=Phase.DECODE,
+                            )
+                        done = True
+                        break
+                    self.chunks += 1
+                    if self.first_byte_s is None and classify(chunk) is Kind.TOKEN:
+                        self.first_byte_s = self.elapsed
+                        self.lifecycle.advance(Input.FIRST_TOKEN)
+                    if assembler is not None:
+                        assembler.add(chunk)
+                    else:
+                        out.append(b"data: " + payload + b"\n\n")
+            except RequestFault:
+                if self.sink.committed and out:
+                    await self.sink.send(b"".join(out))
+                raise
+            if done:
+                await self._finish(out, assembler)
+                await stream.drain()
+                return
+            if self.first_byte_s is None:
+                pending = out
+                continue
+            pending = []
+            clock.deadline = math.inf  # a slow client is not a silent engine
+            if streaming and out:
+                payload_bytes = b"".join(out)
+                if self.sink.committed:
+                    await self.sink.send(payload_bytes)
+                else:
+                    await self.sink.commit(payload_bytes)
+            clock.deadline = trio.current_time() + silence if silence > 0 else math.inf
+        raise StreamBroken(
+            "stream ended before [DONE]",
+            phase=Phase.STREAM if self.first_byte_s is not None else Phase.DECODE,
+        )
+
+    async def _finish(self, out: list[bytes], assembler: Assembler | None) -> None:
+        self.lifecycle.advance(Input.DONE)
+        if assembler is not None:
+            await self.sink.respond_json(200, assembler.body())
+            return
+        out.append(_DONE_FRAME)
+        data = b"".join(out)
+        if self.sink.committed:
+            await self.sink.end(data)
+        else:
+            await self.sink.commit(data)
+            await self.sink.end()
+
+    async def fail(self, fault: RequestFault) -> None:
+        """Tell the client: JSON before the commit point, one terminal event after it."""
+        if self.lifecycle.state is State.FINISHED:
+            return
+        self.lifecycle.advance(Input.FAIL)
+        error = _encode({"error": fault.error_body()})
+        if self.sink.committed:
+            await self.sink.end(b"data: " + error + b"\n\n")
+        else:
+            await self.sink.respond_json(fault.status, error)

@@ -1,0 +1,94 @@
+"""The router's shared state, and the per-request nursery that owns a request's life.
+
+``Router.handle`` opens one nursery per client request. The nursery holds a watcher that
+cancels everything the moment the client disconnects, and the request deadline is one
+outer cancel scope around the attempt; cleanup (reservations, engine connections) runs in
+the ``finally``/``async with`` blocks below it on every exit path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import trio
+
+from narwhal.config import FleetConfig
+from narwhal.engines.client import EngineClient
+from narwhal.faults import DeadlineExpired, RequestFault
+from narwhal.router.execute import ClientSink, RequestRun
+from narwhal.router.fleet import Fleet
+from narwhal.router.requests import ClientRequest
+
+FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
+
+
+class Router:
+    def __init__(self, config: FleetConfig, client: EngineClient | None = None) -> None:
+        self.config = config
+        self.fleet = Fleet(config.engines)
+        api_key = os.environ.get(config.engine.api_key_env) if config.engine.api_key_env else None
+        self.client = client or EngineClient(
+            max_connections=config.engine.max_connections,
+            connect_timeout_s=config.engine.connect_timeout_s,
+            api_key=api_key,
+        )
+        self.admitted = 0
+        self.disconnects = 0
+        self._drained = trio.Event()
+        self._drained.set()
+
+    def engines_view(self) -> bytes:
+        return msgspec.json.encode(
+            {
+                "model": self.config.model,
+                "admitted": self.admitted,
+                "engines": [e.snapshot() for e in self.fleet.engines],
+            }
+        )
+
+    async def handle(
+        self,
+        req: ClientRequest,
+        rid: str,
+        sink: ClientSink,
+        wait_disconnect: Callable[[], Awaitable[None]],
+    ) -> RequestRun:
+        """Serve one admitted request to its single terminal outcome."""
+        run = RequestRun(self, req, rid, sink)
+        timeout = self.config.serving.request_timeout_s
+        if not self.admitted:
+            self._drained = trio.Event()
+        self.admitted += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope)
+                with trio.move_on_at(run.arrival + timeout) as deadline:
+                    try:
+                        await run.execute()
+                    except RequestFault as fault:
+                        await run.fail(fault)
+                if deadline.cancelled_caught:
+                    with trio.move_on_after(FAIL_SEND_BOUND_S):
+                        await run.fail(DeadlineExpired(timeout, phase=run.phase))
+                nursery.cancel_scope.cancel()
+        finally:
+            self.admitted -= 1
+            if not self.admitted:
+                self._drained.set()
+        return run
+
+    async def wait_drained(self) -> None:
+        """Return once no admitted request is left (reservations are released by then)."""
+        await self._drained.wait()
+
+    async def _watch(
+        self, wait_disconnect: Callable[[], Awaitable[None]], scope: trio.CancelScope
+    ) -> None:
+        await wait_disconnect()
+        self.disconnects += 1
+        scope.cancel()
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,67 @@
+"""Serving the router with hypercorn's trio worker, in-process or as N worker processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from narwhal.config import FleetConfig, load_config
+from narwhal.router.app import RouterApp
+from narwhal.router.service import Router
+
+CONFIG_ENV = "NARWHAL_CONFIG_PATH"
+
+
+def hypercorn_config(fleet: FleetConfig, host: str, port: int) -> HypercornConfig:
+    hc = HypercornConfig()
+    hc.bind = [f"{host}:{port}"]
+    hc.worker_class = "trio"
+    hc.graceful_timeout = fleet.serving.graceful_timeout_s
+    hc.accesslog = None
+    hc.keep_alive_timeout = 75  # longer than common client idle timeouts
+    # Our own limit applies to the body; this bounds headers and the h11 buffer.
+    hc.h11_max_incomplete_size = 64 * 1024
+    return hc
+
+
+async def serve(
+    fleet: FleetConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    router: Router | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until ``shutdown_trigger`` returns; report the base URL through ``nursery.start``."""
+    app: Any = RouterApp(router or Router(fleet))  # hypercorn's ASGI types are structural
+    hc = hypercorn_config(fleet, host, port)
+    trigger = shutdown_trigger or trio.sleep_forever
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            lambda task_status: hypercorn_serve(
+                app, hc, shutdown_trigger=trigger, task_status=task_status
+            )
+        )
+        task_status.started(binds[0])
+
+
+def app_from_environment() -> RouterApp:
+    """The app each worker process builds (``--workers N``): config path from the env."""
+    return RouterApp(Router(load_config(os.environ[CONFIG_ENV])))
+
+
+def run_workers(config_path: str, fleet: FleetConfig, host: str, port: int, workers: int) -> int:
+    """N worker processes sharing one listening socket (hypercorn's multiprocess runner)."""
+    from hypercorn.run import run
+
+    os.environ[CONFIG_ENV] = os.path.abspath(config_path)
+    hc = hypercorn_config(fleet, host, port)
+    hc.workers = workers
+    hc.application_path = "narwhal.server:app_from_environment()"
+    return int(run(hc))

@@ -1,0 +1,368 @@
+"""A stand-in for a vLLM 0.32 OpenAI server with NixlConnector, faithful to its wire format.
+
+Start it in-process with ``url = await nursery.start(engine.serve)`` or from the shell with
+``narwhal fake-engine --port N``. Observability for tests: ``engine.counters``,
+``engine.log`` (recent request bodies and backend ids), ``engine.store.events``; over HTTP:
+``GET /fake/stats``, ``GET /fake/log``, ``POST /fake/faults``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections import Counter, deque
+from typing import Any, Literal
+
+import msgspec
+import trio
+
+from narwhal.testing import generation as gen
+from narwhal.testing.faults import Fault, FaultQueue
+from narwhal.testing.http import Exchange, Request, serve_connection
+from narwhal.testing.kv_channel import KVPuller, KVStore, PullRequest
+
+VERSION = "0.32.0"
+_FAULT_LIST = msgspec.json.Decoder(list[Fault])
+
+
+class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = "fake-model"
+    role: Literal["prefill", "decode", "both"] = "both"
+    engine_id: str = ""  # NIXL engine id; a fresh uuid when empty
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_port: int = 0  # side channel (remote_port in descriptors); ephemeral when 0
+    itl_s: float = 0.0  # delay between generated tokens
+    prefill_delay_per_token_s: float = 0.0  # prompt computation time per prompt token
+    kv_lease_s: float = 30.0  # how long a producer holds blocks nobody pulled
+    max_model_len: int = 32768
+    default_max_tokens: int = 16
+    log_size: int = 512
+
+
+class FakeEngine:
+    def __init__(self, config: FakeEngineConfig | None = None) -> None:
+        self.config = cfg = config or FakeEngineConfig()
+        self.engine_id = cfg.engine_id or str(uuid.uuid4())
+        self.counters: Counter[str] = Counter()
+        self.store = KVStore(self.engine_id, cfg.kv_lease_s, self.counters)
+        self.puller = KVPuller()
+        self.faults = FaultQueue()
+        self.log: deque[dict[str, Any]] = deque(maxlen=cfg.log_size)
+        self.url = ""
+        self.kv_port = 0
+        self.start_time = time.time()
+        self.running = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        try:
+            async with trio.open_nursery() as nursery:
+                self.kv_port = await nursery.start(self.store.serve, cfg.host, cfg.kv_port)
+                port = listeners[0].socket.getsockname()[1]
+                self.url = f"http://{cfg.host}:{port}"
+                self.start_time = time.time()
+                nursery.start_soon(trio.serve_listeners, self._connection, listeners)
+                task_status.started(self.url)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.puller.aclose()
+                for listener in listeners:
+                    await listener.aclose()
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        await serve_connection(stream, self.handle)
+
+    # ---- routing -------------------------------------------------------------------------
+
+    async def handle(self, req: Request, ex: Exchange) -> None:
+        self.counters["http_requests"] += 1
+        route = (req.method, req.path.split("?", 1)[0])
+        if route == ("POST", "/v1/completions"):
+            await self._completion(req, ex, chat=False)
+        elif route == ("POST", "/v1/chat/completions"):
+            await self._completion(req, ex, chat=True)
+        elif route == ("GET", "/health"):
+            await ex.respond(200, b"")
+        elif route == ("GET", "/version"):
+            await ex.respond(200, msgspec.json.encode({"version": VERSION}))
+        elif route == ("GET", "/v1/models"):
+            await ex.respond(200, self._models())
+        elif route == ("GET", "/metrics"):
+            await ex.respond(200, self._metrics(), b"text/plain; version=0.0.4; charset=utf-8")
+        elif route == ("GET", "/fake/stats"):
+            await ex.respond(200, msgspec.json.encode(self.stats()))
+        elif route == ("GET", "/fake/log"):
+            events = {"requests": list(self.log), "kv_events": self.store.events}
+            await ex.respond(200, msgspec.json.encode(events))
+        elif route == ("POST", "/fake/faults"):
+            await self._push_faults(req, ex)
+        elif route == ("DELETE", "/fake/faults"):
+            self.faults.clear()
+            await ex.respond(200, b"{}")
+        else:
+            await ex.respond(404, b'{"detail":"Not Found"}')
+
+    async def wait_idle(self) -> None:
+        """Return once no completion is being answered (a cancelled leg has ended)."""
+        await self._idle.wait()
+
+    def stats(self) -> dict[str, Any]:
+        self.store.expire()
+        return {
+            "engine_id": self.engine_id,
+            "role": self.config.role,
+            "counters": dict(self.counters),
+            "kv_leases_active": len(self.store.leases),
+            "running": self.running,
+            "faults_queued": len(self.faults),
+        }
+
+    async def _push_faults(self, req: Request, ex: Exchange) -> None:
+        try:
+            faults = _FAULT_LIST.decode(req.body)
+        except msgspec.MsgspecError as exc:
+            await ex.respond(400, gen.error_body(str(exc), "BadRequestError", 400))
+            return
+        self.faults.push(*faults)
+        await ex.respond(200, msgspec.json.encode({"queued": len(self.faults)}))
+
+    def _models(self) -> bytes:
+        card = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(self.start_time),
+            "owned_by": "vllm",
+            "root": self.config.model,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
+        }
+        return msgspec.json.encode({"object": "list", "data": [card]})
+
+    def _metrics(self) -> bytes:
+        c, label = self.counters, f'{{model_name="{self.config.model}"}}'
+        lines = [
+            "# HELP process_start_time_seconds Start time of the process since unix epoch.",
+            "# TYPE process_start_time_seconds gauge",
+            f"process_start_time_seconds {self.start_time:.3f}",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {self.running}",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{label} {c['prompt_tokens']}",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{label} {c['generation_tokens']}",
+            "# TYPE vllm:nixl_xfer_time_seconds histogram",
+            f"vllm:nixl_xfer_time_seconds_count{label} {c['kv_pull_ok']}",
+            "# TYPE vllm:nixl_num_failed_transfers counter",
+            f"vllm:nixl_num_failed_transfers_total{label} {c['kv_pull_failed']}",
+        ]
+        return ("\n".join(lines) + "\n").encode()
+
+    # ---- completions ---------------------------------------------------------------------
+
+    async def _completion(self, req: Request, ex: Exchange, *, chat: bool) -> None:
+        self.counters["chat" if chat else "completions"] += 1
+        try:
+            body = msgspec.json.decode(req.body)
+        except msgspec.DecodeError:
+            await ex.respond(400, gen.error_body("Invalid JSON body", "Bad Request", 400))
+            return
+        if not isinstance(body, dict):
+            await ex.respond(400, gen.error_body("Body must be an object", "Bad Request", 400))
+            return
+        backend_id = req.headers.get("x-request-id", "")
+        self.log.append({"path": req.path, "request_id": backend_id, "body": body})
+        problem = self._validate(body, chat)
+        if problem is not None:
+            await ex.respond(problem[0], problem[1])
+            return
+        kv = body.get("kv_transfer_params")
+        leg: Literal["prefill", "decode"] = (
+            "prefill" if isinstance(kv, dict) and kv.get("do_remote_decode") is True else "decode"
+        )
+        fault = self.faults.take(leg)
+        if not self.running:
+            self._idle = trio.Event()
+        self.running += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+                if fault is not None:
+                    await self._apply_fault(fault, ex)
+                else:
+                    await self._generate(body, backend_id, ex, chat=chat, leg=leg)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.running -= 1
+            if not self.running:
+                self._idle.set()
+            if ex.disconnected:
+                self.counters[f"{leg}_disconnects"] += 1
+
+    def _validate(self, body: dict[str, Any], chat: bool) -> tuple[int, bytes] | None:
+        """The same checks (and error bodies) as vLLM's OpenAI server, for what we model."""
+        model = body.get("model")
+        if model != self.config.model:
+            msg = f"The model `{model}` does not exist. Valid aliases: {self.config.model}."
+            return 404, gen.error_body(msg, "NotFoundError", 404, "model")
+        max_tokens = body.get("max_completion_tokens" if chat else "max_tokens")
+        if max_tokens is None and chat:
+            max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+            msg = f"1 validation error:\n  body.max_tokens: invalid value {max_tokens!r}"
+            return 400, gen.error_body(msg, "Bad Request", 400, "body.max_tokens")
+        limit = self.config.max_model_len
+        if isinstance(max_tokens, int) and max_tokens > limit:
+            msg = (
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})"
+            )
+            return 400, gen.error_body(msg, "BadRequestError", 400, "max_tokens")
+        _, prompt_tokens = gen.prompt_of(body, chat)
+        if prompt_tokens + (max_tokens or 1) > limit:
+            msg = (
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {prompt_tokens} input tokens. Please reduce the length of the input."
+            )
+            return 400, gen.error_body(msg, "BadRequestError", 400, "prompt")
+        kv = body.get("kv_transfer_params")
+        if kv is not None and not isinstance(kv, dict):
+            msg = (
+                "1 validation error:\n  body.kv_transfer_params: Input should be a valid dictionary"
+            )
+            return 400, gen.error_body(msg, "Bad Request", 400, "body.kv_transfer_params")
+        return None
+
+    async def _apply_fault(self, fault: Fault, ex: Exchange) -> None:
+        self.counters[f"fault_{fault.kind}"] += 1
+        if fault.kind == "status":
+            await ex.respond(
+                fault.status, gen.error_body(fault.message, "ScriptedFault", fault.status)
+            )
+        elif fault.kind == "hang":
+            await trio.sleep_forever()
+
+    async def _generate(
+        self,
+        body: dict[str, Any],
+        backend_id: str,
+        ex: Exchange,
+        *,
+        chat: bool,
+        leg: Literal["prefill", "decode"],
+    ) -> None:
+        cfg = self.config
+        prompt, prompt_tokens = gen.prompt_of(body, chat)
+        resp_id = ("chatcmpl-" if chat else "cmpl-") + (backend_id or secrets.token_hex(8))
+        shapes = gen.Shapes(resp_id, cfg.model, chat)
+        stream = body.get("stream") is True
+        kv = body.get("kv_transfer_params")
+        remote = isinstance(kv, dict) and kv.get("do_remote_prefill") is True
+        if isinstance(kv, dict) and remote and cfg.role != "prefill":
+            if not await self._pull(kv):
+                await self._transfer_failed(ex, stream)
+                return
+            self.counters["decode_remote"] += 1
+        else:
+            await self._compute_prompt(prompt_tokens)
+        self.counters["prompt_tokens"] += prompt_tokens
+        produce = leg == "prefill" and not stream and cfg.role != "decode"
+        if produce:
+            self.counters["prefill"] += 1
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        count = max_tokens or body.get("max_tokens") or cfg.default_max_tokens
+        ids = gen.token_ids(prompt, count)
+        if stream:
+            await self._stream(shapes, ids, prompt_tokens, body, ex)
+            return
+        descriptor = self._produce(resp_id, prompt_tokens, chat) if produce else None
+        self.counters["generation_tokens"] += len(ids)
+        text = "".join(gen.VOCAB[i] for i in ids)
+        await ex.respond(200, shapes.full(text, prompt_tokens, len(ids), descriptor))
+
+    async def _compute_prompt(self, prompt_tokens: int) -> None:
+        delay = self.config.prefill_delay_per_token_s * prompt_tokens
+        if delay > 0:
+            await trio.sleep(delay)
+
+    def _produce(self, resp_id: str, prompt_tokens: int, chat: bool) -> dict[str, Any]:
+        """Hold the prompt's blocks under a lease; the descriptor exactly as vLLM 0.32 writes it."""
+        suffix = secrets.token_hex(4)
+        remote_request_id = f"{resp_id}-{suffix}" if chat else f"{resp_id}-0-{suffix}"
+        lease = self.store.issue(remote_request_id, prompt_tokens)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": lease.block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": remote_request_id,
+            "remote_host": self.config.host,
+            "remote_port": self.kv_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
+        }
+
+    async def _pull(self, kv: dict[str, Any]) -> bool:
+        """Pull the blocks named by the descriptor from the producer's side channel."""
+        host, port = kv.get("remote_host"), kv.get("remote_port")
+        request = PullRequest(
+            engine_id=str(kv.get("remote_engine_id")),
+            request_id=str(kv.get("remote_request_id")),
+            block_ids=kv.get("remote_block_ids"),
+            consumer=self.engine_id,
+        )
+        if not isinstance(host, str) or type(port) is not int:
+            reply_reason = "incomplete"
+            ok = False
+        else:
+            reply = await self.puller.pull(host, port, request)
+            ok, reply_reason = reply.ok, reply.reason
+        if ok:
+            self.counters["kv_pull_ok"] += 1
+        else:
+            self.counters["kv_pull_failed"] += 1
+            self.counters[f"kv_pull_failed_{reply_reason}"] += 1
+        return ok
+
+    async def _transfer_failed(self, ex: Exchange, stream: bool) -> None:
+        """What vLLM answers when a KV load fails (captures/edge_deadport.txt)."""
+        if stream:
+            await ex.start_stream()
+            await ex.write(gen.stream_error_event())
+            await ex.end_stream()
+        else:
+            body = gen.error_body("Internal server error", "InternalServerError", 500)
+            await ex.respond(500, body)
+
+    async def _stream(
+        self,
+        shapes: gen.Shapes,
+        ids: list[int],
+        prompt_tokens: int,
+        body: dict[str, Any],
+        ex: Exchange,
+    ) -> None:
+        itl = self.config.itl_s
+        await ex.start_stream()
+        if shapes.chat:
+            await ex.write(b"data: " + shapes.role_chunk() + b"\n\n")
+        last = len(ids) - 1
+        for n, index in enumerate(ids):
+            if itl > 0 and n:
+                await trio.sleep(itl)
+            await ex.write(b"data: " + shapes.token_chunk(index, n == last) + b"\n\n")
+            self.counters["generation_tokens"] += 1
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            await ex.write(b"data: " + shapes.usage_chunk(prompt_tokens, len(ids)) + b"\n\n")
+        await ex.write(b"data: [DONE]\n\n")
+        await ex.end_stream()

@@ -1,0 +1,48 @@
+"""A client that goes away mid-decode cancels the engine leg at once (SPEC invariant 7)."""
+
+from __future__ import annotations
+
+import trio
+
+from narwhal.sse import SSEParser
+from tests.conftest import MODEL, finish, start_fleet
+
+
+async def _open_stream_and_vanish(url: str, body: bytes) -> None:
+    """Raw HTTP/1.1 over a socket: read until the first SSE event, then close the socket."""
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
+    await stream.send_all(request)
+    parser = SSEParser()  # header and chunk-size lines carry no data field: ignored
+    while not parser.feed(await stream.receive_some(65536)):
+        pass
+    await stream.aclose()
+
+
+async def test_client_disconnect_mid_decode_cancels_the_engine_leg(
+    nursery: trio.Nursery,
+) -> None:
+    # 200 tokens at 50 ms: ten seconds of decode unless the leg is cancelled
+    harness = await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, engine_config={"itl_s": 0.05}
+    )
+    consumer = harness.engines["d0"]
+    body = (
+        b'{"model": "%s", "prompt": "hello there", "max_tokens": 200, "stream": true}'
+        % MODEL.encode()
+    )
+    with trio.fail_after(5):
+        await _open_stream_and_vanish(harness.url, body)
+        await harness.router.wait_drained()
+    assert harness.router.disconnects == 1
+    assert harness.router.fleet.reserved() == 0
+    # the fake engine saw its client (the router) go away, well before 200 tokens
+    with trio.fail_after(2):
+        await consumer.wait_idle()
+    assert consumer.counters["decode_disconnects"] == 1
+    assert consumer.counters["generation_tokens"] < 100
+    await finish(harness)

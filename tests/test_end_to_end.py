@@ -45,8 +45,13 @@ async def test_streaming_completion(pd: Harness) -> None:
 async def test_streaming_chat_keeps_role_delta_and_usage(pd: Harness) -> None:
     reply = await pd.post(
         "/v1/chat/completions",
-        {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True,
-         "stream_options": {"include_usage": True}},
+        {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
     )
     assert reply.status == 200
     chunks = [msgspec.json.decode(e) for e in reply.events()[:-1]]
@@ -84,9 +89,20 @@ async def test_non_streaming_chat(pd: Harness) -> None:
 async def test_prefill_body_shape(pd: Harness) -> None:
     reply = await pd.post(
         "/v1/chat/completions",
-        {"model": MODEL, "messages": MESSAGES, "max_tokens": 9, "stream": True,
-         "stream_options": {"include_usage": True}, "min_tokens": 2, "n": 1, "best_of": 1,
-         "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "custom_field": [1]},
+        {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 9,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "min_tokens": 2,
+            "n": 1,
+            "best_of": 1,
+            "max_completion_tokens": 9,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "custom_field": [1],
+        },
     )
     assert reply.status == 200
     rid = reply.headers["x-request-id"]
@@ -118,9 +134,10 @@ async def test_decode_carries_the_descriptor_verbatim_and_the_producer_released_
     descriptor = decode["body"]["kv_transfer_params"]
     # the descriptor the producer issued, field for field, in vLLM's shape
     assert descriptor["remote_engine_id"] == producer.engine_id
-    assert descriptor["remote_request_id"] == f"cmpl-{rid}-a1-prefill-0-" + descriptor[
-        "remote_request_id"
-    ].rsplit("-", 1)[1]
+    assert (
+        descriptor["remote_request_id"]
+        == f"cmpl-{rid}-a1-prefill-0-" + descriptor["remote_request_id"].rsplit("-", 1)[1]
+    )
     assert descriptor["remote_port"] == producer.kv_port
     assert isinstance(descriptor["remote_block_ids"][0], list)
     assert decode["body"]["prompt"] == PROMPT
@@ -139,8 +156,13 @@ async def test_same_worker_decode_sends_no_transfer_params(nursery: trio.Nursery
     harness = await start_fleet(nursery, {"solo": "both"})
     reply = await harness.post(
         "/v1/completions",
-        {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True,
-         "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "x"}},
+        {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "stream": True,
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "x"},
+        },
     )
     assert reply.status == 200
     prefill, decode = _requests(harness.engines["solo"])
@@ -153,8 +175,13 @@ async def test_same_worker_decode_sends_no_transfer_params(nursery: trio.Nursery
 @pytest.mark.parametrize(
     "forged",
     [
-        {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_block_ids": [[1]],
-         "remote_host": "10.0.0.1", "remote_port": 1},
+        {
+            "do_remote_prefill": True,
+            "remote_engine_id": "evil",
+            "remote_block_ids": [[1]],
+            "remote_host": "10.0.0.1",
+            "remote_port": 1,
+        },
         {"do_remote_decode": False},
         None,
         "string",
@@ -164,8 +191,13 @@ async def test_client_kv_transfer_params_never_reach_an_engine(pd: Harness, forg
     for stream in (True, False):
         reply = await pd.post(
             "/v1/completions",
-            {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": stream,
-             "kv_transfer_params": forged},
+            {
+                "model": MODEL,
+                "prompt": PROMPT,
+                "max_tokens": 2,
+                "stream": stream,
+                "kv_transfer_params": forged,
+            },
         )
         assert reply.status == 200
     producer, consumer = pd.engines["p0"], pd.engines["d0"]
@@ -219,8 +251,11 @@ async def test_models_health_ready_engines(pd: Harness) -> None:
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream:"),
         ({"model": MODEL, "prompt": "x", "n": 2}, 400, "cannot be split across prefill and decode"),
         ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "cannot be split across"),
-        ({"model": MODEL, "prompt": "x", "vllm_xargs": {"kv_transfer_params": {}}}, 400,
-         "vllm_xargs.kv_transfer_params"),
+        (
+            {"model": MODEL, "prompt": "x", "vllm_xargs": {"kv_transfer_params": {}}},
+            400,
+            "vllm_xargs.kv_transfer_params",
+        ),
         ({"model": "other", "prompt": "x"}, 404, "model 'other' is not served here"),
     ],
 )

@@ -1,0 +1,73 @@
+"""The standalone binaries: `narwhal fake-engine` twice, `narwhal serve` on the example fleet."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
+
+
+@contextmanager
+def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Start ``narwhal ARGS`` and wait for the line in which it announces its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        url = None
+        for _ in range(50):  # bounded: the announcement is among the first lines
+            line = proc.stderr.readline()
+            if not line:
+                break
+            if ("fake-engine" in line or "narwhal: serving" in line) and URL.search(line):
+                url = URL.search(line).group(1)  # type: ignore[union-attr]
+                break
+        assert url, f"{args[0]} did not start"
+        yield proc, url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> None:
+    with (
+        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
+        _process("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
+    ):
+        fleet = (ROOT / "examples" / "fleet.toml").read_text()
+        fleet = fleet.replace("http://127.0.0.1:8101", p_url).replace(
+            "http://127.0.0.1:8102", d_url
+        )
+        path = tmp_path / "fleet.toml"
+        path.write_text(fleet)
+        with _process("serve", "--config", str(path), "--port", "0") as (_, url):
+            request = urllib.request.Request(
+                url + "/v1/completions",
+                data=json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": 3}).encode(),
+                headers={"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=20) as resp:
+                body = json.loads(resp.read())
+                assert resp.headers["x-request-id"]
+            assert body["usage"]["completion_tokens"] == 3
+            with urllib.request.urlopen(d_url + "/fake/stats", timeout=20) as resp:
+                assert json.loads(resp.read())["counters"]["kv_pull_ok"] == 1

@@ -1,0 +1,279 @@
+"""The fake engine against real vLLM 0.32 captures, and its KV lease rules."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpcore
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from narwhal.sse import SSEParser
+from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
+from narwhal.testing.kv_channel import KVStore, PullRequest
+
+CAPTURES = Path(__file__).parent / "captures"
+MODEL = "tiny"
+
+
+class Engine:
+    def __init__(self, engine: FakeEngine, http: httpcore.AsyncConnectionPool) -> None:
+        self.engine = engine
+        self.http = http
+
+    async def call(
+        self, method: str, path: str, body: Any = None, rid: str = ""
+    ) -> tuple[int, bytes]:
+        headers = [("content-type", "application/json")]
+        if rid:
+            headers.append(("x-request-id", rid))
+        content = None if body is None else msgspec.json.encode(body)
+        resp = await self.http.request(
+            method, self.engine.url + path, headers=headers, content=content
+        )
+        return resp.status, resp.content
+
+
+@pytest.fixture
+async def engines(nursery: trio.Nursery) -> AsyncIterator[tuple[Engine, Engine]]:
+    http = httpcore.AsyncConnectionPool()
+    pair = []
+    for role in ("prefill", "decode"):
+        engine = FakeEngine(FakeEngineConfig(model=MODEL, role=role))  # type: ignore[arg-type]
+        await nursery.start(engine.serve)
+        pair.append(Engine(engine, http))
+    yield pair[0], pair[1]
+    await http.aclose()
+
+
+def _keys(obj: Any) -> Any:
+    """The shape of a JSON value: keys in order, recursively (values ignored)."""
+    if isinstance(obj, dict):
+        return [(k, _keys(v)) for k, v in obj.items()]
+    if isinstance(obj, list) and obj and isinstance(obj[0], dict):
+        return [_keys(obj[0])]
+    return None
+
+
+def _capture_json(name: str) -> Any:
+    return msgspec.json.decode((CAPTURES / name).read_bytes())
+
+
+def _capture_events(name: str) -> list[Any]:
+    raw = (CAPTURES / name).read_bytes()
+    body = raw.split(b"\r\n\r\n", 1)[-1] if raw.startswith(b"HTTP/") else raw
+    return [msgspec.json.decode(e) for e in SSEParser().feed(body) if e != b"[DONE]"]
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+async def _prefill(producer: Engine, rid: str = "pdtest-1", chat: bool = False) -> Any:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        body["prompt"] = PROMPT
+    status, raw = await producer.call(
+        "POST", "/v1/chat/completions" if chat else "/v1/completions", body, rid
+    )
+    assert status == 200
+    return msgspec.json.decode(raw)
+
+
+async def test_prefill_response_matches_vllm_field_for_field(
+    engines: tuple[Engine, Engine],
+) -> None:
+    producer, _ = engines
+    response = await _prefill(producer)
+    assert _keys(response) == _keys(_capture_json("pd_prefill_response.json"))
+    descriptor = response["kv_transfer_params"]
+    assert descriptor["remote_engine_id"] == producer.engine.engine_id
+    assert descriptor["remote_request_id"].startswith("cmpl-pdtest-1-0-")
+    assert descriptor["remote_port"] == producer.engine.kv_port
+    assert descriptor["transfer_mode"] == "pull"
+    assert producer.engine.stats()["kv_leases_active"] == 1
+
+
+async def test_chat_prefill_matches_vllm(engines: tuple[Engine, Engine]) -> None:
+    producer, _ = engines
+    response = await _prefill(producer, "chat-1", chat=True)
+    capture = (CAPTURES / "edge_chat.txt").read_text().splitlines()
+    real = msgspec.json.decode(next(line for line in capture if line.startswith('{"id":"chatcmpl')))
+    assert _keys(response) == _keys(real)
+    assert response["kv_transfer_params"]["remote_request_id"].startswith("chatcmpl-chat-1-")
+
+
+async def test_non_streaming_and_streaming_shapes(engines: tuple[Engine, Engine]) -> None:
+    _, consumer = engines
+    status, raw = await consumer.call(
+        "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8}
+    )
+    assert status == 200
+    assert _keys(msgspec.json.decode(raw)) == _keys(_capture_json("single_nonstream.json"))
+    status, raw = await consumer.call(
+        "POST",
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "x",
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    events = SSEParser().feed(raw)
+    assert events[-1] == b"[DONE]"
+    ours = [msgspec.json.decode(e) for e in events[:-1]]
+    real = _capture_events("single_stream_usage.txt")
+    assert [_keys(c) for c in ours] == [_keys(c) for c in real]
+
+
+async def test_chat_stream_shapes(engines: tuple[Engine, Engine]) -> None:
+    _, consumer = engines
+    _, raw = await consumer.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    ours = [msgspec.json.decode(e) for e in SSEParser().feed(raw)[:-1]]
+    real = _capture_events("single_chat_stream.txt")
+    assert [_keys(c) for c in ours] == [_keys(c) for c in real]
+    assert ours[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+async def test_error_bodies_match_vllm(engines: tuple[Engine, Engine]) -> None:
+    _, consumer = engines
+    status, raw = await consumer.call("POST", "/v1/completions", {"model": "nope", "prompt": "x"})
+    real = msgspec.json.decode((CAPTURES / "err_model.txt").read_text().splitlines()[0])
+    assert status == 404
+    assert msgspec.json.decode(raw) == {
+        **real,
+        "error": {
+            **real["error"],
+            "message": "The model `nope` does not exist. Valid aliases: tiny.",
+        },
+    }
+    status, raw = await consumer.call(
+        "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}
+    )
+    real = msgspec.json.decode((CAPTURES / "err_maxtokens.txt").read_text().splitlines()[0])
+    assert status == 400
+    assert _keys(msgspec.json.decode(raw)) == _keys(real)
+
+
+async def _decode(consumer: Engine, descriptor: Any, stream: bool = True) -> tuple[int, bytes]:
+    return await consumer.call(
+        "POST",
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "stream": stream,
+            "kv_transfer_params": descriptor,
+        },
+    )
+
+
+async def test_a_descriptor_is_pulled_once(engines: tuple[Engine, Engine]) -> None:
+    producer, consumer = engines
+    descriptor = (await _prefill(producer))["kv_transfer_params"]
+    status, raw = await _decode(consumer, descriptor)
+    assert status == 200
+    assert SSEParser().feed(raw)[-1] == b"[DONE]"
+    assert consumer.engine.counters["kv_pull_ok"] == 1
+    # used twice: the producer already released the blocks; the stream fails like vLLM's
+    status, raw = await _decode(consumer, descriptor)
+    events = SSEParser().feed(raw)
+    assert status == 200
+    assert msgspec.json.decode(events[0])["error"]["code"] == 500
+    assert events[-1] == b"[DONE]"
+    assert consumer.engine.counters["kv_pull_failed_reused"] == 1
+    assert producer.engine.counters["kv_pull_refused_reused"] == 1
+    status, _ = await _decode(consumer, descriptor, stream=False)
+    assert status == 500
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"remote_request_id": "cmpl-never-issued-0-00000000"}, "unknown"),
+        ({"remote_block_ids": [[9999]]}, "forged"),
+        ({"remote_engine_id": "someone-else"}, "wrong_engine"),
+        ({"remote_port": 1}, "unreachable"),
+        ({"remote_host": None}, "incomplete"),
+    ],
+)
+async def test_bad_descriptors_fail_on_the_consumer(
+    engines: tuple[Engine, Engine], change: dict[str, Any], reason: str
+) -> None:
+    producer, consumer = engines
+    descriptor = {**(await _prefill(producer))["kv_transfer_params"], **change}
+    status, raw = await _decode(consumer, descriptor)
+    assert status == 200
+    assert b'"code": 500' in raw
+    assert consumer.engine.counters[f"kv_pull_failed_{reason}"] == 1
+    assert consumer.engine.counters["kv_pull_ok"] == 0
+
+
+def test_leases_expire() -> None:
+    clock = trio.testing.MockClock()
+
+    async def scenario() -> None:
+        counters: Counter[str] = Counter()
+        store = KVStore("e", lease_s=30.0, counters=counters)
+        lease = store.issue("r1", prompt_tokens=40)
+        assert lease.block_ids == [[1, 2, 3]]
+        clock.jump(30.5)
+        reply = store.pull(PullRequest("e", "r1", [[1, 2, 3]], "c"))
+        assert (reply.ok, reply.reason) == (False, "expired")
+        assert counters["kv_leases_expired"] == 1
+
+    trio.run(scenario, clock=clock)
+
+
+async def test_operational_endpoints(engines: tuple[Engine, Engine]) -> None:
+    producer, _ = engines
+    assert await producer.call("GET", "/health") == (200, b"")
+    assert msgspec.json.decode((await producer.call("GET", "/version"))[1]) == {"version": "0.32.0"}
+    models = msgspec.json.decode((await producer.call("GET", "/v1/models"))[1])
+    assert models["data"][0]["id"] == MODEL
+    metrics = (await producer.call("GET", "/metrics"))[1].decode()
+    assert "process_start_time_seconds " in metrics
+    stats = msgspec.json.decode((await producer.call("GET", "/fake/stats"))[1])
+    assert stats["engine_id"] == producer.engine.engine_id
+
+
+async def test_scripted_faults_over_http(engines: tuple[Engine, Engine]) -> None:
+    producer, _ = engines
+    status, _ = await producer.call(
+        "POST", "/fake/faults", [{"kind": "status", "leg": "prefill", "status": 503}]
+    )
+    assert status == 200
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    assert (await producer.call("POST", "/v1/completions", body))[0] == 503
+    assert (await producer.call("POST", "/v1/completions", body))[0] == 200
+    status, _ = await producer.call("POST", "/fake/faults", [{"kind": "explode"}])
+    assert status == 400

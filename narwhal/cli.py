@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -63,7 +64,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(partial(serve, fleet, host=args.host, port=args.port))
+            url = await nursery.start(
+                partial(serve, fleet, host=args.host, port=args.port, shutdown_trigger=_signalled)
+            )
             print(
                 f"narwhal: serving {fleet.model} on {url} with {len(fleet.engines)} engine(s)",
                 file=sys.stderr,
@@ -72,6 +75,13 @@ def _serve(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(main)
     return 0
+
+
+async def _signalled() -> None:
+    """Return on SIGINT or SIGTERM (a background job may have SIGINT ignored)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return
 
 
 def _fake_engine(args: argparse.Namespace) -> int:
@@ -101,6 +111,8 @@ def _fake_engine(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            await _signalled()
+            nursery.cancel_scope.cancel()
 
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(main)

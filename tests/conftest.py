@@ -105,12 +105,13 @@ async def pd(nursery: trio.Nursery) -> AsyncIterator[Harness]:
     await finish(harness)
 
 
-async def finish(harness: Harness) -> None:
+async def finish(harness: Harness, *, disconnects: int = 0) -> None:
     """After every test: no reservation, no engine connection serving a request."""
     await harness.http.aclose()
     with trio.fail_after(5):
         await harness.router.wait_drained()
     assert harness.router.fleet.reserved() == 0
+    assert harness.router.disconnects == disconnects
     busy = {u: active for u, (_, active) in harness.router.client.connections().items() if active}
     assert busy == {}, f"engine connections still serving requests: {busy}"
     harness.stop.set()

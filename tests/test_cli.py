@@ -18,7 +18,7 @@ URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
 
 @contextmanager
 def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start ``narwhal ARGS`` and wait for the line in which it announces its URL."""
+    """Start ``narwhal ARGS``, wait for the line announcing its URL; SIGTERM it at the end."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "narwhal", *args],
         stderr=subprocess.PIPE,
@@ -38,7 +38,7 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
         assert url, f"{args[0]} did not start"
         yield proc, url
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -46,6 +46,7 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
             proc.wait(timeout=5)
         if proc.stderr is not None:
             proc.stderr.close()
+    assert proc.returncode == 0, f"{args[0]} exited with {proc.returncode} on SIGTERM"
 
 
 def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> None:

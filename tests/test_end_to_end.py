@@ -292,3 +292,15 @@ async def test_unknown_paths_are_404_and_reach_no_engine(pd: Harness) -> None:
     for path in ("/invocations", "/tokenize", "/v1/embeddings"):
         assert (await pd.post(path, {"model": MODEL})).status == 404
     assert not _requests(pd.engines["p0"])
+
+
+async def test_engine_connections_are_kept_alive(pd: Harness) -> None:
+    for stream in (True, False, True, False):
+        reply = await pd.post(
+            "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": stream}
+        )
+        assert reply.status == 200
+    # one connection per engine serves every leg: [DONE] is followed by the end of the body,
+    # which the router reads so the connection goes back to the pool
+    assert pd.engines["p0"].counters["connections"] == 1
+    assert pd.engines["d0"].counters["connections"] == 1

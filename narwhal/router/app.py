@@ -43,12 +43,13 @@ class TooLarge(RequestFault):
 class AsgiSink:
     """Client output for one request; ``committed`` flips when 200 headers go out."""
 
-    __slots__ = ("_send", "committed", "rid")
+    __slots__ = ("_send", "committed", "finished", "rid")
 
     def __init__(self, send: Send, rid: bytes) -> None:
         self._send = send
         self.rid = rid
         self.committed = False
+        self.finished = False
 
     async def commit(self, data: bytes) -> None:
         self.committed = True
@@ -60,10 +61,11 @@ class AsgiSink:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end(self, data: bytes = b"") -> None:
+        self.finished = True
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def respond_json(self, status: int, body: bytes) -> None:
-        self.committed = True
+        self.committed = self.finished = True
         await respond(self._send, status, body, self.rid)
 
 

@@ -52,7 +52,8 @@ _encode = msgspec.json.encode
 class ClientSink(Protocol):
     """Where the client's bytes go (the ASGI layer implements it)."""
 
-    committed: bool
+    committed: bool  # 200 headers are out: no retry, failures become a terminal event
+    finished: bool  # the last byte of the response is handed over
 
     async def commit(self, data: bytes) -> None: ...  # 200 + SSE headers + first bytes
     async def send(self, data: bytes) -> None: ...

@@ -63,7 +63,7 @@ class Router:
         self.admitted += 1
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope)
+                nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, sink)
                 with trio.move_on_at(run.arrival + timeout) as deadline:
                     try:
                         await run.execute()
@@ -84,9 +84,16 @@ class Router:
         await self._drained.wait()
 
     async def _watch(
-        self, wait_disconnect: Callable[[], Awaitable[None]], scope: trio.CancelScope
+        self,
+        wait_disconnect: Callable[[], Awaitable[None]],
+        scope: trio.CancelScope,
+        sink: ClientSink,
     ) -> None:
         await wait_disconnect()
+        if sink.finished:
+            # hypercorn reports the end of a completed response as a disconnect too; what
+            # is left (reading the engine's end of body) must not be cancelled for it
+            return
         self.disconnects += 1
         scope.cancel()
 

@@ -75,6 +75,7 @@ class FakeEngine:
                     await listener.aclose()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        self.counters["connections"] += 1
         await serve_connection(stream, self.handle)
 
     # ---- routing -------------------------------------------------------------------------

@@ -1,0 +1,168 @@
+"""A first rough figure: the router's CPU and wall time for N streamed completions.
+
+Starts two fake engines and the router as separate processes on 127.0.0.1 (so /proc gives
+the router's own CPU), then drives N streamed completions of T tokens at concurrency C
+with a small httpcore client, and prints a table. The real benchmark (peers side by side,
+ratios) is its own issue; this is the baseline it starts from.
+
+    python bench/rough.py --requests 1000 --concurrency 32 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpcore
+import msgspec
+import trio
+
+URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def start(*args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", *args], stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stderr is not None
+    for _ in range(50):
+        line = proc.stderr.readline()
+        match = URL.search(line)
+        if match and ("fake-engine" in line or "narwhal: serving" in line):
+            return proc, match.group(1)
+    proc.kill()
+    raise RuntimeError(f"{args[0]} did not start")
+
+
+async def drive(url: str, requests: int, concurrency: int, tokens: int) -> dict[str, float]:
+    body = msgspec.json.encode(
+        {
+            "model": "fake-model",
+            "prompt": "The quick brown fox",
+            "max_tokens": tokens,
+            "stream": True,
+        }
+    )
+    headers = [("content-type", "application/json")]
+    latencies: list[float] = []
+    failures = 0
+    remaining = iter(range(requests))
+    async with httpcore.AsyncConnectionPool(max_connections=concurrency) as pool:
+
+        async def worker() -> None:
+            nonlocal failures
+            for _ in remaining:
+                t0 = time.perf_counter()
+                async with pool.stream(
+                    "POST", url + "/v1/completions", headers=headers, content=body
+                ) as resp:
+                    data = b"".join([part async for part in resp.aiter_stream()])
+                if resp.status != 200 or not data.endswith(b"data: [DONE]\n\n"):
+                    failures += 1
+                latencies.append(time.perf_counter() - t0)
+
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                for _ in range(concurrency):
+                    nursery.start_soon(worker)
+    latencies.sort()
+    return {
+        "failures": failures,
+        "p50_ms": latencies[len(latencies) // 2] * 1000,
+        "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--profile", help="write a py-spy collapsed profile of the router here")
+    args = parser.parse_args()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        producer, p_url = start("fake-engine", "--port", "0", "--role", "prefill")
+        consumer, d_url = start("fake-engine", "--port", "0", "--role", "decode")
+        procs += [producer, consumer]
+        with tempfile.TemporaryDirectory() as tmp:
+            fleet = Path(tmp) / "fleet.toml"
+            fleet.write_text(
+                f'model = "fake-model"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
+                f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
+            )
+            router, url = start("serve", "--config", str(fleet), "--port", "0")
+            procs.append(router)
+            trio.run(drive, url, 50, 8, args.tokens)  # warm-up: connections, imports
+            if args.profile:
+                spy = subprocess.Popen(
+                    [
+                        "py-spy",
+                        "record",
+                        "--pid",
+                        str(router.pid),
+                        "--format",
+                        "raw",
+                        "--output",
+                        args.profile,
+                        "--nonblocking",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                procs.append(spy)
+            cpu0 = {p.pid: cpu_seconds(p.pid) for p in procs}
+            t0 = time.perf_counter()
+            load_cpu0 = time.process_time()
+            result = trio.run(drive, url, args.requests, args.concurrency, args.tokens)
+            wall = time.perf_counter() - t0
+            load_cpu = time.process_time() - load_cpu0
+            cpu = {p.pid: cpu_seconds(p.pid) - cpu0[p.pid] for p in procs}
+            peak = rss_mib(router.pid)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    n = args.requests
+    print(
+        f"{n} streamed {args.tokens}-token completions at c={args.concurrency}, "
+        f"{os.cpu_count()} cores"
+    )
+    print("| what | value |\n|---|---|")
+    print(f"| wall time | {wall:.2f} s ({n / wall:.0f} req/s) |")
+    print(f"| router CPU | {cpu[router.pid]:.2f} s = {cpu[router.pid] / n * 1000:.2f} ms/request |")
+    print(f"| producer CPU | {cpu[producer.pid]:.2f} s |")
+    print(f"| consumer CPU | {cpu[consumer.pid]:.2f} s |")
+    print(f"| load generator CPU | {load_cpu:.2f} s |")
+    print(f"| latency p50 / p99 | {result['p50_ms']:.1f} / {result['p99_ms']:.1f} ms |")
+    print(f"| router peak RSS | {peak:.0f} MiB |")
+    print(f"| failures | {result['failures']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

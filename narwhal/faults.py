@@ -149,6 +149,10 @@ class HandoffExpired(RequestFault):
     transient = True
 
 
+class InternalError(RequestFault):
+    """A bug in the router: reported as 500, never blamed on an engine."""
+
+
 class NoCapacity(RequestFault):
     """No placeable producer or consumer (503 with Retry-After)."""
 

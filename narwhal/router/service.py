@@ -8,6 +8,7 @@ the ``finally``/``async with`` blocks below it on every exit path.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Awaitable, Callable
 
@@ -16,11 +17,13 @@ import trio
 
 from narwhal.config import FleetConfig
 from narwhal.engines.client import EngineClient
-from narwhal.faults import DeadlineExpired, RequestFault
+from narwhal.faults import DeadlineExpired, InternalError, RequestFault
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fleet import Fleet
+from narwhal.router.lifecycle import Input, State
 from narwhal.router.requests import ClientRequest
 
+log = logging.getLogger("narwhal.router")
 FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
 
 
@@ -69,11 +72,19 @@ class Router:
                         await run.execute()
                     except RequestFault as fault:
                         await run.fail(fault)
+                    except Exception as exc:
+                        # a bug of ours must still end the request honestly, never hang it
+                        log.exception("request %s failed inside the router", rid)
+                        await run.fail(
+                            InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
+                        )
                 if deadline.cancelled_caught:
                     with trio.move_on_after(FAIL_SEND_BOUND_S):
                         await run.fail(DeadlineExpired(timeout, phase=run.phase))
                 nursery.cancel_scope.cancel()
         finally:
+            if run.lifecycle.state is not State.FINISHED:
+                run.lifecycle.advance(Input.CANCEL)  # client gone (or the failure notice was)
             self.admitted -= 1
             if not self.admitted:
                 self._drained.set()

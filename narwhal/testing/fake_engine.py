@@ -197,6 +197,9 @@ class FakeEngine:
                 else:
                     await self._generate(body, backend_id, ex, chat=chat, leg=leg)
                 nursery.cancel_scope.cancel()
+        except* (trio.BrokenResourceError, trio.ClosedResourceError):
+            # a write lost the race with the watcher: the client is gone all the same
+            ex.disconnected = True
         finally:
             self.running -= 1
             if not self.running:

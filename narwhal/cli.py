@@ -23,6 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1)
+    serve.add_argument("--journal", help="append one JSON line per finished request here")
 
     fake = sub.add_parser("fake-engine", help="run the built-in stand-in for a vLLM engine")
     fake.add_argument("--port", type=int, required=True)
@@ -59,13 +60,24 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers > 1:
         from narwhal.server import run_workers
 
-        return run_workers(args.config, fleet, args.host, args.port, args.workers)
+        return run_workers(args.config, fleet, args.host, args.port, args.workers, args.journal)
+    from narwhal.router.journal import Journal
+    from narwhal.router.service import Router
     from narwhal.server import serve
+
+    router = Router(fleet, journal=Journal(args.journal))
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(
-                partial(serve, fleet, host=args.host, port=args.port, shutdown_trigger=_signalled)
+                partial(
+                    serve,
+                    fleet,
+                    host=args.host,
+                    port=args.port,
+                    router=router,
+                    shutdown_trigger=_signalled,
+                )
             )
             print(
                 f"narwhal: serving {fleet.model} on {url} with {len(fleet.engines)} engine(s)",

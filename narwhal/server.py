@@ -12,9 +12,11 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from narwhal.config import FleetConfig, load_config
 from narwhal.router.app import RouterApp
+from narwhal.router.journal import Journal
 from narwhal.router.service import Router
 
 CONFIG_ENV = "NARWHAL_CONFIG_PATH"
+JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"
 
 
 def hypercorn_config(fleet: FleetConfig, host: str, port: int) -> HypercornConfig:
@@ -53,14 +55,24 @@ async def serve(
 
 def app_from_environment() -> RouterApp:
     """The app each worker process builds (``--workers N``): config path from the env."""
-    return RouterApp(Router(load_config(os.environ[CONFIG_ENV])))
+    journal = Journal(os.environ.get(JOURNAL_ENV) or None)
+    return RouterApp(Router(load_config(os.environ[CONFIG_ENV]), journal=journal))
 
 
-def run_workers(config_path: str, fleet: FleetConfig, host: str, port: int, workers: int) -> int:
+def run_workers(
+    config_path: str,
+    fleet: FleetConfig,
+    host: str,
+    port: int,
+    workers: int,
+    journal_path: str | None = None,
+) -> int:
     """N worker processes sharing one listening socket (hypercorn's multiprocess runner)."""
     from hypercorn.run import run
 
     os.environ[CONFIG_ENV] = os.path.abspath(config_path)
+    if journal_path:
+        os.environ[JOURNAL_ENV] = os.path.abspath(journal_path)
     hc = hypercorn_config(fleet, host, port)
     hc.workers = workers
     hc.application_path = "narwhal.server:app_from_environment()"

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from narwhal.config import EngineConfig, EngineSpec, FleetConfig, ServingConfig
+from narwhal.router.journal import Journal
 from narwhal.router.service import Router
 from narwhal.server import serve
 from narwhal.sse import SSEParser
@@ -71,6 +72,7 @@ async def start_fleet(
     roles: dict[str, str],
     *,
     engine_config: dict[str, Any] | None = None,
+    journal: Journal | None = None,
     **sections: Any,
 ) -> Harness:
     """Start one fake engine per entry of ``roles`` ({id: role}) and a router over them."""
@@ -81,7 +83,7 @@ async def start_fleet(
         urls[eid] = (await nursery.start(engine.serve), role)
         engines[eid] = engine
     config = fleet_config(urls, **sections)
-    router = Router(config)
+    router = Router(config, journal=journal or Journal(keep=10_000))
     stop, stopped = trio.Event(), trio.Event()
 
     async def run_router(task_status: trio.TaskStatus[str]) -> None:
@@ -112,6 +114,8 @@ async def finish(harness: Harness, *, disconnects: int = 0) -> None:
         await harness.router.wait_drained()
     assert harness.router.fleet.reserved() == 0
     assert harness.router.disconnects == disconnects
+    # every request to a completion endpoint left exactly one terminal journal line
+    assert harness.router.journal.written == harness.router.received
     busy = {u: active for u, (_, active) in harness.router.client.connections().items() if active}
     assert busy == {}, f"engine connections still serving requests: {busy}"
     harness.stop.set()

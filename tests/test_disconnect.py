@@ -45,4 +45,6 @@ async def test_client_disconnect_mid_decode_cancels_the_engine_leg(
         await consumer.wait_idle()
     assert consumer.counters["decode_disconnects"] == 1
     assert consumer.counters["generation_tokens"] < 100
+    (line,) = harness.router.journal.lines
+    assert (line.outcome, line.status, line.phase) == ("cancelled", None, "stream")
     await finish(harness, disconnects=1)

@@ -257,7 +257,7 @@ class DecodeStream:
             await self._open()
         assert self._chunks is not None
         try:
-            with _translate(Phase.DECODE, self._engine.base_url):
+            with _translate(Phase.DECODE, self._engine.base_url, "stream ended before [DONE]: "):
                 return await self._chunks.__anext__()
         except BaseException:
             await self.aclose()
@@ -306,8 +306,9 @@ async def _read_bounded(
 
 
 @contextmanager
-def _translate(phase: Phase, url: str) -> Iterator[None]:
-    """Translate httpcore's exceptions into engine faults at the boundary."""
+def _translate(phase: Phase, url: str, broken: str = "") -> Iterator[None]:
+    """Translate httpcore's exceptions into engine faults at the boundary; ``broken``
+    prefixes the message of a connection that broke (mid-body: the stream ended early)."""
     try:
         yield
     except httpcore.ConnectTimeout:
@@ -316,7 +317,9 @@ def _translate(phase: Phase, url: str) -> Iterator[None]:
         raise EngineUnreachable(f"cannot connect to engine {url}: {exc}", phase=phase) from None
     except (httpcore.ReadError, httpcore.WriteError, httpcore.RemoteProtocolError) as exc:
         detail = str(exc) or type(exc).__name__
-        raise StreamBroken(f"connection to engine {url} broke: {detail}", phase=phase) from None
+        raise StreamBroken(
+            f"{broken}connection to engine {url} broke: {detail}", phase=phase
+        ) from None
     except httpcore.TimeoutException as exc:
         raise ConnectTimeout(f"engine {url} timed out: {exc}", phase=phase) from None
     except httpcore.ProtocolError as exc:

@@ -40,6 +40,11 @@ class TooLarge(RequestFault):
     kind = "request_too_large"
 
 
+class Overloaded(RequestFault):
+    status = 429
+    kind = "rate_limit_exceeded"
+
+
 class AsgiSink:
     """Client output for one request; ``committed`` flips when 200 headers go out."""
 
@@ -138,28 +143,23 @@ class RouterApp:
 
     async def _completion(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         router = self.router
+        router.received += 1
         rid_text = secrets.token_hex(8)
         rid = rid_text.encode()
         serving = router.config.serving
         try:
             raw = await _read_body(scope, receive, serving.max_request_bytes)
-        except Disconnected:
-            return
-        except RequestFault as fault:
-            await respond(send, fault.status, error_json(fault), rid)
-            return
-        if router.admitted >= serving.max_inflight:
-            await _error(
-                send,
-                429,
-                "rate_limit_exceeded",
-                f"router is at max_inflight={serving.max_inflight}; retry later",
-                rid,
-            )
-            return
-        try:
+            if router.admitted >= serving.max_inflight:
+                raise Overloaded(
+                    f"router is at max_inflight={serving.max_inflight}; retry later",
+                    phase=Phase.ADMISSION,
+                )
             req = parse_request(raw, endpoint=path, model=router.config.model)
+        except Disconnected:
+            router.journal_unadmitted(rid_text, path, "cancelled", None, "client left mid-body")
+            return
         except RequestFault as fault:
+            router.journal_unadmitted(rid_text, path, "rejected", fault.status, fault.message)
             await respond(send, fault.status, error_json(fault), rid)
             return
 

@@ -11,6 +11,7 @@ scope, owned by ``Router.handle``.
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, Protocol
 
 import msgspec
@@ -21,6 +22,8 @@ from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.stream import Kind, classify, parse_payload
 from narwhal.faults import (
+    BreakerClass,
+    DeadlineExpired,
     FirstTokenTimeout,
     HandoffExpired,
     NoCapacity,
@@ -32,9 +35,11 @@ from narwhal.faults import (
 )
 from narwhal.router.assemble import Assembler
 from narwhal.router.fleet import EngineState, Fleet
+from narwhal.router.journal import AttemptLine, JournalLine, Outcome
 from narwhal.router.lifecycle import Input, Lifecycle, State
 from narwhal.router.placement import pick
 from narwhal.router.requests import ClientRequest
+from narwhal.router.retry import RetryBudget, RetryDecision, decide
 from narwhal.sse import SSEParser
 
 _DONE_FRAME = b"data: [DONE]\n\n"
@@ -67,13 +72,8 @@ class RouterState(Protocol):
     config: FleetConfig
     client: EngineClient
     fleet: Fleet
-
-
-class AttemptRecord(msgspec.Struct):
-    number: int
-    producer: str | None = None
-    consumer: str | None = None
-    error: str | None = None
+    retry_budget: RetryBudget
+    rng: random.Random
 
 
 class RequestRun:
@@ -86,10 +86,15 @@ class RequestRun:
         self.sink = sink
         self.arrival = trio.current_time()
         self.lifecycle = Lifecycle()
-        self.attempts: list[AttemptRecord] = []
+        self.attempts: list[AttemptLine] = []
+        self.failed_engines: set[str] = set()
         self.ttft_s: float | None = None
         self.first_byte_s: float | None = None
-        self.chunks = 0
+        self.tokens = 0
+        self.outcome: Outcome = "cancelled"  # until something else is known
+        self.status: int | None = None
+        self.fault: RequestFault | None = None
+        self.cancelled_in: Phase | None = None
 
     @property
     def phase(self) -> Phase:
@@ -99,12 +104,51 @@ class RequestRun:
     def elapsed(self) -> float:
         return trio.current_time() - self.arrival
 
+    @property
+    def deadline(self) -> float:
+        return self.arrival + self.router.config.serving.request_timeout_s
+
     async def execute(self) -> None:
-        """Run one attempt to the end; raise a RequestFault for the caller to report."""
+        """Run attempts until one succeeds or a fault may not be retried (then it is raised)."""
+        while True:
+            try:
+                await self._attempt()
+                return
+            except RequestFault as fault:
+                decision = self._retry_decision(fault)
+                record = self.attempts[-1]
+                record.error, record.phase, record.retry = (
+                    fault.message,
+                    fault.phase,
+                    decision.reason,
+                )
+                if not decision.retry:
+                    raise
+            self.lifecycle.advance(Input.RETRY)
+            await trio.sleep(decision.delay_s)
+
+    def _retry_decision(self, fault: RequestFault) -> RetryDecision:
+        if fault.engine_id is not None and fault.breaker is not BreakerClass.NONE:
+            self.failed_engines.add(fault.engine_id)
+        serving = self.router.config.serving
+        return decide(
+            fault,
+            attempt=len(self.attempts),
+            max_attempts=serving.max_attempts,
+            output_seen=self.first_byte_s is not None,
+            remaining_s=self.deadline - trio.current_time(),
+            backoff_base_s=serving.retry_backoff_s,
+            budget=self.router.retry_budget,
+            rng=self.router.rng,
+        )
+
+    async def _attempt(self) -> None:
+        """One prefill leg, one handoff, one decode leg."""
         fleet = self.router.fleet
-        attempt = AttemptRecord(number=len(self.attempts) + 1)
+        attempt = AttemptLine(number=len(self.attempts) + 1)
         self.attempts.append(attempt)
-        producer = pick(fleet.producers, turn=fleet.turn)
+        avoid = self.failed_engines
+        producer = pick(fleet.producers, turn=fleet.turn, avoid=avoid)
         if producer is None:
             raise NoCapacity("no placeable producer engine", phase=Phase.ADMISSION)
         fleet.turn += 1
@@ -114,7 +158,7 @@ class RequestRun:
         result = await self._prefill(producer, attempt.number)
         self.ttft_s = self.elapsed
         self.lifecycle.advance(Input.DESCRIPTOR)
-        consumer = pick(fleet.consumers, turn=fleet.turn, prefer_not=producer.id)
+        consumer = pick(fleet.consumers, turn=fleet.turn, avoid=avoid, prefer_not=producer.id)
         if consumer is None:
             raise NoCapacity("no placeable consumer engine", phase=Phase.HANDOFF)
         attempt.consumer = consumer.id
@@ -222,10 +266,11 @@ class RequestRun:
                             )
                         done = True
                         break
-                    self.chunks += 1
-                    if self.first_byte_s is None and classify(chunk) is Kind.TOKEN:
-                        self.first_byte_s = self.elapsed
-                        self.lifecycle.advance(Input.FIRST_TOKEN)
+                    if classify(chunk) is Kind.TOKEN:
+                        self.tokens += 1
+                        if self.first_byte_s is None:
+                            self.first_byte_s = self.elapsed
+                            self.lifecycle.advance(Input.FIRST_TOKEN)
                     if assembler is not None:
                         assembler.add(chunk)
                     else:
@@ -257,6 +302,7 @@ class RequestRun:
 
     async def _finish(self, out: list[bytes], assembler: Assembler | None) -> None:
         self.lifecycle.advance(Input.DONE)
+        self.outcome, self.status = "completed", 200
         if assembler is not None:
             await self.sink.respond_json(200, assembler.body())
             return
@@ -268,11 +314,35 @@ class RequestRun:
             await self.sink.commit(data)
             await self.sink.end()
 
+    def cancel(self) -> None:
+        """The client went away (or could not be told of the failure): record where."""
+        self.cancelled_in = self.phase
+        self.lifecycle.advance(Input.CANCEL)
+
+    def journal_line(self) -> JournalLine:
+        fault = self.fault
+        return JournalLine(
+            request_id=self.rid,
+            endpoint=self.req.endpoint,
+            stream=self.req.stream,
+            outcome=self.outcome,
+            status=self.status,
+            phase=fault.phase if fault else self.cancelled_in,
+            message=fault.message if fault else None,
+            attempts=self.attempts,
+            ttft_s=self.ttft_s,
+            first_byte_s=self.first_byte_s,
+            tokens=self.tokens,
+            duration_s=self.elapsed,
+        )
+
     async def fail(self, fault: RequestFault) -> None:
         """Tell the client: JSON before the commit point, one terminal event after it."""
         if self.lifecycle.state is State.FINISHED:
             return
         self.lifecycle.advance(Input.FAIL)
+        self.fault, self.status = fault, fault.status
+        self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
         error = _encode({"error": fault.error_body()})
         if self.sink.committed:
             await self.sink.end(b"data: " + error + b"\n\n")

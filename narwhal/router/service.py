@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -20,23 +21,36 @@ from narwhal.engines.client import EngineClient
 from narwhal.faults import DeadlineExpired, InternalError, RequestFault
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fleet import Fleet
-from narwhal.router.lifecycle import Input, State
+from narwhal.router.journal import Journal, JournalLine, Outcome
+from narwhal.router.lifecycle import State
 from narwhal.router.requests import ClientRequest
+from narwhal.router.retry import RetryBudget
 
 log = logging.getLogger("narwhal.router")
 FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
 
 
 class Router:
-    def __init__(self, config: FleetConfig, client: EngineClient | None = None) -> None:
+    def __init__(
+        self,
+        config: FleetConfig,
+        client: EngineClient | None = None,
+        *,
+        journal: Journal | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         self.config = config
         self.fleet = Fleet(config.engines)
+        self.journal = journal or Journal()
+        self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
+        self.rng = rng or random.Random()
         api_key = os.environ.get(config.engine.api_key_env) if config.engine.api_key_env else None
         self.client = client or EngineClient(
             max_connections=config.engine.max_connections,
             connect_timeout_s=config.engine.connect_timeout_s,
             api_key=api_key,
         )
+        self.received = 0  # requests to a completion endpoint, admitted or not
         self.admitted = 0
         self.disconnects = 0
         self._drained = trio.Event()
@@ -84,11 +98,35 @@ class Router:
                 nursery.cancel_scope.cancel()
         finally:
             if run.lifecycle.state is not State.FINISHED:
-                run.lifecycle.advance(Input.CANCEL)  # client gone (or the failure notice was)
+                run.cancel()  # the client is gone (or so is the notice of its failure)
+            if run.outcome == "completed":
+                self.retry_budget.earn()
+            self.journal.write(run.journal_line())
             self.admitted -= 1
             if not self.admitted:
                 self._drained.set()
         return run
+
+    def journal_unadmitted(
+        self, rid: str, endpoint: str, outcome: Outcome, status: int | None, message: str
+    ) -> None:
+        """Journal a request that ended before admission (refused, or its client left)."""
+        self.journal.write(
+            JournalLine(
+                request_id=rid,
+                endpoint=endpoint,
+                stream=False,
+                outcome=outcome,
+                status=status,
+                phase="admission",
+                message=message,
+                attempts=[],
+                ttft_s=None,
+                first_byte_s=None,
+                tokens=0,
+                duration_s=0.0,
+            )
+        )
 
     async def wait_drained(self) -> None:
         """Return once no admitted request is left (reservations are released by then)."""
@@ -110,3 +148,4 @@ class Router:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        self.journal.close()

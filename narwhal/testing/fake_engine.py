@@ -21,6 +21,7 @@ from narwhal.testing import generation as gen
 from narwhal.testing.faults import Fault, FaultQueue
 from narwhal.testing.http import Exchange, Request, serve_connection
 from narwhal.testing.kv_channel import KVPuller, KVStore, PullRequest
+from narwhal.testing.memory import MemoryNetwork
 
 VERSION = "0.32.0"
 _FAULT_LIST = msgspec.json.Decoder(list[Fault])
@@ -42,12 +43,18 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class FakeEngine:
-    def __init__(self, config: FakeEngineConfig | None = None) -> None:
+    def __init__(
+        self, config: FakeEngineConfig | None = None, *, network: MemoryNetwork | None = None
+    ) -> None:
         self.config = cfg = config or FakeEngineConfig()
         self.engine_id = cfg.engine_id or str(uuid.uuid4())
         self.counters: Counter[str] = Counter()
         self.store = KVStore(self.engine_id, cfg.kv_lease_s, self.counters)
-        self.puller = KVPuller()
+        self.network = network
+        self.puller = KVPuller(network.open_stream if network else None)
+        self.host = cfg.host
+        self._scope: trio.CancelScope | None = None
+        self._connections: set[trio.CancelScope] = set()
         self.faults = FaultQueue()
         self.log: deque[dict[str, Any]] = deque(maxlen=cfg.log_size)
         self.url = ""
@@ -58,15 +65,19 @@ class FakeEngine:
         self._idle.set()
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on loopback until ``stop()``; a restart reuses the same ports."""
         cfg = self.config
-        listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        port = self.url.rsplit(":", 1)[1] if self.url else cfg.port
+        listeners = await trio.open_tcp_listeners(int(port), host=cfg.host)
         try:
             async with trio.open_nursery() as nursery:
-                self.kv_port = await nursery.start(self.store.serve, cfg.host, cfg.kv_port)
-                port = listeners[0].socket.getsockname()[1]
-                self.url = f"http://{cfg.host}:{port}"
+                self._scope = nursery.cancel_scope
+                self.kv_port = await nursery.start(
+                    self.store.serve, cfg.host, self.kv_port or cfg.kv_port
+                )
+                self.url = f"http://{cfg.host}:{listeners[0].socket.getsockname()[1]}"
                 self.start_time = time.time()
-                nursery.start_soon(trio.serve_listeners, self._connection, listeners)
+                nursery.start_soon(trio.serve_listeners, self.serve_stream, listeners)
                 task_status.started(self.url)
         finally:
             with trio.CancelScope(shield=True):
@@ -74,9 +85,35 @@ class FakeEngine:
                 for listener in listeners:
                     await listener.aclose()
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    def attach(self, host: str, port: int = 80, kv_port: int = 5600) -> str:
+        """Serve on the in-memory network instead of sockets (timing tests)."""
+        assert self.network is not None, "FakeEngine(network=...) is needed for attach()"
+        self.host, self.kv_port = host, kv_port
+        self.url = f"http://{host}:{port}"
+        self.network.listen(host, port, self.serve_stream)
+        self.network.listen(host, kv_port, self.store.serve_stream)
+        return self.url
+
+    def stop(self) -> None:
+        """Stop answering (connections refused, open ones dropped), as a dead engine does."""
+        if self.network is not None:
+            host, port = self.url.removeprefix("http://").rsplit(":", 1)
+            self.network.unlisten(host, int(port))
+            self.network.unlisten(host, self.kv_port)
+        if self._scope is not None:
+            self._scope.cancel()
+        for scope in self._connections:
+            scope.cancel()
+
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Answer HTTP/1.1 on one connection until it closes or the engine stops."""
         self.counters["connections"] += 1
-        await serve_connection(stream, self.handle)
+        with trio.CancelScope() as scope:
+            self._connections.add(scope)
+            try:
+                await serve_connection(stream, self.handle)
+            finally:
+                self._connections.discard(scope)
 
     # ---- routing -------------------------------------------------------------------------
 
@@ -186,16 +223,18 @@ class FakeEngine:
             "prefill" if isinstance(kv, dict) and kv.get("do_remote_decode") is True else "decode"
         )
         fault = self.faults.take(leg)
+        if fault is not None:
+            self.counters[f"fault_{fault.kind}"] += 1
         if not self.running:
             self._idle = trio.Event()
         self.running += 1
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
-                if fault is not None:
-                    await self._apply_fault(fault, ex)
+                if fault is not None and fault.kind in ("status", "hang"):
+                    await self._refuse(fault, ex)
                 else:
-                    await self._generate(body, backend_id, ex, chat=chat, leg=leg)
+                    await self._generate(body, backend_id, ex, chat=chat, leg=leg, fault=fault)
                 nursery.cancel_scope.cancel()
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
             # a write lost the race with the watcher: the client is gone all the same
@@ -241,8 +280,8 @@ class FakeEngine:
             return 400, gen.error_body(msg, "Bad Request", 400, "body.kv_transfer_params")
         return None
 
-    async def _apply_fault(self, fault: Fault, ex: Exchange) -> None:
-        self.counters[f"fault_{fault.kind}"] += 1
+    async def _refuse(self, fault: Fault, ex: Exchange) -> None:
+        """Faults that strike before the engine does any work."""
         if fault.kind == "status":
             await ex.respond(
                 fault.status, gen.error_body(fault.message, "ScriptedFault", fault.status)
@@ -258,6 +297,7 @@ class FakeEngine:
         *,
         chat: bool,
         leg: Literal["prefill", "decode"],
+        fault: Fault | None,
     ) -> None:
         cfg = self.config
         prompt, prompt_tokens = gen.prompt_of(body, chat)
@@ -281,12 +321,18 @@ class FakeEngine:
         count = max_tokens or body.get("max_tokens") or cfg.default_max_tokens
         ids = gen.token_ids(prompt, count)
         if stream:
-            await self._stream(shapes, ids, prompt_tokens, body, ex)
+            await self._stream(shapes, ids, prompt_tokens, body, ex, fault)
             return
         descriptor = self._produce(resp_id, prompt_tokens, chat) if produce else None
+        if descriptor is not None and fault is not None:
+            descriptor = _corrupt(descriptor, fault)
         self.counters["generation_tokens"] += len(ids)
         text = "".join(gen.VOCAB[i] for i in ids)
-        await ex.respond(200, shapes.full(text, prompt_tokens, len(ids), descriptor))
+        response = shapes.full(text, prompt_tokens, len(ids), descriptor)
+        if fault is not None and fault.kind == "close_mid_body":
+            await ex.respond_partial(200, response)
+            return
+        await ex.respond(200, response)
 
     async def _compute_prompt(self, prompt_tokens: int) -> None:
         delay = self.config.prefill_delay_per_token_s * prompt_tokens
@@ -304,7 +350,7 @@ class FakeEngine:
             "remote_block_ids": lease.block_ids,
             "remote_engine_id": self.engine_id,
             "remote_request_id": remote_request_id,
-            "remote_host": self.config.host,
+            "remote_host": self.host,
             "remote_port": self.kv_port,
             "tp_size": 1,
             "dcp_size": 1,
@@ -354,19 +400,63 @@ class FakeEngine:
         prompt_tokens: int,
         body: dict[str, Any],
         ex: Exchange,
+        fault: Fault | None,
     ) -> None:
-        itl = self.config.itl_s
+        kind = fault.kind if fault is not None else None
+        itl = fault.interval_s if fault is not None and kind == "slow_drip" else self.config.itl_s
         await ex.start_stream()
+        if kind == "headers_then_silence":
+            await trio.sleep_forever()
+        if kind == "done_first":
+            await ex.write(b"data: [DONE]\n\n")
+            await ex.end_stream()
+            return
         if shapes.chat:
             await ex.write(b"data: " + shapes.role_chunk() + b"\n\n")
-        last = len(ids) - 1
+        if kind == "metadata_then_silence":
+            await ex.write(b": keep-alive\n\n")
+            await ex.write(b"data: " + shapes.usage_chunk(prompt_tokens, 0) + b"\n\n")
+            await trio.sleep_forever()
+        if fault is not None and kind in (
+            "tokens_then_silence",
+            "tokens_then_close",
+            "stream_error",
+        ):
+            ids = ids[: fault.tokens]
+        last = len(ids) - 1 if kind is None or kind == "slow_drip" else -1
         for n, index in enumerate(ids):
             if itl > 0 and n:
                 await trio.sleep(itl)
             await ex.write(b"data: " + shapes.token_chunk(index, n == last) + b"\n\n")
             self.counters["generation_tokens"] += 1
+        if fault is not None and kind != "slow_drip":
+            await self._break_stream(fault, ex)
+            return
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             await ex.write(b"data: " + shapes.usage_chunk(prompt_tokens, len(ids)) + b"\n\n")
         await ex.write(b"data: [DONE]\n\n")
         await ex.end_stream()
+
+    async def _break_stream(self, fault: Fault, ex: Exchange) -> None:
+        if fault.kind == "tokens_then_silence":
+            if fault.keepalive_s > 0:
+                await trio.sleep(fault.keepalive_s)
+                await ex.write(b": keep-alive\n\n")
+            await trio.sleep_forever()
+        elif fault.kind == "tokens_then_close":
+            await ex.abort()
+        elif fault.kind == "stream_error":
+            await ex.write(gen.stream_error_event(fault.message, fault.code))
+            await ex.end_stream()
+
+
+def _corrupt(descriptor: dict[str, Any], fault: Fault) -> dict[str, Any] | None:
+    """The descriptor a broken producer hands out."""
+    if fault.kind == "no_descriptor":
+        return None
+    if fault.kind == "bad_engine_id":
+        return {**descriptor, "remote_engine_id": fault.value}
+    if fault.kind == "bad_block_ids":
+        return {**descriptor, "remote_block_ids": fault.value}
+    return descriptor

@@ -1,28 +1,85 @@
 """Scripted faults for the fake engine: a queue, each fault consumed by the next matching leg.
 
-Set from tests (``engine.faults.push(...)``) or over HTTP (``POST /fake/faults`` with a JSON
-list). This issue ships the queue and the two simplest kinds; the failure-contract issue
-adds the rest of the catalogue here, without touching the engine's request handling.
+Set from tests (``engine.faults.push(Fault(...))``) or over HTTP (``POST /fake/faults`` with
+a JSON list of faults; ``DELETE /fake/faults`` clears the queue). A stopped engine
+(connection refused) is ``await engine.stop()``, not a queued fault: nothing answers then.
+
+Kinds, by the leg they break:
+
+* either leg: ``status`` (answer HTTP ``status`` with a vLLM error body), ``hang`` (accept the
+  request and never answer);
+* prefill: ``no_descriptor``, ``bad_engine_id`` (``value`` replaces ``remote_engine_id``;
+  default ``""``), ``bad_block_ids`` (``value`` replaces ``remote_block_ids``),
+  ``close_mid_body`` (send half the response, then close the connection);
+* decode: ``headers_then_silence``; ``metadata_then_silence`` (a comment, the role delta on
+  chat, a usage chunk, then nothing); ``tokens_then_silence`` and ``tokens_then_close``
+  (``tokens`` tokens first; with ``keepalive_s``, one ``: keep-alive`` comment that long
+  after the last token before the silence); ``done_first`` (``[DONE]`` before any token);
+  ``stream_error`` (``tokens`` tokens, then an error object with ``code``, then ``[DONE]``,
+  as vLLM does); ``slow_drip`` (every token ``interval_s`` apart).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 Leg = Literal["prefill", "decode", "any"]
-# "status": answer the leg with HTTP `status` and a vLLM-shaped error body.
-# "hang": accept the request and never answer (until the client goes away).
-FaultKind = Literal["status", "hang"]
+FaultKind = Literal[
+    "status",
+    "hang",
+    "no_descriptor",
+    "bad_engine_id",
+    "bad_block_ids",
+    "close_mid_body",
+    "headers_then_silence",
+    "metadata_then_silence",
+    "tokens_then_silence",
+    "tokens_then_close",
+    "done_first",
+    "stream_error",
+    "slow_drip",
+]
+PREFILL_ONLY = frozenset({"no_descriptor", "bad_engine_id", "bad_block_ids", "close_mid_body"})
+DECODE_ONLY = frozenset(
+    {
+        "headers_then_silence",
+        "metadata_then_silence",
+        "tokens_then_silence",
+        "tokens_then_close",
+        "done_first",
+        "stream_error",
+        "slow_drip",
+    }
+)
 
 
-class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     kind: FaultKind
     leg: Leg = "any"
     status: int = 500
     message: str = "scripted fault"
+    tokens: int = 0
+    code: int | str | None = 503
+    interval_s: float = 0.0
+    keepalive_s: float = 0.0
+    value: Any = ""
+
+    def __post_init__(self) -> None:
+        if self.kind in PREFILL_ONLY and self.leg == "decode":
+            raise ValueError(f"fault {self.kind} breaks a prefill leg, not a decode leg")
+        if self.kind in DECODE_ONLY and self.leg == "prefill":
+            raise ValueError(f"fault {self.kind} breaks a decode leg, not a prefill leg")
+
+    @property
+    def target(self) -> Literal["prefill", "decode", "any"]:
+        if self.kind in PREFILL_ONLY:
+            return "prefill"
+        if self.kind in DECODE_ONLY:
+            return "decode"
+        return self.leg
 
 
 class FaultQueue:
@@ -37,7 +94,7 @@ class FaultQueue:
         if not self._queue:
             return None
         for i, fault in enumerate(self._queue):
-            if fault.leg in (leg, "any"):
+            if fault.target in (leg, "any"):
                 del self._queue[i]
                 return fault
         return None

@@ -211,12 +211,14 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
     return _encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-def stream_error_event(message: str = "Internal server error", code: int = 500) -> bytes:
+def stream_error_event(
+    message: str = "Internal server error", code: int | str | None = 500
+) -> bytes:
     """vLLM's in-stream error: note the spaces, it is written by json.dumps, not by pydantic."""
     return (
         b'data: {"error": {"message": '
         + _encode(message)
         + b', "type": "InternalServerError", "param": null, "code": '
-        + str(code).encode()
+        + _encode(code)
         + b"}}\n\ndata: [DONE]\n\n"
     )

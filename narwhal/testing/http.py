@@ -28,7 +28,7 @@ class Request:
 class Exchange:
     """One request/response cycle on a connection: the handler writes through it."""
 
-    def __init__(self, conn: h11.Connection, stream: trio.SocketStream) -> None:
+    def __init__(self, conn: h11.Connection, stream: trio.abc.Stream) -> None:
         self.conn = conn
         self.stream = stream
         self.disconnected = False
@@ -46,6 +46,13 @@ class Exchange:
         if body:
             await self.send(h11.Data(data=body))
         await self.send(h11.EndOfMessage())
+
+    async def respond_partial(self, status: int, body: bytes) -> None:
+        """Announce the whole body, send half of it, and drop the connection."""
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await self.send(h11.Response(status_code=status, headers=headers))
+        await self.send(h11.Data(data=body[: len(body) // 2]))
+        await self.abort()
 
     async def start_stream(self) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
@@ -70,7 +77,7 @@ class Exchange:
                 data = await self.stream.receive_some(65536)
                 if not data:
                     break
-                self.conn.receive_data(data)
+                self.conn.receive_data(bytes(data))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         self.disconnected = True
@@ -80,7 +87,7 @@ class Exchange:
 Handler = Callable[[Request, Exchange], Awaitable[None]]
 
 
-async def serve_connection(stream: trio.SocketStream, handler: Handler) -> None:
+async def serve_connection(stream: trio.abc.Stream, handler: Handler) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
         while True:
@@ -102,7 +109,7 @@ async def serve_connection(stream: trio.SocketStream, handler: Handler) -> None:
             await stream.aclose()
 
 
-async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> Request | None:
+async def _read_request(conn: h11.Connection, stream: trio.abc.Stream) -> Request | None:
     head: h11.Request | None = None
     parts: list[bytes] = []
     size = 0
@@ -110,7 +117,7 @@ async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> Requ
         event = conn.next_event()
         if event is h11.NEED_DATA:
             data = await stream.receive_some(65536)
-            conn.receive_data(data)
+            conn.receive_data(bytes(data))
             continue
         if isinstance(event, h11.Request):
             head = event

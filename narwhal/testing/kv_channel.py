@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -112,13 +113,13 @@ class KVStore:
         listeners = await trio.open_tcp_listeners(port, host=host)
         try:
             task_status.started(listeners[0].socket.getsockname()[1])
-            await trio.serve_listeners(self._serve_one, listeners)
+            await trio.serve_listeners(self.serve_stream, listeners)
         finally:
             with trio.CancelScope(shield=True):
                 for listener in listeners:
                     await listener.aclose()
 
-    async def _serve_one(self, stream: trio.SocketStream) -> None:
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
         reader = _LineReader(stream)
         decode = msgspec.json.Decoder(PullRequest).decode
         try:
@@ -135,7 +136,7 @@ class KVStore:
 
 
 class _LineReader:
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.buf = b""
 
@@ -151,10 +152,14 @@ class _LineReader:
         return line
 
 
+Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
+
+
 class KVPuller:
     """The consumer side: kept-alive connections to each producer's side channel."""
 
-    def __init__(self) -> None:
+    def __init__(self, connect: Connect | None = None) -> None:
+        self._connect: Connect = connect or trio.open_tcp_stream
         self._idle: dict[tuple[str, int], list[_LineReader]] = {}
 
     async def pull(self, host: str, port: int, req: PullRequest) -> PullReply:
@@ -169,7 +174,7 @@ class KVPuller:
 
     async def _exchange(self, host: str, port: int, req: PullRequest) -> PullReply:
         idle = self._idle.setdefault((host, port), [])
-        reader = idle.pop() if idle else _LineReader(await trio.open_tcp_stream(host, port))
+        reader = idle.pop() if idle else _LineReader(await self._connect(host, port))
         try:
             await reader.stream.send_all(msgspec.json.encode(req) + b"\n")
             line = await reader.readline()

@@ -1,0 +1,218 @@
+"""Timeouts to the tick, on trio's MockClock over in-memory streams (no real sleeps).
+
+Router, engine client and fake engines all run on ``narwhal.testing.memory``; with
+autojump, virtual time only moves when everything waits, so each timeout fires at exactly
+its budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+
+from narwhal.config import EngineConfig, ServingConfig
+from narwhal.engines.client import EngineClient
+from narwhal.router.journal import Journal
+from narwhal.router.requests import parse_request
+from narwhal.router.service import Router
+from narwhal.sse import SSEParser
+from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
+from narwhal.testing.faults import Fault
+from narwhal.testing.memory import MemoryNetwork
+from tests.conftest import MODEL, fleet_config
+
+
+@dataclass
+class RecordingSink:
+    """The client side of one request, with the virtual time of everything it received."""
+
+    committed: bool = False
+    finished: bool = False
+    events: list[tuple[float, str, Any]] = field(default_factory=list)
+
+    def _log(self, what: str, data: Any) -> None:
+        self.events.append((trio.current_time(), what, data))
+
+    async def commit(self, data: bytes) -> None:
+        self.committed = True
+        self._log("commit", data)
+
+    async def send(self, data: bytes) -> None:
+        self._log("send", data)
+
+    async def end(self, data: bytes = b"") -> None:
+        self.finished = True
+        self._log("end", data)
+
+    async def respond_json(self, status: int, body: bytes) -> None:
+        self.committed = self.finished = True
+        self._log("json", (status, msgspec.json.decode(body)))
+
+    @property
+    def error(self) -> tuple[float, int, str]:
+        """(time, status, message) of the failure the client saw, JSON or terminal event."""
+        when, what, data = self.events[-1]
+        if what == "json":
+            return when, data[0], data[1]["error"]["message"]
+        payload = msgspec.json.decode(SSEParser().feed(data)[-1])
+        return when, payload["error"]["code"], payload["error"]["message"]
+
+
+@dataclass
+class MemoryFleet:
+    router: Router
+    producer: FakeEngine
+    consumer: FakeEngine
+
+    async def request(self, body: dict[str, Any], path: str = "/v1/completions") -> RecordingSink:
+        sink = RecordingSink()
+        req = parse_request(msgspec.json.encode(body), endpoint=path, model=MODEL)
+        await self.router.handle(req, "rid", sink, trio.sleep_forever)
+        return sink
+
+
+async def memory_fleet(
+    nursery: trio.Nursery, *, itl_s: float = 0.0, prefill_delay: float = 0.0, **sections: Any
+) -> MemoryFleet:
+    net = MemoryNetwork(nursery)
+    engines = []
+    for name, role in (("producer", "prefill"), ("consumer", "decode")):
+        cfg = FakeEngineConfig(
+            model=MODEL,
+            role=role,
+            itl_s=itl_s,
+            prefill_delay_per_token_s=prefill_delay,  # type: ignore[arg-type]
+        )
+        engine = FakeEngine(cfg, network=net)
+        engine.attach(name)
+        engines.append(engine)
+    config = fleet_config(
+        {"p0": (engines[0].url, "prefill"), "d0": (engines[1].url, "decode")}, **sections
+    )
+    client = EngineClient(network_backend=net.backend())
+    router = Router(config, client, journal=Journal(keep=100))
+    return MemoryFleet(router, engines[0], engines[1])
+
+
+STREAM = {"model": MODEL, "prompt": "one two three", "max_tokens": 8, "stream": True}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 8,
+    "stream": True,
+}
+
+
+async def test_success_takes_no_virtual_time(nursery: trio.Nursery, autojump_clock: Any) -> None:
+    fleet = await memory_fleet(nursery)
+    sink = await fleet.request(STREAM)
+    assert sink.events[-1][1] == "end"
+    assert trio.current_time() == 0.0
+    assert fleet.router.journal.lines[-1].outcome == "completed"
+
+
+async def test_first_token_timeout_counts_the_header_delay(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(nursery, engine=EngineConfig(first_token_timeout_s=2.5))
+    for kind in ("hang", "headers_then_silence"):
+        fleet.consumer.faults.push(Fault(kind=kind, leg="decode"))  # type: ignore[arg-type]
+        start = trio.current_time()
+        sink = await fleet.request(STREAM)
+        when, status, message = sink.error
+        assert when - start == 2.5
+        assert status == 504
+        assert message.startswith("no first token within 2.5s")
+        assert sink.events[-1][1] != "commit"
+
+
+async def test_metadata_chunks_do_not_satisfy_the_first_token_budget(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(nursery, engine=EngineConfig(first_token_timeout_s=2.5))
+    fleet.consumer.faults.push(Fault(kind="metadata_then_silence"))
+    sink = await fleet.request(CHAT, "/v1/chat/completions")
+    when, status, message = sink.error
+    assert (when, status) == (2.5, 504)
+    assert message.startswith("no first token within")
+    assert [what for _, what, _ in sink.events] == ["json"]  # nothing was committed
+
+
+async def test_silence_fires_at_last_chunk_plus_budget_and_metadata_resets_it(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(nursery, itl_s=1.0, engine=EngineConfig(decode_read_timeout_s=10.0))
+    # tokens at t=0, 1, 2 then silence: the stream is declared dead at 2 + 10
+    fleet.consumer.faults.push(Fault(kind="tokens_then_silence", tokens=3))
+    sink = await fleet.request(STREAM)
+    when, status, message = sink.error
+    assert (when, status) == (12.0, 504)
+    assert message.startswith("engine went silent between tokens")
+    assert sink.events[0][1] == "commit"  # headers went out with the first token
+    # the same, with a keep-alive comment 5 s after the last token: dead at 2 + 5 + 10
+    fleet.consumer.faults.push(Fault(kind="tokens_then_silence", tokens=3, keepalive_s=5.0))
+    start = trio.current_time()
+    sink = await fleet.request(STREAM)
+    when, status, _ = sink.error
+    assert (when - start, status) == (17.0, 504)
+
+
+async def test_zero_silence_budget_falls_back_to_the_deadline(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(
+        nursery,
+        serving=ServingConfig(request_timeout_s=30.0),
+        engine=EngineConfig(decode_read_timeout_s=0.0),
+    )
+    fleet.consumer.faults.push(Fault(kind="tokens_then_silence", tokens=2))
+    sink = await fleet.request(STREAM)
+    when, status, message = sink.error
+    assert (when, status) == (30.0, 504)
+    assert message.startswith("request deadline expired")
+    assert fleet.router.journal.lines[-1].outcome == "expired"
+
+
+async def test_prefill_timeout_is_the_whole_leg(nursery: trio.Nursery, autojump_clock: Any) -> None:
+    fleet = await memory_fleet(nursery, serving=ServingConfig(prefill_timeout_s=3.0))
+    fleet.producer.faults.push(Fault(kind="hang"))
+    sink = await fleet.request(STREAM)
+    assert sink.error == (3.0, 504, "prefill on engine p0 took longer than 3s")
+    assert not fleet.consumer.log  # no decode leg without a descriptor
+
+
+async def test_handoff_age_counts_from_the_producer_leg(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    # a 3-token prompt at 1 s per token: the descriptor is 3 s old when it arrives
+    fleet = await memory_fleet(
+        nursery, prefill_delay=1.0, serving=ServingConfig(handoff_timeout_s=2.0)
+    )
+    sink = await fleet.request(STREAM)
+    when, status, message = sink.error
+    assert (when, status) == (3.0, 504)
+    assert message.startswith("KV handoff expired")
+    assert not fleet.consumer.log
+
+
+async def test_the_deadline_covers_retries_and_backoff(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(
+        nursery,
+        serving=ServingConfig(
+            request_timeout_s=10.0, prefill_timeout_s=3.0, max_attempts=5, retry_backoff_s=0.05
+        ),
+    )
+    fleet.producer.faults.push(*[Fault(kind="hang")] * 5)
+    sink = await fleet.request(STREAM)
+    when, status, message = sink.error
+    assert (when, status) == (10.0, 504)
+    assert message.startswith("request deadline expired")
+    line = fleet.router.journal.lines[-1]
+    assert line.outcome == "expired"
+    assert [a.retry for a in line.attempts] == ["retry", "retry", "retry", None]
+    assert len(fleet.producer.log) == 4

@@ -7,10 +7,13 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parent.parent
 URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
@@ -60,7 +63,11 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
         )
         path = tmp_path / "fleet.toml"
         path.write_text(fleet)
-        with _process("serve", "--config", str(path), "--port", "0") as (_, url):
+        journal = tmp_path / "journal.jsonl"
+        with _process("serve", "--config", str(path), "--port", "0", "--journal", str(journal)) as (
+            _,
+            url,
+        ):
             request = urllib.request.Request(
                 url + "/v1/completions",
                 data=json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": 3}).encode(),
@@ -72,3 +79,21 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
             assert body["usage"]["completion_tokens"] == 3
             with urllib.request.urlopen(d_url + "/fake/stats", timeout=20) as resp:
                 assert json.loads(resp.read())["counters"]["kv_pull_ok"] == 1
+            bad = urllib.request.Request(
+                url + "/v1/completions",
+                data=b'{"model": "other", "prompt": "x"}',
+                headers={"content-type": "application/json"},
+            )
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(bad, timeout=20)
+            assert info.value.code == 404
+            info.value.close()
+        # one JSON line per request, written as each finished
+        lines = [json.loads(line) for line in journal.read_text().splitlines()]
+        assert [(x["outcome"], x["status"]) for x in lines] == [
+            ("completed", 200),
+            ("rejected", 404),
+        ]
+        assert lines[0]["attempts"] == [{"number": 1, "producer": "p0", "consumer": "d0"}]
+        assert lines[0]["tokens"] == 3
+        assert 0 < lines[0]["ttft_s"] <= lines[0]["first_byte_s"] <= lines[0]["duration_s"]

@@ -14,7 +14,6 @@ import msgspec
 import trio
 
 from narwhal.config import EngineConfig, ServingConfig
-from narwhal.engines.client import EngineClient
 from narwhal.router.journal import Journal
 from narwhal.router.requests import parse_request
 from narwhal.router.service import Router
@@ -92,8 +91,7 @@ async def memory_fleet(
     config = fleet_config(
         {"p0": (engines[0].url, "prefill"), "d0": (engines[1].url, "decode")}, **sections
     )
-    client = EngineClient(network_backend=net.backend())
-    router = Router(config, client, journal=Journal(keep=100))
+    router = Router(config, network_backend=net.backend(), journal=Journal(keep=100))
     return MemoryFleet(router, engines[0], engines[1])
 
 
@@ -216,3 +214,41 @@ async def test_the_deadline_covers_retries_and_backoff(
     assert line.outcome == "expired"
     assert [a.retry for a in line.attempts] == ["retry", "retry", "retry", None]
     assert len(fleet.producer.log) == 4
+
+
+async def test_connect_timeout_on_the_prefill_leg(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(nursery, engine=EngineConfig(connect_timeout_s=1.5))
+    host, port = fleet.producer.url.removeprefix("http://").split(":")
+    fleet.producer.network.blackhole(host, int(port))  # type: ignore[union-attr]
+    sink = await fleet.request(STREAM)
+    when, status, message = sink.error
+    assert (when, status) == (1.5, 504)
+    assert message.startswith("connect to engine")
+
+
+async def test_connection_delay_spends_the_first_token_budget(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(
+        nursery, engine=EngineConfig(first_token_timeout_s=2.5, connect_timeout_s=5.0)
+    )
+    host, port = fleet.consumer.url.removeprefix("http://").split(":")
+    fleet.consumer.network.blackhole(host, int(port))  # type: ignore[union-attr]
+    sink = await fleet.request(STREAM)
+    assert sink.error[:2] == (2.5, 504)
+    assert sink.error[2].startswith("no first token within 2.5s")
+
+
+async def test_measurement_contract(nursery: trio.Nursery, autojump_clock: Any) -> None:
+    """ttft_s ends at producer completion; first_byte_s at the first generated token; the
+    difference is the KV transfer plus decode queueing."""
+    fleet = await memory_fleet(nursery, prefill_delay=1.0)  # 3-token prompt: 3 s of prefill
+    fleet.consumer.config = msgspec.structs.replace(fleet.consumer.config, transfer_delay_s=0.5)
+    await fleet.request(STREAM)
+    line = fleet.router.journal.lines[-1]
+    assert (line.ttft_s, line.first_byte_s, line.tokens) == (3.0, 3.5, 8)
+    assert line.outcome == "completed"
+    assert line.attempts[0].producer == "p0"
+    assert line.attempts[0].consumer == "d0"

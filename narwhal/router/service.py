@@ -13,6 +13,7 @@ import os
 import random
 from collections.abc import Awaitable, Callable
 
+import httpcore
 import msgspec
 import trio
 
@@ -34,8 +35,8 @@ class Router:
     def __init__(
         self,
         config: FleetConfig,
-        client: EngineClient | None = None,
         *,
+        network_backend: httpcore.AsyncNetworkBackend | None = None,
         journal: Journal | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -45,10 +46,11 @@ class Router:
         self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
         self.rng = rng or random.Random()
         api_key = os.environ.get(config.engine.api_key_env) if config.engine.api_key_env else None
-        self.client = client or EngineClient(
+        self.client = EngineClient(
             max_connections=config.engine.max_connections,
             connect_timeout_s=config.engine.connect_timeout_s,
             api_key=api_key,
+            network_backend=network_backend,  # None: real sockets; tests pass a memory network
         )
         self.received = 0  # requests to a completion endpoint, admitted or not
         self.admitted = 0

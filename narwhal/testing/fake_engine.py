@@ -37,6 +37,7 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     itl_s: float = 0.0  # delay between generated tokens
     prefill_delay_per_token_s: float = 0.0  # prompt computation time per prompt token
     kv_lease_s: float = 30.0  # how long a producer holds blocks nobody pulled
+    transfer_delay_s: float = 0.0  # how long pulling the KV blocks takes on a consumer
     max_model_len: int = 32768
     default_max_tokens: int = 16
     log_size: int = 512
@@ -374,6 +375,8 @@ class FakeEngine:
             reply_reason = "incomplete"
             ok = False
         else:
+            if self.config.transfer_delay_s > 0:
+                await trio.sleep(self.config.transfer_delay_s)
             reply = await self.puller.pull(host, port, request)
             ok, reply_reason = reply.ok, reply.reason
         if ok:

@@ -5,6 +5,7 @@ real sockets gives spurious timeouts; with memory streams virtual time is exact)
 from __future__ import annotations
 
 import errno
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -13,6 +14,10 @@ import trio
 import trio.testing
 
 StreamHandler = Callable[[trio.abc.Stream], Awaitable[None]]
+
+
+async def _BLACKHOLE(stream: trio.abc.Stream) -> None:
+    raise AssertionError("never called")
 
 
 class MemoryNetwork:
@@ -28,8 +33,14 @@ class MemoryNetwork:
     def unlisten(self, host: str, port: int) -> None:
         self.hosts.pop((host, port), None)
 
+    def blackhole(self, host: str, port: int) -> None:
+        """Connections to this address never complete (a host that drops SYNs)."""
+        self.hosts[(host, port)] = _BLACKHOLE
+
     async def open_stream(self, host: str, port: int) -> trio.abc.Stream:
         handler = self.hosts.get((host, port))
+        if handler is _BLACKHOLE:
+            await trio.sleep_forever()
         if handler is None:
             raise OSError(errno.ECONNREFUSED, f"connection refused: {host}:{port}")
         client, server = trio.testing.memory_stream_pair()
@@ -53,10 +64,13 @@ class _Backend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        try:
-            return _Stream(await self.network.open_stream(host, port))
-        except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
+        # httpcore leaves the connect timeout to its network backend
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            try:
+                return _Stream(await self.network.open_stream(host, port))
+            except OSError as exc:
+                raise httpcore.ConnectError(str(exc)) from exc
+        raise httpcore.ConnectTimeout(f"connect to {host}:{port} timed out")
 
     async def sleep(self, seconds: float) -> None:
         await trio.sleep(seconds)

@@ -17,6 +17,7 @@ import trio
 
 from narwhal.config import EngineConfig, ServingConfig
 from narwhal.testing.faults import Fault
+from narwhal.testing.scenarios import FAULTS
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
 TIMEOUTS = {
@@ -26,87 +27,38 @@ TIMEOUTS = {
 
 
 @dataclass(frozen=True)
-class Case:
-    engine: str  # whose leg breaks: "p0" (producer) or "d0" (consumer)
-    fault: Fault | None  # None: the engine is stopped (connection refused)
+class Expect:
     status: int
     message: str  # what the client's error message begins with
     after_output: bool = False  # streaming clients got tokens first, then the terminal event
 
 
-CASES = {
-    "prefill 500": Case("p0", Fault(kind="status", status=500), 502, "scripted fault"),
-    "prefill 503": Case("p0", Fault(kind="status", status=503), 502, "scripted fault"),
-    "prefill 400": Case("p0", Fault(kind="status", status=400), 400, "scripted fault"),
-    "prefill 408": Case("p0", Fault(kind="status", status=408), 504, "scripted fault"),
-    "prefill 429": Case("p0", Fault(kind="status", status=429), 502, "scripted fault"),
-    "prefill hang": Case(
-        "p0", Fault(kind="hang"), 504, "prefill on engine p0 took longer than 0.5s"
+EXPECTED = {
+    "prefill 500": Expect(502, "scripted fault"),
+    "prefill 503": Expect(502, "scripted fault"),
+    "prefill 400": Expect(400, "scripted fault"),
+    "prefill 408": Expect(504, "scripted fault"),
+    "prefill 429": Expect(502, "scripted fault"),
+    "prefill hang": Expect(504, "prefill on engine p0 took longer than 0.5s"),
+    "no descriptor": Expect(
+        502, "missing engine identity: prefill response has no kv_transfer_params"
     ),
-    "no descriptor": Case(
-        "p0",
-        Fault(kind="no_descriptor"),
-        502,
-        "missing engine identity: prefill response has no kv_transfer_params",
-    ),
-    "empty engine id": Case(
-        "p0",
-        Fault(kind="bad_engine_id", value=""),
-        502,
-        "missing engine identity: remote_engine_id is empty",
-    ),
-    "non-string engine id": Case(
-        "p0",
-        Fault(kind="bad_engine_id", value=7),
-        502,
-        "missing engine identity: remote_engine_id is int",
-    ),
-    "malformed block ids": Case(
-        "p0", Fault(kind="bad_block_ids", value=[[1, -2]]), 502, "malformed block ids"
-    ),
-    "prefill reset mid-body": Case("p0", Fault(kind="close_mid_body"), 502, "connection to engine"),
-    "producer stopped": Case("p0", None, 502, "cannot connect to engine"),
-    "decode 503": Case("d0", Fault(kind="status", status=503), 502, "scripted fault"),
-    "decode hang": Case("d0", Fault(kind="hang", leg="decode"), 504, "no first token within 0.3s"),
-    "headers then nothing": Case(
-        "d0", Fault(kind="headers_then_silence"), 504, "no first token within 0.3s"
-    ),
-    "metadata then silence": Case(
-        "d0", Fault(kind="metadata_then_silence"), 504, "no first token within 0.3s"
-    ),
-    "tokens then silence": Case(
-        "d0",
-        Fault(kind="tokens_then_silence", tokens=2),
-        504,
-        "engine went silent between tokens",
-        after_output=True,
-    ),
-    "tokens then close": Case(
-        "d0",
-        Fault(kind="tokens_then_close", tokens=2),
-        502,
-        "stream ended before [DONE]",
-        after_output=True,
-    ),
-    "[DONE] before a token": Case(
-        "d0", Fault(kind="done_first"), 502, "stream ended with [DONE] before any token arrived"
-    ),
-    "in-stream 503 first": Case("d0", Fault(kind="stream_error", code=503), 503, "scripted fault"),
-    "in-stream 429 after tokens": Case(
-        "d0",
-        Fault(kind="stream_error", code=429, tokens=2),
-        429,
-        "scripted fault",
-        after_output=True,
-    ),
-    "in-stream error without code": Case(
-        "d0",
-        Fault(kind="stream_error", code=None, tokens=1),
-        500,
-        "scripted fault",
-        after_output=True,
-    ),
-    "consumer stopped": Case("d0", None, 502, "cannot connect to engine"),
+    "empty engine id": Expect(502, "missing engine identity: remote_engine_id is empty"),
+    "non-string engine id": Expect(502, "missing engine identity: remote_engine_id is int"),
+    "malformed block ids": Expect(502, "malformed block ids"),
+    "prefill reset mid-body": Expect(502, "connection to engine"),
+    "producer stopped": Expect(502, "cannot connect to engine"),
+    "decode 503": Expect(502, "scripted fault"),
+    "decode hang": Expect(504, "no first token within 0.3s"),
+    "headers then nothing": Expect(504, "no first token within 0.3s"),
+    "metadata then silence": Expect(504, "no first token within 0.3s"),
+    "tokens then silence": Expect(504, "engine went silent between tokens", after_output=True),
+    "tokens then close": Expect(502, "stream ended before [DONE]", after_output=True),
+    "[DONE] before a token": Expect(502, "stream ended with [DONE] before any token arrived"),
+    "in-stream 503 first": Expect(503, "scripted fault"),
+    "in-stream 429 after tokens": Expect(429, "scripted fault", after_output=True),
+    "in-stream error without code": Expect(500, "scripted fault", after_output=True),
+    "consumer stopped": Expect(502, "cannot connect to engine"),
 }
 ENDPOINTS = {
     "completions": ("/v1/completions", {"prompt": "hello there"}),
@@ -118,23 +70,24 @@ async def _fleet(nursery: trio.Nursery, **kwargs: Any) -> Harness:
     return await start_fleet(nursery, {"p0": "prefill", "d0": "decode"}, **TIMEOUTS, **kwargs)
 
 
-async def _break(harness: Harness, case: Case) -> None:
-    engine = harness.engines[case.engine]
-    if case.fault is None:
+async def _break(harness: Harness, name: str) -> None:
+    side, fault = FAULTS[name]
+    engine = harness.engines["p0" if side == "producer" else "d0"]
+    if fault is None:
         engine.stop()
     else:
-        engine.faults.push(case.fault)
+        engine.faults.push(fault)
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", EXPECTED)
 async def test_fault_gives_the_status_and_message_of_the_spec(
     nursery: trio.Nursery, name: str, stream: bool, endpoint: str
 ) -> None:
-    case = CASES[name]
+    case = EXPECTED[name]
     harness = await _fleet(nursery)
-    await _break(harness, case)
+    await _break(harness, name)
     path, fields = ENDPOINTS[endpoint]
     reply = await harness.post(path, {"model": MODEL, "max_tokens": 6, "stream": stream, **fields})
     assert reply.headers["x-request-id"]
@@ -152,7 +105,7 @@ async def test_fault_gives_the_status_and_message_of_the_spec(
         error = reply.json()["error"]
         assert error["code"] == case.status
         assert error["message"].startswith(case.message), error
-    if case.engine == "p0" and case.status != 400:
+    if FAULTS[name][0] == "producer" and case.status != 400:
         assert not harness.engines["d0"].log, "no decode leg without a valid descriptor"
     await harness.router.wait_drained()  # the journal line is written as the request ends
     (line,) = harness.router.journal.lines
@@ -164,7 +117,7 @@ async def test_fault_gives_the_status_and_message_of_the_spec(
 
 async def test_slow_drip_inside_the_limits_succeeds(nursery: trio.Nursery) -> None:
     harness = await _fleet(nursery)
-    harness.engines["d0"].faults.push(Fault(kind="slow_drip", interval_s=0.1))
+    await _break(harness, "slow drip inside the limits")
     reply = await harness.post(
         "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}
     )
@@ -209,3 +162,7 @@ async def test_the_openai_client_raises_instead_of_hanging_or_truncating(
     finally:
         await client.close()
     await finish(harness)
+
+
+def test_every_catalogued_fault_has_an_expectation() -> None:
+    assert set(FAULTS) - set(EXPECTED) == {"slow drip inside the limits"}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from narwhal.config import EngineSpec
+from narwhal.config import EngineSpec, RecoveryConfig
 from narwhal.router.fleet import Fleet
 from narwhal.router.placement import pick
 
 
 def _fleet(*roles: str) -> Fleet:
-    return Fleet(tuple(EngineSpec(f"e{i}", f"http://h:{i + 1}", r) for i, r in enumerate(roles)))  # type: ignore[arg-type]
+    specs = tuple(EngineSpec(f"e{i}", f"http://h:{i + 1}", r) for i, r in enumerate(roles))  # type: ignore[arg-type]
+    return Fleet(specs, RecoveryConfig())
 
 
 def test_roles_decide_the_candidates() -> None:

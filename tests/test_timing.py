@@ -92,6 +92,7 @@ async def memory_fleet(
         {"p0": (engines[0].url, "prefill"), "d0": (engines[1].url, "decode")}, **sections
     )
     router = Router(config, network_backend=net.backend(), journal=Journal(keep=100))
+    await nursery.start(router.health.run)
     return MemoryFleet(router, engines[0], engines[1])
 
 

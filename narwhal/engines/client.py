@@ -179,6 +179,10 @@ class EngineClient:
                         response, MAX_PREFILL_RESPONSE_BYTES
                     )
 
+    def limiter(self, url: str) -> trio.CapacityLimiter:
+        """The engine's capacity limiter (its pool's size): no free token, no room."""
+        return self._engine(url).limiter
+
     def connections(self) -> dict[str, tuple[int, int]]:
         """Per engine: (open connections, connections serving a request)."""
         out = {}

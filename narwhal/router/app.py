@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import msgspec
+import trio
 
 from narwhal.faults import Phase, RequestFault
 from narwhal.router.requests import BadRequest, parse_request
@@ -43,6 +44,11 @@ class TooLarge(RequestFault):
 class Overloaded(RequestFault):
     status = 429
     kind = "rate_limit_exceeded"
+
+
+class Maintenance(RequestFault):
+    status = 503
+    kind = "service_unavailable"
 
 
 class AsgiSink:
@@ -100,14 +106,18 @@ class RouterApp:
             await self._lifespan(receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.router.aclose()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        """Startup opens the server-owned background nursery (probes); shutdown ends it."""
+        async with trio.open_nursery() as background:
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await background.start(self.router.health.run)
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    background.cancel_scope.cancel()
+                    break
+        await self.router.aclose()
+        await send({"type": "lifespan.shutdown.complete"})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
@@ -117,17 +127,23 @@ class RouterApp:
                 return
             await self._completion(path, scope, receive, send)
             return
+        router = self.router
+        if (method, path) == ("POST", "/narwhal/lifecycle/readmit"):
+            await self._readmit_wave(receive, send)
+            return
         if method != "GET":
             await _error(send, 404, "not_found_error", f"no such endpoint: {method} {path}")
             return
-        router = self.router
+        maintenance = router.health.maintenance
         if path == "/health":
-            await respond(send, 200, b'{"status":"ok"}')
+            status = b"maintenance" if maintenance else b"ok"
+            await respond(send, 200, b'{"status":"%s"}' % status)
         elif path == "/ready":
-            if router.fleet.ready():
+            if not maintenance and router.fleet.ready(trio.current_time()):
                 await respond(send, 200, b'{"status":"ready"}')
             else:
-                await respond(send, 503, b'{"status":"not ready"}')
+                state = b"maintenance" if maintenance else b"no healthy producer or consumer"
+                await respond(send, 503, b'{"status":"%s"}' % state)
         elif path == "/v1/models":
             card = {
                 "id": router.config.model,
@@ -149,6 +165,12 @@ class RouterApp:
         serving = router.config.serving
         try:
             raw = await _read_body(scope, receive, serving.max_request_bytes)
+            if router.health.maintenance:
+                raise Maintenance(
+                    "router in maintenance (whole-wave restart): an engine was ejected; "
+                    "POST /narwhal/lifecycle/readmit once the fleet is back",
+                    phase=Phase.ADMISSION,
+                )
             if router.admitted >= serving.max_inflight:
                 raise Overloaded(
                     f"router is at max_inflight={serving.max_inflight}; retry later",
@@ -168,6 +190,36 @@ class RouterApp:
                 pass
 
         await router.handle(req, rid_text, AsgiSink(send, rid), wait_disconnect)
+
+    async def _readmit_wave(self, receive: Receive, send: Send) -> None:
+        """Validate the whole engine set together (whole-wave policy's way back)."""
+        health = self.router.health
+        try:
+            raw = await _read_body({"headers": []}, receive, 64 * 1024)
+        except (Disconnected, RequestFault):
+            return
+        fleet_ids = sorted(e.id for e in self.router.fleet.engines)
+        if raw.strip():
+            try:
+                named = msgspec.json.decode(raw, type=_WaveRequest).engines
+            except msgspec.MsgspecError as exc:
+                await _error(send, 400, "invalid_request_error", f"engines: {exc}")
+                return
+            if sorted(named) != fleet_ids:
+                await _error(
+                    send,
+                    400,
+                    "invalid_request_error",
+                    f"engines: a wave is the whole engine set {fleet_ids}, got {sorted(named)}",
+                )
+                return
+        outcomes = await health.readmit_wave()
+        body = {"maintenance": health.maintenance, "engines": outcomes}
+        await respond(send, 409 if health.maintenance else 200, msgspec.json.encode(body))
+
+
+class _WaveRequest(msgspec.Struct):
+    engines: list[str]
 
 
 async def _error(

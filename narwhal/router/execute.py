@@ -34,7 +34,8 @@ from narwhal.faults import (
     StreamBroken,
 )
 from narwhal.router.assemble import Assembler
-from narwhal.router.fleet import EngineState, Fleet
+from narwhal.router.fleet import EngineState, Fleet, LegPhase
+from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, JournalLine, Outcome
 from narwhal.router.lifecycle import Input, Lifecycle, State
 from narwhal.router.placement import pick
@@ -72,6 +73,7 @@ class RouterState(Protocol):
     config: FleetConfig
     client: EngineClient
     fleet: Fleet
+    health: Health
     retry_budget: RetryBudget
     rng: random.Random
 
@@ -142,30 +144,48 @@ class RequestRun:
             rng=self.router.rng,
         )
 
+    def _place(self, role: LegPhase, prefer_not: str | None = None) -> EngineState:
+        fleet, health = self.router.fleet, self.router.health
+        candidates, held_in = fleet.placeable(role, trio.current_time())
+        health.note_placement(role, held_in)
+        engine = pick(candidates, turn=fleet.turn, avoid=self.failed_engines, prefer_not=prefer_not)
+        if engine is None:
+            raise NoCapacity(
+                f"no placeable {'producer' if role == 'prefill' else 'consumer'} engine",
+                phase=Phase.ADMISSION,
+            )
+        return engine
+
     async def _attempt(self) -> None:
-        """One prefill leg, one handoff, one decode leg."""
-        fleet = self.router.fleet
+        """One prefill leg, one handoff, one decode leg; each leg's result feeds its
+        engine's breaker (client errors and disconnects never do)."""
+        health = self.router.health
         attempt = AttemptLine(number=len(self.attempts) + 1)
         self.attempts.append(attempt)
-        avoid = self.failed_engines
-        producer = pick(fleet.producers, turn=fleet.turn, avoid=avoid)
-        if producer is None:
-            raise NoCapacity("no placeable producer engine", phase=Phase.ADMISSION)
-        fleet.turn += 1
+        producer = self._place("prefill")
+        self.router.fleet.turn += 1
         attempt.producer = producer.id
         self.lifecycle.advance(Input.PREFILL)
         handoff_start = trio.current_time()
-        result = await self._prefill(producer, attempt.number)
+        try:
+            result = await self._prefill(producer, attempt.number)
+        except RequestFault as fault:
+            health.failure(producer, fault, "prefill", None)
+            raise
+        health.success(producer)
         self.ttft_s = self.elapsed
         self.lifecycle.advance(Input.DESCRIPTOR)
-        consumer = pick(fleet.consumers, turn=fleet.turn, avoid=avoid, prefer_not=producer.id)
-        if consumer is None:
-            raise NoCapacity("no placeable consumer engine", phase=Phase.HANDOFF)
+        consumer = self._place("decode", prefer_not=producer.id)
         attempt.consumer = consumer.id
         self._check_handoff_age(handoff_start)
         self.lifecycle.advance(Input.DISPATCH)
-        same_worker = consumer is producer
-        await self._decode(consumer, None if same_worker else result, attempt.number)
+        crossed = consumer is not producer
+        try:
+            await self._decode(consumer, result if crossed else None, attempt.number)
+        except RequestFault as fault:
+            health.failure(consumer, fault, "decode", producer if crossed else None)
+            raise
+        health.success(consumer)
 
     def _check_handoff_age(self, started: float) -> None:
         limit = self.router.config.serving.handoff_timeout_s

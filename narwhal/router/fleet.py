@@ -10,18 +10,24 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Literal
 
-from narwhal.config import EngineSpec
+from narwhal.config import EngineSpec, RecoveryConfig
+from narwhal.router.breaker import Breaker
 
 LegPhase = Literal["prefill", "decode"]
 
 
 class EngineState:
-    __slots__ = ("index", "inflight", "spec")
+    __slots__ = ("breaker", "failed_as", "failed_with", "index", "inflight", "spec")
 
-    def __init__(self, spec: EngineSpec, index: int) -> None:
+    def __init__(self, spec: EngineSpec, index: int, recovery: RecoveryConfig) -> None:
         self.spec = spec
         self.index = index
         self.inflight: dict[LegPhase, int] = {"prefill": 0, "decode": 0}
+        self.breaker = Breaker(recovery.eject_after, recovery.failure_quarantine_s)
+        # the leg of its last counted failure, and the peer of that attempt: a consumer
+        # that failed a crossed decode is probed with a handoff from that same producer
+        self.failed_as: LegPhase | None = None
+        self.failed_with: str | None = None
 
     @property
     def id(self) -> str:
@@ -35,15 +41,30 @@ class EngineState:
     def load(self) -> int:
         return self.inflight["prefill"] + self.inflight["decode"]
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self, now: float, held_in: bool) -> dict[str, object]:
+        """The operator's view (``/narwhal/engines``); times are seconds from ``now``."""
+        b = self.breaker
         return {
             "id": self.id,
             "url": self.url,
             "role": self.spec.role,
             "inflight": dict(self.inflight),
-            "breaker": {"state": "closed", "streak": 0, "last_cause": None},
-            "ejected_until": None,
-            "quarantined_until": None,
+            "breaker": {
+                "state": b.state.value,
+                "streak": b.streak,
+                "last_cause": b.last_cause,
+                "ejection_cause": b.ejection_cause.value if b.ejection_cause else None,
+                "ejections": b.ejections,
+            },
+            # an ejected engine stays out until a probe passes: no fixed end time
+            "ejected_until": "probe" if b.state.value != "closed" else None,
+            "ejected_for_s": None if b.ejected_at is None else round(now - b.ejected_at, 3),
+            "quarantined_for_s": round(max(0.0, b.quarantined_until - now), 3) or None,
+            "held_in": held_in,
+            "last_probe": b.last_probe,
+            "last_probe_ago_s": None
+            if b.last_probe_at is None
+            else round(now - b.last_probe_at, 3),
         }
 
 
@@ -70,8 +91,9 @@ class Reservation:
 
 
 class Fleet:
-    def __init__(self, specs: tuple[EngineSpec, ...]) -> None:
-        self.engines = [EngineState(spec, i) for i, spec in enumerate(specs)]
+    def __init__(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
+        self.engines = [EngineState(spec, i, recovery) for i, spec in enumerate(specs)]
+        self.by_id = {e.id: e for e in self.engines}
         self.producers = [e for e in self.engines if e.spec.can_prefill]
         self.consumers = [e for e in self.engines if e.spec.can_decode]
         self.turn = 0  # rotates ties so equal engines share load
@@ -83,5 +105,17 @@ class Fleet:
         """Legs in flight across the fleet (0 after a drain)."""
         return sum(e.load for e in self.engines)
 
-    def ready(self) -> bool:
-        return bool(self.producers) and bool(self.consumers)
+    def placeable(self, role: LegPhase, now: float) -> tuple[list[EngineState], bool]:
+        """The engines placement may use for ``role``, and whether they are held in.
+
+        Healthy engines (closed breaker, not quarantined) when there are any; otherwise
+        every engine of the role is held in: the last engine able to serve a role is never
+        quarantined or probe-held out, since refusing all traffic helps nobody.
+        """
+        engines = self.producers if role == "prefill" else self.consumers
+        healthy = [e for e in engines if e.breaker.healthy(now)]
+        return (healthy, False) if healthy else (engines, True)
+
+    def ready(self, now: float) -> bool:
+        """At least one healthy producer and one healthy consumer."""
+        return not (self.placeable("prefill", now)[1] or self.placeable("decode", now)[1])

@@ -1,4 +1,5 @@
-"""The request journal: exactly one JSON line per finished request (SPEC 5, invariant 1).
+"""The request journal: exactly one JSON line per finished request (SPEC 5, invariant 1),
+and one line per engine event (ejection, probe and its outcome, readmission).
 
 Lines are written with one unbuffered ``write`` each, so a crash loses at most the line
 being written and concurrent workers appending to one file do not interleave.
@@ -45,7 +46,8 @@ class Journal:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
         self.keep = keep
         self.lines: list[JournalLine] = []
-        self.written = 0
+        self.events: list[dict[str, Any]] = []
+        self.written = 0  # request lines (one per finished request); events are apart
         self._encode = msgspec.json.Encoder().encode
 
     def write(self, line: JournalLine) -> None:
@@ -53,6 +55,14 @@ class Journal:
         if self.keep:
             self.lines.append(line)
             del self.lines[: -self.keep]
+        if self._fd is not None:
+            os.write(self._fd, self._encode(line) + b"\n")
+
+    def event(self, line: dict[str, Any]) -> None:
+        """An engine event (ejection, probe, readmission): its own line, ``"event"`` first."""
+        if self.keep:
+            self.events.append(line)
+            del self.events[: -self.keep]
         if self._fd is not None:
             os.write(self._fd, self._encode(line) + b"\n")
 

@@ -22,6 +22,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.faults import DeadlineExpired, InternalError, RequestFault
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fleet import Fleet
+from narwhal.router.health import Health
 from narwhal.router.journal import Journal, JournalLine, Outcome
 from narwhal.router.lifecycle import State
 from narwhal.router.requests import ClientRequest
@@ -41,7 +42,8 @@ class Router:
         rng: random.Random | None = None,
     ) -> None:
         self.config = config
-        self.fleet = Fleet(config.engines)
+        self.fleet = Fleet(config.engines, config.recovery)
+        self.health = Health(self)
         self.journal = journal or Journal()
         self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
         self.rng = rng or random.Random()
@@ -59,11 +61,21 @@ class Router:
         self._drained.set()
 
     def engines_view(self) -> bytes:
+        now = trio.current_time()
+        held = {role: self.fleet.placeable(role, now)[1] for role in ("prefill", "decode")}
         return msgspec.json.encode(
             {
                 "model": self.config.model,
                 "admitted": self.admitted,
-                "engines": [e.snapshot() for e in self.fleet.engines],
+                "maintenance": self.health.maintenance,
+                "engines": [
+                    e.snapshot(
+                        now,
+                        held_in=(e.spec.can_prefill and held["prefill"])
+                        or (e.spec.can_decode and held["decode"]),
+                    )
+                    for e in self.fleet.engines
+                ],
             }
         )
 

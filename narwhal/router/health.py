@@ -1,0 +1,278 @@
+"""Engine health, the trio shell around the breakers: evidence in, probes out (SPEC 6.2).
+
+Request legs report here (success, or a fault with its breaker class). An ejection starts
+one readmission loop for that engine in the server's background nursery (never a
+request's): every ``recovery.readmit_interval_s`` it claims the breaker's single probe
+slot and runs what lifts that ejection:
+
+* ejected because it could not be reached, in a fleet without ``[engine_contract]``: a
+  successful ``/health``;
+* otherwise an inference probe: a one-token prefill and a decode with a fresh prompt,
+  crossed with a live peer (after a crossed-decode failure, the original producer makes a
+  new handoff); the engine's leg failing fails the probe, the peer's or a missing peer
+  makes it inconclusive;
+* with ``[engine_contract]``, lifecycle validation: identity and version, the model
+  listed, and a crossed handoff in every role the engine may serve.
+
+Under ``restart_policy = "whole_wave"`` an ejection puts the router in maintenance
+instead, until every engine passes lifecycle validation together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from narwhal.faults import BreakerClass, RequestFault
+from narwhal.router.breaker import BreakerState, ProbeOutcome
+from narwhal.router.fleet import EngineState, LegPhase
+from narwhal.router.probe import HandoffResult, crossed_handoff, probe_prompt
+
+if TYPE_CHECKING:
+    from narwhal.router.service import Router
+
+log = logging.getLogger("narwhal.health")
+
+
+class _Version(msgspec.Struct):
+    version: str = ""
+
+
+class _Card(msgspec.Struct):
+    id: str = ""
+
+
+class _Models(msgspec.Struct):
+    data: list[_Card] = []
+
+
+class Health:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.nursery: trio.Nursery | None = None
+        self.maintenance = False
+        self.wave_lock = trio.Lock()
+        self.held_in: dict[LegPhase, bool] = {"prefill": False, "decode": False}
+
+    # ---- evidence from the data path -----------------------------------------------------
+
+    def success(self, engine: EngineState) -> None:
+        engine.breaker.record_success()
+
+    def failure(
+        self, engine: EngineState, fault: RequestFault, leg: LegPhase, peer: EngineState | None
+    ) -> None:
+        if fault.breaker is BreakerClass.NONE:
+            return
+        engine.failed_as, engine.failed_with = leg, peer.id if peer else None
+        ejected = engine.breaker.record_failure(fault.breaker, fault.message, trio.current_time())
+        if ejected:
+            self._ejected(engine, fault)
+
+    def _ejected(self, engine: EngineState, fault: RequestFault) -> None:
+        log.warning(
+            "engine %s ejected after %d failures: %s",
+            engine.id,
+            engine.breaker.streak,
+            fault.message,
+        )
+        self.event(
+            "ejected",
+            engine,
+            cause=fault.breaker.value,
+            message=fault.message,
+            streak=engine.breaker.streak,
+        )
+        if self.router.config.recovery.restart_policy == "whole_wave":
+            if not self.maintenance:
+                log.warning(
+                    "whole-wave policy: router in maintenance until the fleet is "
+                    "readmitted together"
+                )
+                self.event("maintenance", None, state="entered")
+            self.maintenance = True
+            self._start(self._wave_loop)
+        else:
+            self._start(self._readmission_loop, engine)
+
+    def _start(self, fn: Any, *args: Any) -> None:
+        if self.nursery is None:
+            log.error("no background nursery: readmission cannot run")
+            return
+        self.nursery.start_soon(fn, *args)
+
+    def event(self, kind: str, engine: EngineState | None, **fields: Any) -> None:
+        line = {"event": kind, "at": round(time.time(), 3), **fields}
+        if engine is not None:
+            line["engine"] = engine.id
+        self.router.journal.event(line)
+
+    def note_placement(self, role: LegPhase, held_in: bool) -> None:
+        """Log once when a role starts or stops running on held-in (unhealthy) engines."""
+        if held_in != self.held_in[role]:
+            self.held_in[role] = held_in
+            log.warning(
+                "%s: no healthy engine left; the last ones stay placeable", role
+            ) if held_in else log.info("%s: healthy engines are back", role)
+            self.event("held_in" if held_in else "held_in_ended", None, role=role)
+
+    # ---- background ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The server-owned nursery every probe runs in; lives as long as the server."""
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _readmission_loop(self, engine: EngineState) -> None:
+        interval = self.router.config.recovery.readmit_interval_s
+        while engine.breaker.state is not BreakerState.CLOSED:
+            await trio.sleep(interval)
+            if not engine.breaker.start_probe(trio.current_time()):
+                continue
+            outcome = await self.probe(engine)
+            engine.breaker.finish_probe(outcome)
+            self.event("probe", engine, outcome=outcome)
+            if outcome == "pass":
+                log.info("engine %s readmitted", engine.id)
+                self.event("readmitted", engine)
+
+    async def probe(self, engine: EngineState) -> ProbeOutcome:
+        """Decide, with real evidence, whether an ejected engine may take traffic again."""
+        config = self.router.config
+        if config.engine_contract is not None:
+            return await self.validate(engine)
+        if engine.breaker.ejection_cause is BreakerClass.UNREACHABLE:
+            return await self._health_check(engine)
+        leg: LegPhase = engine.failed_as or ("decode" if engine.spec.can_decode else "prefill")
+        return await self._inference_probe(engine, leg)
+
+    async def _health_check(self, engine: EngineState) -> ProbeOutcome:
+        with trio.move_on_after(self.router.config.engine.health_timeout_s):
+            try:
+                status, _ = await self.router.client.get(engine.url, "/health")
+            except RequestFault:
+                return "fail"
+            return "pass" if status == 200 else "fail"
+        return "fail"
+
+    def _peer(
+        self, engine: EngineState, role: LegPhase, preferred: str | None
+    ) -> EngineState | None:
+        """A healthy engine to cross with: the preferred one when it is still healthy."""
+        now = trio.current_time()
+        fleet = self.router.fleet
+        pool = fleet.producers if role == "prefill" else fleet.consumers
+        healthy = [e for e in pool if e.breaker.healthy(now) and e is not engine]
+        if preferred is not None:
+            for e in healthy:
+                if e.id == preferred:
+                    return e
+        if healthy:
+            return min(healthy, key=lambda e: e.load)
+        return engine if engine in pool else None  # a lone engine crosses with itself
+
+    async def _inference_probe(self, engine: EngineState, leg: LegPhase) -> ProbeOutcome:
+        role: LegPhase = "prefill" if leg == "decode" else "decode"
+        peer = self._peer(engine, role, engine.failed_with if leg == "decode" else None)
+        if peer is None:
+            return "inconclusive"  # no peer to cross with
+        if self.router.client.limiter(peer.url).available_tokens == 0:
+            return "inconclusive"  # the peer's pool is exhausted: no room to decide
+        producer, consumer = (peer, engine) if leg == "decode" else (engine, peer)
+        result = await self._handoff(producer, consumer, engine)
+        if result.ok:
+            return "pass"
+        failed = producer if result.failed_side == "producer" else consumer
+        return "fail" if failed is engine else "inconclusive"
+
+    async def _handoff(
+        self, producer: EngineState, consumer: EngineState, target: EngineState
+    ) -> HandoffResult:
+        config = self.router.config
+        fleet = self.router.fleet
+        async with fleet.reserve(producer, "prefill"), fleet.reserve(consumer, "decode"):
+            return await crossed_handoff(
+                self.router.client,
+                config.model,
+                producer.url,
+                consumer.url,
+                leg_timeout_s=config.engine.first_token_timeout_s,
+                prompt=probe_prompt(target.id),
+                max_tokens=2,
+            )
+
+    # ---- lifecycle validation (engine contract) ------------------------------------------
+
+    async def validate(self, engine: EngineState) -> ProbeOutcome:
+        """Identity and version, model listed, a crossed handoff in every role it may serve."""
+        problem = await self.check_identity(engine)
+        if problem is not None:
+            log.warning("engine %s fails lifecycle validation: %s", engine.id, problem)
+            return "fail"
+        outcomes: list[ProbeOutcome] = []
+        if engine.spec.can_prefill:
+            outcomes.append(await self._inference_probe(engine, "prefill"))
+        if engine.spec.can_decode:
+            outcomes.append(await self._inference_probe(engine, "decode"))
+        if "fail" in outcomes:
+            return "fail"
+        return "inconclusive" if "inconclusive" in outcomes else "pass"
+
+    async def check_identity(self, engine: EngineState) -> str | None:
+        """None when the engine is the one the contract names, else what is wrong."""
+        contract = self.router.config.engine_contract
+        timeout = self.router.config.engine.health_timeout_s
+        client = self.router.client
+        with trio.move_on_after(timeout):
+            try:
+                status, body = await client.get(engine.url, "/version")
+                if status != 200:
+                    return f"/version answered {status}"
+                version = msgspec.json.decode(body, type=_Version).version
+                if contract is not None and not version_matches(version, contract.engine_version):
+                    return f"version {version!r}, contract pins {contract.engine_version!r}"
+                status, body = await client.get(engine.url, "/v1/models")
+                models = [c.id for c in msgspec.json.decode(body, type=_Models).data]
+                if status != 200 or self.router.config.model not in models:
+                    return f"model {self.router.config.model!r} not listed (has {models})"
+                return None
+            except RequestFault as fault:
+                return fault.message
+            except msgspec.MsgspecError as exc:
+                return f"unreadable answer: {exc}"
+        return f"no answer within {timeout:g}s"
+
+    # ---- whole wave ----------------------------------------------------------------------
+
+    async def _wave_loop(self) -> None:
+        interval = self.router.config.recovery.readmit_interval_s
+        while self.maintenance:
+            await trio.sleep(interval)
+            await self.readmit_wave()
+
+    async def readmit_wave(self) -> dict[str, ProbeOutcome]:
+        """Validate every engine together; leave maintenance only if all of them pass."""
+        async with self.wave_lock:
+            engines = self.router.fleet.engines
+            claimed = [e for e in engines if e.breaker.start_probe(trio.current_time())]
+            outcomes = {e.id: await self.validate(e) for e in engines}
+            passed = all(o == "pass" for o in outcomes.values())
+            for engine in claimed:
+                engine.breaker.finish_probe("pass" if passed else "fail")
+                self.event("probe", engine, outcome=outcomes[engine.id], wave=True)
+            if passed and self.maintenance:
+                self.maintenance = False
+                log.info("whole wave readmitted; maintenance over")
+                self.event("maintenance", None, state="ended")
+            return outcomes
+
+
+def version_matches(version: str, pinned: str) -> bool:
+    """Exact, or the same release with a local build tag (``0.32.0+cpu`` for ``0.32.0``)."""
+    return version == pinned or version.split("+", 1)[0] == pinned

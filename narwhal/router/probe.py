@@ -1,0 +1,114 @@
+"""One crossed KV handoff outside client traffic: the inference probe, lifecycle validation
+and ``narwhal check`` all run this (a real one-token prefill, then a real decode).
+
+Each leg is bounded by its own budget. The result says which side failed, so a probe can
+tell "the engine under test failed" from "its peer failed" (inconclusive).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+import trio
+
+from narwhal.engines.client import DecodeStream, EngineClient
+from narwhal.engines.stream import Kind, classify, parse_payload
+from narwhal.faults import Phase, RequestFault, StreamBroken
+from narwhal.sse import SSEParser
+
+Side = Literal["producer", "consumer"]
+_counter = itertools.count(1)
+
+
+class HandoffResult(msgspec.Struct):
+    ok: bool
+    tokens: int = 0
+    prefill_s: float = 0.0
+    first_token_s: float | None = None  # from the start of the decode leg
+    failed_side: Side | None = None
+    error: str | None = None
+
+
+def probe_prompt(engine_id: str) -> str:
+    """A fresh, unique prompt, so no prefix cache answers for the engine."""
+    return f"narwhal probe {engine_id} {next(_counter)} {secrets.token_hex(6)}"
+
+
+async def crossed_handoff(
+    client: EngineClient,
+    model: str,
+    producer_url: str,
+    consumer_url: str,
+    *,
+    leg_timeout_s: float,
+    prompt: str,
+    max_tokens: int = 4,
+    request_id: str = "",
+) -> HandoffResult:
+    """Prefill on the producer, decode on the consumer with its descriptor, to [DONE]."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    rid = request_id or f"probe-{secrets.token_hex(6)}"
+    start = trio.current_time()
+    with trio.move_on_after(leg_timeout_s) as prefill_clock:
+        try:
+            result = await client.prefill(
+                producer_url, "/v1/completions", body, request_id=f"{rid}-prefill"
+            )
+        except RequestFault as fault:
+            return HandoffResult(ok=False, failed_side="producer", error=fault.message)
+    if prefill_clock.cancelled_caught:
+        return HandoffResult(
+            ok=False,
+            failed_side="producer",
+            error=f"prefill took longer than {leg_timeout_s:g}s",
+        )
+    prefill_s = trio.current_time() - start
+    decode_start = trio.current_time()
+    first: list[float] = []
+    with trio.move_on_after(leg_timeout_s) as decode_clock:
+        try:
+            async with client.decode(
+                consumer_url, "/v1/completions", body, result, request_id=f"{rid}-decode"
+            ) as stream:
+                tokens = await count_tokens(stream, lambda: first.append(trio.current_time()))
+        except RequestFault as fault:
+            return HandoffResult(
+                ok=False, prefill_s=prefill_s, failed_side="consumer", error=fault.message
+            )
+    if decode_clock.cancelled_caught:
+        return HandoffResult(
+            ok=False,
+            prefill_s=prefill_s,
+            failed_side="consumer",
+            error=f"decode gave no complete stream within {leg_timeout_s:g}s",
+        )
+    return HandoffResult(
+        ok=True,
+        tokens=tokens,
+        prefill_s=prefill_s,
+        first_token_s=first[0] - decode_start if first else None,
+    )
+
+
+async def count_tokens(stream: DecodeStream, on_first: Callable[[], None] | None = None) -> int:
+    """Read a decode stream to ``[DONE]``; the number of generated tokens (at least one)."""
+    parser = SSEParser()
+    tokens = 0
+    async for data in stream:
+        for payload in parser.feed(data):
+            chunk = parse_payload(payload)
+            if chunk is None:
+                if not tokens:
+                    raise StreamBroken(
+                        "stream ended with [DONE] before any token arrived", phase=Phase.DECODE
+                    )
+                return tokens
+            if classify(chunk) is Kind.TOKEN:
+                if not tokens and on_first is not None:
+                    on_first()
+                tokens += 1
+    raise StreamBroken("stream ended before [DONE]", phase=Phase.DECODE)

@@ -37,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fake.add_argument("--kv-lease-s", type=float, default=30.0)
     fake.add_argument("--max-model-len", type=int, default=32768)
 
+    check = sub.add_parser("check", help="preflight: reach every engine, move KV across pairs")
+    check.add_argument("--config", required=True, help="fleet file (.toml or .json)")
+
     demo = sub.add_parser("demo", help="two fake engines + the router; stream one chat")
     demo.add_argument("--keep", action="store_true", help="keep the fleet up for curl")
     demo.add_argument("--port", type=int, default=8000, help="router port (0: any)")
@@ -46,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "fake-engine":
         return _fake_engine(args)
+    if args.command == "check":
+        return _check(args)
     from narwhal.demo import run_demo
 
     return run_demo(keep=args.keep, port=args.port)
@@ -87,6 +92,19 @@ def _serve(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(main)
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from narwhal.check import check_fleet
+
+    try:
+        fleet = load_config(args.config)
+    except ConfigError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 2
+    lines, ok = trio.run(check_fleet, fleet)
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 async def _signalled() -> None:

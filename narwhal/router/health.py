@@ -24,30 +24,17 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import trio
 
 from narwhal.faults import BreakerClass, RequestFault
 from narwhal.router.breaker import BreakerState, ProbeOutcome
 from narwhal.router.fleet import EngineState, LegPhase
-from narwhal.router.probe import HandoffResult, crossed_handoff, probe_prompt
+from narwhal.router.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
 
 if TYPE_CHECKING:
     from narwhal.router.service import Router
 
 log = logging.getLogger("narwhal.health")
-
-
-class _Version(msgspec.Struct):
-    version: str = ""
-
-
-class _Card(msgspec.Struct):
-    id: str = ""
-
-
-class _Models(msgspec.Struct):
-    data: list[_Card] = []
 
 
 class Health:
@@ -57,6 +44,8 @@ class Health:
         self.maintenance = False
         self.wave_lock = trio.Lock()
         self.held_in: dict[LegPhase, bool] = {"prefill": False, "decode": False}
+        self.events: list[dict[str, Any]] = []  # recent engine events, newest last
+        self._changed = trio.Event()
 
     # ---- evidence from the data path -----------------------------------------------------
 
@@ -110,6 +99,26 @@ class Health:
         if engine is not None:
             line["engine"] = engine.id
         self.router.journal.event(line)
+        self.events.append(line)
+        del self.events[:-1000]
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_event(
+        self, kind: str, engine: str | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        """The first recorded event matching; waits for it (tests, operators' tooling)."""
+        seen = 0
+        while True:
+            for line in self.events[seen:]:
+                if (
+                    line["event"] == kind
+                    and engine in (None, line.get("engine"))
+                    and all(line.get(k) == v for k, v in fields.items())
+                ):
+                    return line
+            seen = len(self.events)
+            await self._changed.wait()
 
     def note_placement(self, role: LegPhase, held_in: bool) -> None:
         """Log once when a role starts or stops running on held-in (unhealthy) engines."""
@@ -162,13 +171,14 @@ class Health:
         return "fail"
 
     def _peer(
-        self, engine: EngineState, role: LegPhase, preferred: str | None
+        self, engine: EngineState, role: LegPhase, preferred: str | None, *, wave: bool = False
     ) -> EngineState | None:
-        """A healthy engine to cross with: the preferred one when it is still healthy."""
+        """A healthy engine to cross with: the preferred one when it is still healthy. In a
+        whole wave every engine is under validation together, so any of them will do."""
         now = trio.current_time()
         fleet = self.router.fleet
         pool = fleet.producers if role == "prefill" else fleet.consumers
-        healthy = [e for e in pool if e.breaker.healthy(now) and e is not engine]
+        healthy = [e for e in pool if (wave or e.breaker.healthy(now)) and e is not engine]
         if preferred is not None:
             for e in healthy:
                 if e.id == preferred:
@@ -177,9 +187,12 @@ class Health:
             return min(healthy, key=lambda e: e.load)
         return engine if engine in pool else None  # a lone engine crosses with itself
 
-    async def _inference_probe(self, engine: EngineState, leg: LegPhase) -> ProbeOutcome:
+    async def _inference_probe(
+        self, engine: EngineState, leg: LegPhase, *, wave: bool = False
+    ) -> ProbeOutcome:
         role: LegPhase = "prefill" if leg == "decode" else "decode"
-        peer = self._peer(engine, role, engine.failed_with if leg == "decode" else None)
+        preferred = engine.failed_with if leg == "decode" else None
+        peer = self._peer(engine, role, preferred, wave=wave)
         if peer is None:
             return "inconclusive"  # no peer to cross with
         if self.router.client.limiter(peer.url).available_tokens == 0:
@@ -209,7 +222,7 @@ class Health:
 
     # ---- lifecycle validation (engine contract) ------------------------------------------
 
-    async def validate(self, engine: EngineState) -> ProbeOutcome:
+    async def validate(self, engine: EngineState, *, wave: bool = False) -> ProbeOutcome:
         """Identity and version, model listed, a crossed handoff in every role it may serve."""
         problem = await self.check_identity(engine)
         if problem is not None:
@@ -217,36 +230,24 @@ class Health:
             return "fail"
         outcomes: list[ProbeOutcome] = []
         if engine.spec.can_prefill:
-            outcomes.append(await self._inference_probe(engine, "prefill"))
+            outcomes.append(await self._inference_probe(engine, "prefill", wave=wave))
         if engine.spec.can_decode:
-            outcomes.append(await self._inference_probe(engine, "decode"))
+            outcomes.append(await self._inference_probe(engine, "decode", wave=wave))
         if "fail" in outcomes:
             return "fail"
         return "inconclusive" if "inconclusive" in outcomes else "pass"
 
     async def check_identity(self, engine: EngineState) -> str | None:
         """None when the engine is the one the contract names, else what is wrong."""
-        contract = self.router.config.engine_contract
-        timeout = self.router.config.engine.health_timeout_s
-        client = self.router.client
-        with trio.move_on_after(timeout):
-            try:
-                status, body = await client.get(engine.url, "/version")
-                if status != 200:
-                    return f"/version answered {status}"
-                version = msgspec.json.decode(body, type=_Version).version
-                if contract is not None and not version_matches(version, contract.engine_version):
-                    return f"version {version!r}, contract pins {contract.engine_version!r}"
-                status, body = await client.get(engine.url, "/v1/models")
-                models = [c.id for c in msgspec.json.decode(body, type=_Models).data]
-                if status != 200 or self.router.config.model not in models:
-                    return f"model {self.router.config.model!r} not listed (has {models})"
-                return None
-            except RequestFault as fault:
-                return fault.message
-            except msgspec.MsgspecError as exc:
-                return f"unreadable answer: {exc}"
-        return f"no answer within {timeout:g}s"
+        config = self.router.config
+        contract = config.engine_contract
+        return await identity_problem(
+            self.router.client,
+            engine.url,
+            model=config.model,
+            pinned_version=contract.engine_version if contract else None,
+            timeout_s=config.engine.health_timeout_s,
+        )
 
     # ---- whole wave ----------------------------------------------------------------------
 
@@ -261,7 +262,7 @@ class Health:
         async with self.wave_lock:
             engines = self.router.fleet.engines
             claimed = [e for e in engines if e.breaker.start_probe(trio.current_time())]
-            outcomes = {e.id: await self.validate(e) for e in engines}
+            outcomes = {e.id: await self.validate(e, wave=True) for e in engines}
             passed = all(o == "pass" for o in outcomes.values())
             for engine in claimed:
                 engine.breaker.finish_probe("pass" if passed else "fail")
@@ -271,8 +272,3 @@ class Health:
                 log.info("whole wave readmitted; maintenance over")
                 self.event("maintenance", None, state="ended")
             return outcomes
-
-
-def version_matches(version: str, pinned: str) -> bool:
-    """Exact, or the same release with a local build tag (``0.32.0+cpu`` for ``0.32.0``)."""
-    return version == pinned or version.split("+", 1)[0] == pinned

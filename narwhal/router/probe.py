@@ -112,3 +112,46 @@ async def count_tokens(stream: DecodeStream, on_first: Callable[[], None] | None
                     on_first()
                 tokens += 1
     raise StreamBroken("stream ended before [DONE]", phase=Phase.DECODE)
+
+
+class _Version(msgspec.Struct):
+    version: str = ""
+
+
+class _Card(msgspec.Struct):
+    id: str = ""
+
+
+class _Models(msgspec.Struct):
+    data: list[_Card] = []
+
+
+def version_matches(version: str, pinned: str) -> bool:
+    """Exact, or the same release with a local build tag (``0.32.0+cpu`` for ``0.32.0``)."""
+    return version == pinned or version.split("+", 1)[0] == pinned
+
+
+async def identity_problem(
+    client: EngineClient, url: str, *, model: str, pinned_version: str | None, timeout_s: float
+) -> str | None:
+    """None when the engine answers ``/health``, runs the pinned version (if any) and lists
+    ``model``; otherwise what is wrong, in words."""
+    with trio.move_on_after(timeout_s):
+        try:
+            status, _ = await client.get(url, "/health")
+            if status != 200:
+                return f"/health answered {status}"
+            status, body = await client.get(url, "/version")
+            version = msgspec.json.decode(body, type=_Version).version if status == 200 else "?"
+            if pinned_version is not None and not version_matches(version, pinned_version):
+                return f"version {version!r}, the contract pins {pinned_version!r}"
+            status, body = await client.get(url, "/v1/models")
+            models = [c.id for c in msgspec.json.decode(body, type=_Models).data]
+            if status != 200 or model not in models:
+                return f"does not serve model {model!r} (serves {models})"
+            return None
+        except RequestFault as fault:
+            return f"unreachable: {fault.message}"
+        except msgspec.MsgspecError as exc:
+            return f"unreadable answer: {exc}"
+    return f"no answer within {timeout_s:g}s"

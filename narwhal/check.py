@@ -1,0 +1,80 @@
+"""``narwhal check --config FILE``: preflight a fleet before it takes traffic (SPEC 6.3).
+
+Reaches every engine (``/health``, ``/version``, ``/v1/models``), validates the pinned
+engine contract when there is one, then moves KV across every role-permitted pair of
+distinct engines (each producer to each consumer) with a real one-token prefill and a real
+decode. One readable line per engine and per pair, a summary, exit status 0 only when
+everything passed.
+"""
+
+from __future__ import annotations
+
+from narwhal.config import FleetConfig
+from narwhal.engines.client import EngineClient
+from narwhal.router.probe import crossed_handoff, identity_problem, probe_prompt
+
+
+async def check_fleet(
+    fleet: FleetConfig, *, leg_timeout_s: float | None = None
+) -> tuple[list[str], bool]:
+    """The report lines, and whether every engine and every transfer passed."""
+    timeout = fleet.engine.health_timeout_s
+    legs = leg_timeout_s or max(fleet.engine.first_token_timeout_s, 5.0)
+    client = EngineClient(connect_timeout_s=fleet.engine.connect_timeout_s, max_connections=8)
+    lines: list[str] = []
+    reachable: dict[str, bool] = {}
+    try:
+        for spec in fleet.engines:
+            problem = await identity_problem(
+                client,
+                spec.url,
+                model=fleet.model,
+                timeout_s=timeout,
+                pinned_version=fleet.engine_contract.engine_version
+                if fleet.engine_contract
+                else None,
+            )
+            reachable[spec.id] = problem is None
+            lines.append(f"{spec.id} ({spec.role}, {spec.url}): " + (problem or "ok"))
+        pairs = [
+            (p, c)
+            for p in fleet.engines
+            for c in fleet.engines
+            if p.can_prefill and c.can_decode and p.id != c.id
+        ]
+        passed = 0
+        for producer, consumer in pairs:
+            if not (reachable[producer.id] and reachable[consumer.id]):
+                lines.append(f"{producer.id} -> {consumer.id} skipped: an engine failed its checks")
+                continue
+            result = await crossed_handoff(
+                client,
+                fleet.model,
+                producer.url,
+                consumer.url,
+                leg_timeout_s=legs,
+                prompt=probe_prompt(f"{producer.id}-{consumer.id}"),
+                max_tokens=4,
+            )
+            if result.ok:
+                passed += 1
+                lines.append(
+                    f"{producer.id} -> {consumer.id} moved KV, {result.tokens} tokens, "
+                    f"first token {result.first_token_s or 0.0:.3f} s"
+                )
+            else:
+                lines.append(
+                    f"{producer.id} -> {consumer.id} FAILED on the {result.failed_side}: "
+                    f"{result.error}"
+                )
+    finally:
+        await client.aclose()
+    engines_ok = sum(reachable.values())
+    if not pairs:
+        lines.append("no pair of distinct engines can move KV (need a producer and a consumer)")
+    ok = engines_ok == len(fleet.engines) and passed == len(pairs) and bool(pairs)
+    lines.append(
+        f"{'PASS' if ok else 'FAIL'}: {engines_ok}/{len(fleet.engines)} engines ok, "
+        f"{passed}/{len(pairs)} transfers moved KV"
+    )
+    return lines, ok

@@ -97,3 +97,50 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
         assert lines[0]["attempts"] == [{"number": 1, "producer": "p0", "consumer": "d0"}]
         assert lines[0]["tokens"] == 3
         assert 0 < lines[0]["ttft_s"] <= lines[0]["first_byte_s"] <= lines[0]["duration_s"]
+
+
+def test_check_on_the_command_line(tmp_path: Path) -> None:
+    with (
+        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
+        _process("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
+    ):
+        fleet = tmp_path / "fleet.toml"
+        fleet.write_text(
+            f'model = "fake-model"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
+            f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
+            '[engine_contract]\nengine_version = "0.32.0"\n'
+        )
+        ok = subprocess.run(
+            [sys.executable, "-m", "narwhal", "check", "--config", str(fleet)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert "p0 -> d0 moved KV, 4 tokens, first token" in ok.stdout
+        assert ok.stdout.splitlines()[-1] == "PASS: 2/2 engines ok, 1/1 transfers moved KV"
+    # the engines are gone now: clear lines, exit 1, no traceback
+    down = subprocess.run(
+        [sys.executable, "-m", "narwhal", "check", "--config", str(fleet)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert down.returncode == 1
+    assert "Traceback" not in down.stdout + down.stderr
+    assert "p0 (prefill, " in down.stdout
+    assert "unreachable: cannot connect to engine" in down.stdout
+    assert "p0 -> d0 skipped" in down.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "m"\n')
+    refused = subprocess.run(
+        [sys.executable, "-m", "narwhal", "check", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert "engines: required" in refused.stderr

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import trio
 
-from narwhal.config import EngineConfig, ServingConfig
+from narwhal.config import EngineConfig, RecoveryConfig, ServingConfig
 from narwhal.router.journal import Journal
 from narwhal.router.requests import parse_request
 from narwhal.router.service import Router
@@ -65,6 +65,7 @@ class MemoryFleet:
     router: Router
     producer: FakeEngine
     consumer: FakeEngine
+    others: list[FakeEngine] = field(default_factory=list)  # more consumers: d1, d2, ...
 
     async def request(self, body: dict[str, Any], path: str = "/v1/completions") -> RecordingSink:
         sink = RecordingSink()
@@ -74,11 +75,17 @@ class MemoryFleet:
 
 
 async def memory_fleet(
-    nursery: trio.Nursery, *, itl_s: float = 0.0, prefill_delay: float = 0.0, **sections: Any
+    nursery: trio.Nursery,
+    *,
+    itl_s: float = 0.0,
+    prefill_delay: float = 0.0,
+    consumers: int = 1,
+    **sections: Any,
 ) -> MemoryFleet:
     net = MemoryNetwork(nursery)
     engines = []
-    for name, role in (("producer", "prefill"), ("consumer", "decode")):
+    names = [("producer", "prefill")] + [(f"consumer{i}", "decode") for i in range(consumers)]
+    for name, role in names:
         cfg = FakeEngineConfig(
             model=MODEL,
             role=role,
@@ -88,12 +95,12 @@ async def memory_fleet(
         engine = FakeEngine(cfg, network=net)
         engine.attach(name)
         engines.append(engine)
-    config = fleet_config(
-        {"p0": (engines[0].url, "prefill"), "d0": (engines[1].url, "decode")}, **sections
-    )
+    urls = {"p0": (engines[0].url, "prefill")}
+    urls.update({f"d{i}": (e.url, "decode") for i, e in enumerate(engines[1:])})
+    config = fleet_config(urls, **sections)
     router = Router(config, network_backend=net.backend(), journal=Journal(keep=100))
     await nursery.start(router.health.run)
-    return MemoryFleet(router, engines[0], engines[1])
+    return MemoryFleet(router, engines[0], engines[1], engines[2:])
 
 
 STREAM = {"model": MODEL, "prompt": "one two three", "max_tokens": 8, "stream": True}
@@ -253,3 +260,43 @@ async def test_measurement_contract(nursery: trio.Nursery, autojump_clock: Any) 
     assert line.outcome == "completed"
     assert line.attempts[0].producer == "p0"
     assert line.attempts[0].consumer == "d0"
+
+
+async def test_quarantine_excludes_a_failed_engine_and_readmits_it_on_time(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(
+        nursery, consumers=2, recovery=RecoveryConfig(failure_quarantine_s=5.0, eject_after=10)
+    )
+    d0, d1 = fleet.consumer, fleet.others[0]
+    d0.faults.push(Fault(kind="status", status=503))
+    for _ in range(2):  # placement alternates: d0 gets one of the first two requests
+        await fleet.request(STREAM)
+        if d0.counters["fault_status"]:
+            break
+    assert d0.counters["fault_status"] == 1
+    failed_at = trio.current_time()
+    served = len(d1.log)
+    for _ in range(4):
+        await fleet.request(STREAM)
+    assert len(d1.log) == served + 4  # d0 is quarantined: all traffic goes to d1
+    await trio.sleep_until(failed_at + 4.9)
+    await fleet.request(STREAM)
+    assert len(d1.log) == served + 5
+    await trio.sleep_until(failed_at + 5.0)
+    before = len(d0.log)
+    for _ in range(2):
+        await fleet.request(STREAM)
+    assert len(d0.log) == before + 1  # back in rotation, exactly on time
+    assert fleet.router.fleet.by_id["d0"].breaker.state.value == "closed"
+
+
+async def test_the_last_consumer_is_never_quarantined(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(nursery, recovery=RecoveryConfig(failure_quarantine_s=5.0))
+    fleet.consumer.faults.push(Fault(kind="status", status=503))
+    await fleet.request(STREAM)
+    sink = await fleet.request(STREAM)  # at once: the only consumer stays placeable
+    assert sink.events[-1][1] == "end"
+    assert trio.current_time() == 0.0

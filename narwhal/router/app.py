@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import trio
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from narwhal.faults import Phase, RequestFault
 from narwhal.router.requests import BadRequest, parse_request
@@ -152,6 +153,17 @@ class RouterApp:
                 "owned_by": "narwhal",
             }
             await respond(send, 200, msgspec.json.encode({"object": "list", "data": [card]}))
+        elif path == "/metrics":
+            router.health.refresh_gauges()
+            body = router.metrics.render()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
         elif path == "/narwhal/engines":
             await respond(send, 200, router.engines_view())
         else:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import msgspec
@@ -33,6 +35,7 @@ from narwhal.faults import (
     SilenceTimeout,
     StreamBroken,
 )
+from narwhal.metrics import Metrics
 from narwhal.router.assemble import Assembler
 from narwhal.router.fleet import EngineState, Fleet, LegPhase
 from narwhal.router.health import Health
@@ -74,6 +77,7 @@ class RouterState(Protocol):
     client: EngineClient
     fleet: Fleet
     health: Health
+    metrics: Metrics
     retry_budget: RetryBudget
     rng: random.Random
 
@@ -112,12 +116,18 @@ class RequestRun:
 
     async def execute(self) -> None:
         """Run attempts until one succeeds or a fault may not be retried (then it is raised)."""
+        metrics = self.router.metrics
         while True:
+            metrics.attempts.inc()
             try:
                 await self._attempt()
                 return
             except RequestFault as fault:
                 decision = self._retry_decision(fault)
+                if decision.retry:
+                    metrics.retries.inc()
+                elif fault.transient:
+                    metrics.retries_denied.labels(decision.reason).inc()
                 record = self.attempts[-1]
                 record.error, record.phase, record.retry = (
                     fault.message,
@@ -175,10 +185,11 @@ class RequestRun:
         health.success(producer)
         self.ttft_s = self.elapsed
         self.lifecycle.advance(Input.DESCRIPTOR)
-        consumer = self._place("decode", prefer_not=producer.id)
-        attempt.consumer = consumer.id
-        self._check_handoff_age(handoff_start)
-        self.lifecycle.advance(Input.DISPATCH)
+        with self._handoff_accounting():
+            consumer = self._place("decode", prefer_not=producer.id)
+            attempt.consumer = consumer.id
+            self._check_handoff_age(handoff_start)
+            self.lifecycle.advance(Input.DISPATCH)
         crossed = consumer is not producer
         try:
             await self._decode(consumer, result if crossed else None, attempt.number)
@@ -186,6 +197,24 @@ class RequestRun:
             health.failure(consumer, fault, "decode", producer if crossed else None)
             raise
         health.success(consumer)
+
+    @contextmanager
+    def _handoff_accounting(self) -> Iterator[None]:
+        """Count a descriptor's fate and how long it was held: consumed once its decode is
+        dispatched, expired when too old, orphaned when anything else drops it."""
+        metrics = self.router.metrics
+        produced_at = trio.current_time()
+        metrics.handoffs.labels("produced").inc()
+        fate = "orphaned"
+        try:
+            yield
+            fate = "consumed"
+        except HandoffExpired:
+            fate = "expired"
+            raise
+        finally:
+            metrics.handoffs.labels(fate).inc()
+            metrics.handoff_held.observe(trio.current_time() - produced_at)
 
     def _check_handoff_age(self, started: float) -> None:
         limit = self.router.config.serving.handoff_timeout_s
@@ -272,7 +301,10 @@ class RequestRun:
         )
         parser = SSEParser()
         pending: list[bytes] = []  # framed metadata held back until the commit point
+        token_gap = self.router.metrics.token_gap
+        last_output_at: float | None = None
         async for data in stream:
+            tokens_before = self.tokens
             out: list[bytes] = pending
             done = False
             try:
@@ -307,6 +339,11 @@ class RequestRun:
                 pending = out
                 continue
             pending = []
+            if self.tokens != tokens_before:
+                now = trio.current_time()
+                if last_output_at is not None:
+                    token_gap.observe(now - last_output_at)
+                last_output_at = now
             clock.deadline = math.inf  # a slow client is not a silent engine
             if streaming and out:
                 payload_bytes = b"".join(out)

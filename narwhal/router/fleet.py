@@ -8,7 +8,7 @@ included.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 from narwhal.config import EngineSpec, RecoveryConfig
 from narwhal.router.breaker import Breaker
@@ -17,12 +17,21 @@ LegPhase = Literal["prefill", "decode"]
 
 
 class EngineState:
-    __slots__ = ("breaker", "failed_as", "failed_with", "index", "inflight", "spec")
+    __slots__ = (
+        "breaker",
+        "failed_as",
+        "failed_with",
+        "index",
+        "inflight",
+        "inflight_gauges",
+        "spec",
+    )
 
     def __init__(self, spec: EngineSpec, index: int, recovery: RecoveryConfig) -> None:
         self.spec = spec
         self.index = index
         self.inflight: dict[LegPhase, int] = {"prefill": 0, "decode": 0}
+        self.inflight_gauges: dict[LegPhase, Any] = {}  # Prometheus children, when exported
         self.breaker = Breaker(recovery.eject_after, recovery.failure_quarantine_s)
         # the leg of its last counted failure, and the peer of that attempt: a consumer
         # that failed a crossed decode is probed with a handoff from that same producer
@@ -79,6 +88,9 @@ class Reservation:
 
     async def __aenter__(self) -> EngineState:
         self.engine.inflight[self.phase] += 1
+        gauge = self.engine.inflight_gauges.get(self.phase)
+        if gauge is not None:
+            gauge.inc()
         return self.engine
 
     async def __aexit__(
@@ -88,6 +100,9 @@ class Reservation:
         tb: TracebackType | None,
     ) -> None:
         self.engine.inflight[self.phase] -= 1
+        gauge = self.engine.inflight_gauges.get(self.phase)
+        if gauge is not None:
+            gauge.dec()
 
 
 class Fleet:
@@ -115,6 +130,15 @@ class Fleet:
         engines = self.producers if role == "prefill" else self.consumers
         healthy = [e for e in engines if e.breaker.healthy(now)]
         return (healthy, False) if healthy else (engines, True)
+
+    def held_in(self, now: float) -> set[str]:
+        """Ids of unhealthy engines that stay placeable as the last of a role."""
+        held: set[str] = set()
+        for role in ("prefill", "decode"):
+            engines, is_held = self.placeable(role, now)
+            if is_held:
+                held.update(e.id for e in engines)
+        return held
 
     def ready(self, now: float) -> bool:
         """At least one healthy producer and one healthy consumer."""

@@ -50,7 +50,10 @@ class Health:
     # ---- evidence from the data path -----------------------------------------------------
 
     def success(self, engine: EngineState) -> None:
+        streak = engine.breaker.streak
         engine.breaker.record_success()
+        if streak != engine.breaker.streak:
+            self.router.metrics.streak.labels(engine.id).set(engine.breaker.streak)
 
     def failure(
         self, engine: EngineState, fault: RequestFault, leg: LegPhase, peer: EngineState | None
@@ -59,7 +62,14 @@ class Health:
             return
         engine.failed_as, engine.failed_with = leg, peer.id if peer else None
         ejected = engine.breaker.record_failure(fault.breaker, fault.message, trio.current_time())
+        metrics = self.router.metrics
+        metrics.leg_failures.labels(engine.id, fault.breaker.value).inc()
+        metrics.streak.labels(engine.id).set(engine.breaker.streak)
+        if engine.breaker.quarantine_s > 0:
+            metrics.quarantined.labels(engine.id).set(1)
         if ejected:
+            metrics.ejections.labels(engine.id).inc()
+            metrics.ejected.labels(engine.id).set(1)
             self._ejected(engine, fault)
 
     def _ejected(self, engine: EngineState, fault: RequestFault) -> None:
@@ -120,6 +130,17 @@ class Health:
             seen = len(self.events)
             await self._changed.wait()
 
+    def refresh_gauges(self) -> None:
+        """Time-driven gauges (quarantine ends by the clock), brought up to date at scrape."""
+        now = trio.current_time()
+        metrics, fleet = self.router.metrics, self.router.fleet
+        held = fleet.held_in(now)
+        for engine in fleet.engines:
+            b = engine.breaker
+            metrics.quarantined.labels(engine.id).set(int(now < b.quarantined_until))
+            metrics.ejected.labels(engine.id).set(int(b.state is not BreakerState.CLOSED))
+            metrics.held_in.labels(engine.id).set(int(engine.id in held))
+
     def note_placement(self, role: LegPhase, held_in: bool) -> None:
         """Log once when a role starts or stops running on held-in (unhealthy) engines."""
         if held_in != self.held_in[role]:
@@ -146,10 +167,18 @@ class Health:
                 continue
             outcome = await self.probe(engine)
             engine.breaker.finish_probe(outcome)
-            self.event("probe", engine, outcome=outcome)
-            if outcome == "pass":
-                log.info("engine %s readmitted", engine.id)
-                self.event("readmitted", engine)
+            self._probed(engine, outcome)
+
+    def _probed(self, engine: EngineState, outcome: ProbeOutcome, **fields: Any) -> None:
+        metrics = self.router.metrics
+        metrics.probes.labels(engine.id, outcome).inc()
+        self.event("probe", engine, outcome=outcome, **fields)
+        if engine.breaker.state is BreakerState.CLOSED:
+            log.info("engine %s readmitted", engine.id)
+            metrics.readmissions.labels(engine.id).inc()
+            metrics.ejected.labels(engine.id).set(0)
+            metrics.streak.labels(engine.id).set(0)
+            self.event("readmitted", engine)
 
     async def probe(self, engine: EngineState) -> ProbeOutcome:
         """Decide, with real evidence, whether an ejected engine may take traffic again."""
@@ -266,7 +295,7 @@ class Health:
             passed = all(o == "pass" for o in outcomes.values())
             for engine in claimed:
                 engine.breaker.finish_probe("pass" if passed else "fail")
-                self.event("probe", engine, outcome=outcomes[engine.id], wave=True)
+                self._probed(engine, outcomes[engine.id], wave=True)
             if passed and self.maintenance:
                 self.maintenance = False
                 log.info("whole wave readmitted; maintenance over")

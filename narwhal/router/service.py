@@ -20,6 +20,7 @@ import trio
 from narwhal.config import FleetConfig
 from narwhal.engines.client import EngineClient
 from narwhal.faults import DeadlineExpired, InternalError, RequestFault
+from narwhal.metrics import ENDPOINTS, Metrics
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fleet import Fleet
 from narwhal.router.health import Health
@@ -43,6 +44,12 @@ class Router:
     ) -> None:
         self.config = config
         self.fleet = Fleet(config.engines, config.recovery)
+        self.metrics = Metrics(e.id for e in self.fleet.engines)
+        for engine in self.fleet.engines:
+            engine.inflight_gauges = {
+                phase: self.metrics.legs_inflight.labels(engine.id, phase)
+                for phase in ("prefill", "decode")
+            }
         self.health = Health(self)
         self.journal = journal or Journal()
         self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
@@ -62,20 +69,13 @@ class Router:
 
     def engines_view(self) -> bytes:
         now = trio.current_time()
-        held = {role: self.fleet.placeable(role, now)[1] for role in ("prefill", "decode")}
+        held = self.fleet.held_in(now)
         return msgspec.json.encode(
             {
                 "model": self.config.model,
                 "admitted": self.admitted,
                 "maintenance": self.health.maintenance,
-                "engines": [
-                    e.snapshot(
-                        now,
-                        held_in=(e.spec.can_prefill and held["prefill"])
-                        or (e.spec.can_decode and held["decode"]),
-                    )
-                    for e in self.fleet.engines
-                ],
+                "engines": [e.snapshot(now, held_in=e.id in held) for e in self.fleet.engines],
             }
         )
 
@@ -115,7 +115,9 @@ class Router:
                 run.cancel()  # the client is gone (or so is the notice of its failure)
             if run.outcome == "completed":
                 self.retry_budget.earn()
-            self.journal.write(run.journal_line())
+            line = run.journal_line()
+            self.journal.write(line)
+            self._export(line)
             self.admitted -= 1
             if not self.admitted:
                 self._drained.set()
@@ -125,22 +127,37 @@ class Router:
         self, rid: str, endpoint: str, outcome: Outcome, status: int | None, message: str
     ) -> None:
         """Journal a request that ended before admission (refused, or its client left)."""
-        self.journal.write(
-            JournalLine(
-                request_id=rid,
-                endpoint=endpoint,
-                stream=False,
-                outcome=outcome,
-                status=status,
-                phase="admission",
-                message=message,
-                attempts=[],
-                ttft_s=None,
-                first_byte_s=None,
-                tokens=0,
-                duration_s=0.0,
-            )
+        line = JournalLine(
+            request_id=rid,
+            endpoint=endpoint,
+            stream=False,
+            outcome=outcome,
+            status=status,
+            phase="admission",
+            message=message,
+            attempts=[],
+            ttft_s=None,
+            first_byte_s=None,
+            tokens=0,
+            duration_s=0.0,
         )
+        self.journal.write(line)
+        self._export(line)
+
+    def _export(self, line: JournalLine) -> None:
+        m = self.metrics
+        endpoint = ENDPOINTS.get(line.endpoint, "other")
+        m.requests.labels(endpoint, line.outcome, str(line.status or 0)).inc()
+        m.duration.observe(line.duration_s)
+        if line.ttft_s is not None:
+            m.ttft.observe(line.ttft_s)
+        if line.first_byte_s is not None:
+            m.first_byte.observe(line.first_byte_s)
+            if line.ttft_s is not None:
+                m.kv_transfer.observe(line.first_byte_s - line.ttft_s)
+        if line.outcome == "cancelled" and line.phase:
+            m.disconnects.labels(line.phase).inc()
+        m.retry_credits.set(self.retry_budget.credits)
 
     async def wait_drained(self) -> None:
         """Return once no admitted request is left (reservations are released by then)."""

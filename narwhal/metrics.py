@@ -1,0 +1,181 @@
+"""Prometheus metrics (``GET /metrics``), with prometheus-client.
+
+Every label value is bounded: endpoints, outcomes and HTTP statuses, engine ids from the
+fleet file, phases, breaker classes, probe outcomes, retry-denial reasons. No request ids,
+no raw messages. Series that may stay at zero are created at start, so dashboards and
+alerts see them before the first incident.
+
+With ``--workers N`` each worker writes to the directory named by
+``PROMETHEUS_MULTIPROC_DIR`` and a scrape of any worker sums them all (prometheus-client's
+multiprocess mode); gauges then say how they combine across workers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+# Buckets for LLM serving: handoffs are milliseconds to tens of seconds (KV stalls of
+# 15-30 s are real), inter-token gaps milliseconds to seconds, requests up to minutes.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TRANSFER_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    15.0,
+    30.0,
+)
+GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+OUTCOMES = ("completed", "failed", "expired", "cancelled", "rejected")
+PHASES = ("admission", "prefill", "handoff", "decode", "stream")
+BREAKER_CLASSES = ("stream", "unreachable", "descriptor")
+PROBE_OUTCOMES = ("pass", "fail", "inconclusive")
+DENIALS = ("not_transient", "after_output", "attempts", "deadline", "budget")
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class Metrics:
+    def __init__(self, engine_ids: Iterable[str]) -> None:
+        self.registry = registry = CollectorRegistry()
+        engine_ids = list(engine_ids)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...], mode: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry, multiprocess_mode=mode)  # type: ignore[arg-type]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, registry=registry, buckets=buckets)
+
+        self.requests = counter(
+            "narwhal_requests", "Finished client requests.", ("endpoint", "outcome", "status")
+        )
+        self.ttft = histogram(
+            "narwhal_ttft_seconds", "Arrival to producer (prefill) completion.", TTFT_BUCKETS
+        )
+        self.first_byte = histogram(
+            "narwhal_first_byte_seconds", "Arrival to the first generated token.", TTFT_BUCKETS
+        )
+        self.kv_transfer = histogram(
+            "narwhal_kv_transfer_seconds",
+            "first_byte - ttft: KV transfer plus decode queueing.",
+            TRANSFER_BUCKETS,
+        )
+        self.token_gap = histogram(
+            "narwhal_inter_token_gap_seconds",
+            "Gap between engine reads carrying output, after the first token.",
+            GAP_BUCKETS,
+        )
+        self.duration = histogram(
+            "narwhal_request_duration_seconds",
+            "Arrival to the end of the response.",
+            DURATION_BUCKETS,
+        )
+        self.attempts = counter("narwhal_attempts", "Prefill/decode attempts started.")
+        self.retries = counter("narwhal_retries", "Fresh attempts after a transient fault.")
+        self.retries_denied = counter(
+            "narwhal_retries_denied", "Faults not retried, by the rule that refused.", ("reason",)
+        )
+        self.retry_credits = gauge(
+            "narwhal_retry_credits", "Router-wide retry credits left.", (), "livemin"
+        )
+        self.disconnects = counter(
+            "narwhal_client_disconnects", "Clients gone before the end, by phase.", ("phase",)
+        )
+        self.handoffs = counter(
+            "narwhal_handoffs",
+            "Descriptors by fate: produced, consumed (decode dispatched), expired (too old), "
+            "orphaned (never dispatched: KV a producer holds for nothing).",
+            ("fate",),
+        )
+        self.handoff_held = histogram(
+            "narwhal_handoff_held_seconds",
+            "Producer completion to dispatch or abandonment of its descriptor.",
+            TRANSFER_BUCKETS,
+        )
+        engine = ("engine",)
+        self.legs_inflight = gauge(
+            "narwhal_engine_legs_inflight", "Legs in flight.", ("engine", "phase"), "livesum"
+        )
+        self.leg_failures = counter(
+            "narwhal_engine_leg_failures",
+            "Engine-side leg failures by breaker class.",
+            ("engine", "class"),
+        )
+        self.streak = gauge(
+            "narwhal_engine_breaker_streak", "Consecutive engine-side failures.", engine, "livemax"
+        )
+        self.ejected = gauge(
+            "narwhal_engine_ejected", "1 while the engine is out of placement.", engine, "livemax"
+        )
+        self.quarantined = gauge(
+            "narwhal_engine_quarantined", "1 while the engine is quarantined.", engine, "livemax"
+        )
+        self.held_in = gauge(
+            "narwhal_engine_held_in",
+            "1 while an unhealthy engine stays placeable as the last of its role.",
+            engine,
+            "livemax",
+        )
+        self.ejections = counter("narwhal_engine_ejections", "Ejections.", engine)
+        self.probes = counter("narwhal_engine_probes", "Readmission probes.", ("engine", "outcome"))
+        self.readmissions = counter("narwhal_engine_readmissions", "Readmissions.", engine)
+        self._initialise(engine_ids)
+
+    def _initialise(self, engine_ids: list[str]) -> None:
+        for endpoint in ENDPOINTS.values():
+            self.requests.labels(endpoint, "completed", "200")
+        for reason in DENIALS:
+            self.retries_denied.labels(reason)
+        for phase in PHASES:
+            self.disconnects.labels(phase)
+        for fate in ("produced", "consumed", "expired", "orphaned"):
+            self.handoffs.labels(fate)
+        for engine in engine_ids:
+            self.add_engine(engine)
+
+    def add_engine(self, engine: str) -> None:
+        for phase in ("prefill", "decode"):
+            self.legs_inflight.labels(engine, phase)
+        for cls in BREAKER_CLASSES:
+            self.leg_failures.labels(engine, cls)
+        for outcome in PROBE_OUTCOMES:
+            self.probes.labels(engine, outcome)
+        for metric in (self.streak, self.ejected, self.quarantined, self.held_in):
+            metric.labels(engine).set(0)
+        self.ejections.labels(engine)
+        self.readmissions.labels(engine)
+
+    def render(self) -> bytes:
+        """The exposition text; under multiprocess mode, summed over every worker."""
+        directory = multiprocess_dir()
+        if directory is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -73,7 +75,15 @@ def run_workers(
     os.environ[CONFIG_ENV] = os.path.abspath(config_path)
     if journal_path:
         os.environ[JOURNAL_ENV] = os.path.abspath(journal_path)
+    own_dir = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # every worker writes its metrics here; a scrape of any worker sums them all
+        own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="narwhal-prom-")
     hc = hypercorn_config(fleet, host, port)
     hc.workers = workers
     hc.application_path = "narwhal.server:app_from_environment()"
-    return int(run(hc))
+    try:
+        return int(run(hc))
+    finally:
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)

@@ -35,7 +35,8 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
             line = proc.stderr.readline()
             if not line:
                 break
-            if ("fake-engine" in line or "narwhal: serving" in line) and URL.search(line):
+            announced = ("fake-engine", "narwhal: serving", "Running on")
+            if any(a in line for a in announced) and URL.search(line):
                 url = URL.search(line).group(1)  # type: ignore[union-attr]
                 break
         assert url, f"{args[0]} did not start"
@@ -144,3 +145,35 @@ def test_check_on_the_command_line(tmp_path: Path) -> None:
     )
     assert refused.returncode == 2
     assert "engines: required" in refused.stderr
+
+
+def test_metrics_are_summed_over_workers(tmp_path: Path) -> None:
+    with (
+        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
+        _process("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
+    ):
+        fleet = tmp_path / "fleet.toml"
+        fleet.write_text(
+            f'model = "fake-model"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
+            f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
+        )
+        with _process("serve", "--config", str(fleet), "--port", "0", "--workers", "2") as (_, url):
+            for _ in range(30):  # a new connection each: the kernel spreads them over workers
+                request = urllib.request.Request(
+                    url + "/v1/completions",
+                    data=b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2}',
+                    headers={"content-type": "application/json", "connection": "close"},
+                )
+                with urllib.request.urlopen(request, timeout=20) as resp:
+                    assert resp.status == 200
+            for _ in range(4):  # whichever worker answers the scrape reports every request
+                with urllib.request.urlopen(url + "/metrics", timeout=20) as resp:
+                    text = resp.read().decode()
+                line = next(
+                    x
+                    for x in text.splitlines()
+                    if x.startswith("narwhal_requests_total{")
+                    and 'outcome="completed"' in x
+                    and 'endpoint="completions"' in x
+                )
+                assert float(line.rsplit(" ", 1)[1]) == 30.0

@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -24,6 +25,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1)
     serve.add_argument("--journal", help="append one JSON line per finished request here")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text")
+    serve.add_argument("--log-level", default="info")
 
     fake = sub.add_parser("fake-engine", help="run the built-in stand-in for a vLLM engine")
     fake.add_argument("--port", type=int, required=True)
@@ -57,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from narwhal.logs import configure
+
+    configure(args.log_format, args.log_level)
     try:
         fleet = load_config(args.config)
     except ConfigError as exc:
@@ -70,24 +76,27 @@ def _serve(args: argparse.Namespace) -> int:
     from narwhal.router.service import Router
     from narwhal.server import serve
 
-    router = Router(fleet, journal=Journal(args.journal))
+    router = Router(fleet, journal=Journal(args.journal), config_path=args.config)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(
-                partial(
-                    serve,
-                    fleet,
-                    host=args.host,
-                    port=args.port,
-                    router=router,
-                    shutdown_trigger=_signalled,
+            nursery.start_soon(_reload_on_sighup, router)
+            async with trio.open_nursery() as server:
+                url = await server.start(
+                    partial(
+                        serve,
+                        fleet,
+                        host=args.host,
+                        port=args.port,
+                        router=router,
+                        shutdown_trigger=_signalled,
+                    )
                 )
-            )
-            print(
-                f"narwhal: serving {fleet.model} on {url} with {len(fleet.engines)} engine(s)",
-                file=sys.stderr,
-            )
+                print(
+                    f"narwhal: serving {fleet.model} on {url} with {len(fleet.engines)} engine(s)",
+                    file=sys.stderr,
+                )
+            nursery.cancel_scope.cancel()  # the server is done (drained): stop listening for SIGHUP
 
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(main)
@@ -105,6 +114,16 @@ def _check(args: argparse.Namespace) -> int:
     lines, ok = trio.run(check_fleet, fleet)
     print("\n".join(lines))
     return 0 if ok else 1
+
+
+async def _reload_on_sighup(router: Any) -> None:
+    """SIGHUP re-reads the fleet file; an invalid one is reported and the fleet kept."""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            try:
+                router.reload_file()
+            except ConfigError as exc:
+                print(exc.render() + "\nkeeping the running fleet", file=sys.stderr, flush=True)
 
 
 async def _signalled() -> None:

@@ -153,6 +153,13 @@ class InternalError(RequestFault):
     """A bug in the router: reported as 500, never blamed on an engine."""
 
 
+class ShuttingDown(RequestFault):
+    """The router is draining: new requests are refused, stragglers ended."""
+
+    status = 503
+    kind = "service_unavailable"
+
+
 class NoCapacity(RequestFault):
     """No placeable producer or consumer (503 with Retry-After)."""
 

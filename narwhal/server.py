@@ -15,7 +15,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from narwhal.config import FleetConfig, load_config
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
-from narwhal.router.service import Router
+from narwhal.router.service import FAIL_SEND_BOUND_S, Router
 
 CONFIG_ENV = "NARWHAL_CONFIG_PATH"
 JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"
@@ -25,7 +25,9 @@ def hypercorn_config(fleet: FleetConfig, host: str, port: int) -> HypercornConfi
     hc = HypercornConfig()
     hc.bind = [f"{host}:{port}"]
     hc.worker_class = "trio"
-    hc.graceful_timeout = fleet.serving.graceful_timeout_s
+    # the router ends stragglers itself at graceful_timeout_s (with a terminal event);
+    # hypercorn's own limit only backs that up
+    hc.graceful_timeout = fleet.serving.graceful_timeout_s + FAIL_SEND_BOUND_S + 1.0
     hc.accesslog = None
     hc.keep_alive_timeout = 75  # longer than common client idle timeouts
     # Our own limit applies to the body; this bounds headers and the h11 buffer.
@@ -43,9 +45,15 @@ async def serve(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until ``shutdown_trigger`` returns; report the base URL through ``nursery.start``."""
-    app: Any = RouterApp(router or Router(fleet))  # hypercorn's ASGI types are structural
+    router = router or Router(fleet)
+    app: Any = RouterApp(router)  # hypercorn's ASGI types are structural
     hc = hypercorn_config(fleet, host, port)
-    trigger = shutdown_trigger or trio.sleep_forever
+    wait = shutdown_trigger or trio.sleep_forever
+
+    async def trigger() -> None:
+        await wait()
+        router.begin_drain()  # then hypercorn stops accepting and waits for the handlers
+
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
             lambda task_status: hypercorn_serve(

@@ -15,7 +15,8 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from narwhal.faults import Phase, RequestFault
+from narwhal.config import ConfigError
+from narwhal.faults import Phase, RequestFault, ShuttingDown
 from narwhal.router.requests import BadRequest, parse_request
 from narwhal.router.service import Router
 
@@ -132,6 +133,23 @@ class RouterApp:
         if (method, path) == ("POST", "/narwhal/lifecycle/readmit"):
             await self._readmit_wave(receive, send)
             return
+        if (method, path) == ("POST", "/narwhal/reload"):
+            try:
+                change = router.reload_file()
+            except ConfigError as exc:
+                error = {
+                    "error": {
+                        "message": exc.render(),
+                        "type": "invalid_fleet_file",
+                        "param": None,
+                        "code": 400,
+                        "problems": exc.problems,
+                    }
+                }
+                await respond(send, 400, msgspec.json.encode(error))
+                return
+            await respond(send, 200, msgspec.json.encode(change))
+            return
         if method != "GET":
             await _error(send, 404, "not_found_error", f"no such endpoint: {method} {path}")
             return
@@ -140,7 +158,9 @@ class RouterApp:
             status = b"maintenance" if maintenance else b"ok"
             await respond(send, 200, b'{"status":"%s"}' % status)
         elif path == "/ready":
-            if not maintenance and router.fleet.ready(trio.current_time()):
+            if router.draining:
+                await respond(send, 503, b'{"status":"draining"}')
+            elif not maintenance and router.fleet.ready(trio.current_time()):
                 await respond(send, 200, b'{"status":"ready"}')
             else:
                 state = b"maintenance" if maintenance else b"no healthy producer or consumer"
@@ -177,6 +197,10 @@ class RouterApp:
         serving = router.config.serving
         try:
             raw = await _read_body(scope, receive, serving.max_request_bytes)
+            if router.draining:
+                raise ShuttingDown(
+                    "router shutting down: not taking new requests", phase=Phase.ADMISSION
+                )
             if router.health.maintenance:
                 raise Maintenance(
                     "router in maintenance (whole-wave restart): an engine was ejected; "

@@ -107,11 +107,30 @@ class Reservation:
 
 class Fleet:
     def __init__(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
-        self.engines = [EngineState(spec, i, recovery) for i, spec in enumerate(specs)]
-        self.by_id = {e.id: e for e in self.engines}
-        self.producers = [e for e in self.engines if e.spec.can_prefill]
-        self.consumers = [e for e in self.engines if e.spec.can_decode]
+        self.engines: list[EngineState] = []
+        self.by_id: dict[str, EngineState] = {}
+        self.producers: list[EngineState] = []
+        self.consumers: list[EngineState] = []
         self.turn = 0  # rotates ties so equal engines share load
+        self.reload(specs, recovery)
+
+    def reload(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
+        """Engines keep their state (breaker, in-flight counts) when id and URL stay; a
+        removed engine leaves the lists, and its in-flight legs release on the old object."""
+        engines = []
+        for i, spec in enumerate(specs):
+            state = self.by_id.get(spec.id)
+            if state is None or state.spec.url != spec.url:
+                state = EngineState(spec, i, recovery)
+            else:
+                state.spec, state.index = spec, i
+                state.breaker.eject_after = recovery.eject_after
+                state.breaker.quarantine_s = recovery.failure_quarantine_s
+            engines.append(state)
+        self.engines = engines
+        self.by_id = {e.id: e for e in engines}
+        self.producers = [e for e in engines if e.spec.can_prefill]
+        self.consumers = [e for e in engines if e.spec.can_decode]
 
     def reserve(self, engine: EngineState, phase: LegPhase) -> Reservation:
         return Reservation(engine, phase)

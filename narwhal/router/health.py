@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from narwhal.faults import BreakerClass, RequestFault
+from narwhal.logs import log_event
 from narwhal.router.breaker import BreakerState, ProbeOutcome
 from narwhal.router.fleet import EngineState, LegPhase
 from narwhal.router.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from narwhal.router.service import Router
 
 log = logging.getLogger("narwhal.health")
+_ROUTINE = frozenset({"probe", "readmitted", "held_in_ended"})
 
 
 class Health:
@@ -73,12 +75,6 @@ class Health:
             self._ejected(engine, fault)
 
     def _ejected(self, engine: EngineState, fault: RequestFault) -> None:
-        log.warning(
-            "engine %s ejected after %d failures: %s",
-            engine.id,
-            engine.breaker.streak,
-            fault.message,
-        )
         self.event(
             "ejected",
             engine,
@@ -88,27 +84,27 @@ class Health:
         )
         if self.router.config.recovery.restart_policy == "whole_wave":
             if not self.maintenance:
-                log.warning(
-                    "whole-wave policy: router in maintenance until the fleet is "
-                    "readmitted together"
-                )
                 self.event("maintenance", None, state="entered")
             self.maintenance = True
-            self._start(self._wave_loop)
+            self.start_background(self._wave_loop)
         else:
-            self._start(self._readmission_loop, engine)
+            self.start_background(self._readmission_loop, engine)
 
-    def _start(self, fn: Any, *args: Any) -> None:
+    def start_background(self, fn: Any, *args: Any) -> None:
+        """Run ``fn`` in the server-owned nursery (never in a request's)."""
         if self.nursery is None:
-            log.error("no background nursery: readmission cannot run")
+            log.error("no background nursery: %s cannot run", getattr(fn, "__name__", fn))
             return
         self.nursery.start_soon(fn, *args)
 
     def event(self, kind: str, engine: EngineState | None, **fields: Any) -> None:
+        """Journal, log and announce an engine event (ejection, probe, readmission...)."""
         line = {"event": kind, "at": round(time.time(), 3), **fields}
         if engine is not None:
             line["engine"] = engine.id
         self.router.journal.event(line)
+        level = logging.INFO if kind in _ROUTINE else logging.WARNING
+        log_event(log, level, f"engine event: {kind}", line)
         self.events.append(line)
         del self.events[:-1000]
         self._changed.set()
@@ -145,9 +141,7 @@ class Health:
         """Log once when a role starts or stops running on held-in (unhealthy) engines."""
         if held_in != self.held_in[role]:
             self.held_in[role] = held_in
-            log.warning(
-                "%s: no healthy engine left; the last ones stay placeable", role
-            ) if held_in else log.info("%s: healthy engines are back", role)
+            # held in: no healthy engine of the role is left; the last ones stay placeable
             self.event("held_in" if held_in else "held_in_ended", None, role=role)
 
     # ---- background ----------------------------------------------------------------------
@@ -163,6 +157,8 @@ class Health:
         interval = self.router.config.recovery.readmit_interval_s
         while engine.breaker.state is not BreakerState.CLOSED:
             await trio.sleep(interval)
+            if self.router.fleet.by_id.get(engine.id) is not engine:
+                return  # removed from the fleet by a reload
             if not engine.breaker.start_probe(trio.current_time()):
                 continue
             outcome = await self.probe(engine)
@@ -174,7 +170,6 @@ class Health:
         metrics.probes.labels(engine.id, outcome).inc()
         self.event("probe", engine, outcome=outcome, **fields)
         if engine.breaker.state is BreakerState.CLOSED:
-            log.info("engine %s readmitted", engine.id)
             metrics.readmissions.labels(engine.id).inc()
             metrics.ejected.labels(engine.id).set(0)
             metrics.streak.labels(engine.id).set(0)
@@ -298,6 +293,5 @@ class Health:
                 self._probed(engine, outcomes[engine.id], wave=True)
             if passed and self.maintenance:
                 self.maintenance = False
-                log.info("whole wave readmitted; maintenance over")
                 self.event("maintenance", None, state="ended")
             return outcomes

@@ -17,9 +17,10 @@ import httpcore
 import msgspec
 import trio
 
-from narwhal.config import FleetConfig
+from narwhal.config import ConfigError, FleetConfig, load_config
 from narwhal.engines.client import EngineClient
-from narwhal.faults import DeadlineExpired, InternalError, RequestFault
+from narwhal.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
+from narwhal.logs import log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fleet import Fleet
@@ -41,6 +42,7 @@ class Router:
         network_backend: httpcore.AsyncNetworkBackend | None = None,
         journal: Journal | None = None,
         rng: random.Random | None = None,
+        config_path: str | None = None,
     ) -> None:
         self.config = config
         self.fleet = Fleet(config.engines, config.recovery)
@@ -61,6 +63,9 @@ class Router:
             api_key=api_key,
             network_backend=network_backend,  # None: real sockets; tests pass a memory network
         )
+        self.config_path = config_path
+        self.draining = False
+        self._running: set[trio.CancelScope] = set()
         self.received = 0  # requests to a completion endpoint, admitted or not
         self.admitted = 0
         self.disconnects = 0
@@ -88,27 +93,28 @@ class Router:
     ) -> RequestRun:
         """Serve one admitted request to its single terminal outcome."""
         run = RequestRun(self, req, rid, sink)
-        timeout = self.config.serving.request_timeout_s
         if not self.admitted:
             self._drained = trio.Event()
         self.admitted += 1
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, sink)
-                with trio.move_on_at(run.arrival + timeout) as deadline:
+                # drain_scope: cancelled when a graceful shutdown runs out of patience
+                with trio.CancelScope() as drain_scope:
+                    self._running.add(drain_scope)
                     try:
-                        await run.execute()
-                    except RequestFault as fault:
-                        await run.fail(fault)
-                    except Exception as exc:
-                        # a bug of ours must still end the request honestly, never hang it
-                        log.exception("request %s failed inside the router", rid)
-                        await run.fail(
-                            InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
-                        )
-                if deadline.cancelled_caught:
+                        await self._run_until_deadline(run)
+                    finally:
+                        self._running.discard(drain_scope)
+                if drain_scope.cancelled_caught:
                     with trio.move_on_after(FAIL_SEND_BOUND_S):
-                        await run.fail(DeadlineExpired(timeout, phase=run.phase))
+                        await run.fail(
+                            ShuttingDown(
+                                "router shutting down: the request outlived the graceful timeout "
+                                f"({self.config.serving.graceful_timeout_s:g}s)",
+                                phase=run.phase,
+                            )
+                        )
                 nursery.cancel_scope.cancel()
         finally:
             if run.lifecycle.state is not State.FINISHED:
@@ -118,10 +124,74 @@ class Router:
             line = run.journal_line()
             self.journal.write(line)
             self._export(line)
+            log_request(line)
             self.admitted -= 1
             if not self.admitted:
                 self._drained.set()
         return run
+
+    async def _run_until_deadline(self, run: RequestRun) -> None:
+        timeout = self.config.serving.request_timeout_s
+        with trio.move_on_at(run.arrival + timeout) as deadline:
+            try:
+                await run.execute()
+            except RequestFault as fault:
+                await run.fail(fault)
+            except Exception as exc:
+                # a bug of ours must still end the request honestly, never hang it
+                log.exception("request %s failed inside the router", run.rid)
+                await run.fail(
+                    InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
+                )
+        if deadline.cancelled_caught:
+            with trio.move_on_after(FAIL_SEND_BOUND_S):
+                await run.fail(DeadlineExpired(timeout, phase=run.phase))
+
+    def begin_drain(self) -> None:
+        """Graceful shutdown: refuse new requests (``/ready`` 503) and give the running ones
+        ``serving.graceful_timeout_s`` before their streams end with a terminal event."""
+        if self.draining:
+            return
+        self.draining = True
+        grace = self.config.serving.graceful_timeout_s
+        log_event(log, logging.WARNING, "draining", {"in_flight": self.admitted, "grace_s": grace})
+        self.health.start_background(self._end_stragglers, grace)
+
+    async def _end_stragglers(self, grace: float) -> None:
+        await trio.sleep(grace)
+        for scope in list(self._running):
+            scope.cancel()
+
+    def reload(self, new: FleetConfig) -> dict[str, list[str]]:
+        """Apply a new fleet file: added engines take traffic at once, removed ones get no
+        new legs while their in-flight legs finish; timeouts and limits apply to new
+        requests."""
+        before = {e.id for e in self.fleet.engines}
+        self.config = new
+        self.fleet.reload(new.engines, new.recovery)
+        for engine in self.fleet.engines:
+            if engine.id not in before:
+                self.metrics.add_engine(engine.id)
+            engine.inflight_gauges = {
+                phase: self.metrics.legs_inflight.labels(engine.id, phase)
+                for phase in ("prefill", "decode")
+            }
+        self.retry_budget.cap = new.serving.retry_budget
+        self.retry_budget.replenish = new.serving.retry_replenish
+        after = {e.id for e in self.fleet.engines}
+        change = {
+            "engines": [e.id for e in self.fleet.engines],
+            "added": sorted(after - before),
+            "removed": sorted(before - after),
+        }
+        log_event(log, logging.WARNING, "fleet reloaded", dict(change))
+        return change
+
+    def reload_file(self) -> dict[str, list[str]]:
+        """Re-read the fleet file; a ConfigError leaves the running fleet untouched."""
+        if self.config_path is None:
+            raise ConfigError("<none>", ["the router was not started from a fleet file"])
+        return self.reload(load_config(self.config_path))
 
     def journal_unadmitted(
         self, rid: str, endpoint: str, outcome: Outcome, status: int | None, message: str
@@ -143,6 +213,7 @@ class Router:
         )
         self.journal.write(line)
         self._export(line)
+        log_request(line)
 
     def _export(self, line: JournalLine) -> None:
         m = self.metrics

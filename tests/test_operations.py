@@ -1,0 +1,211 @@
+"""Operating the router: graceful shutdown, fleet reload, structured logs without secrets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpcore
+import msgspec
+import trio
+
+from narwhal.config import ServingConfig
+from narwhal.sse import SSEParser
+from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
+from tests.conftest import MODEL, finish, start_fleet
+from tests.test_cli import _process
+
+STREAM = {"model": MODEL, "prompt": "hello there", "stream": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _stream(
+    http: httpcore.AsyncConnectionPool, url: str, max_tokens: int, first: trio.Event | None = None
+) -> list[bytes]:
+    body = msgspec.json.encode({**STREAM, "max_tokens": max_tokens})
+    parser, events = SSEParser(), []
+    async with http.stream(
+        "POST",
+        url + "/v1/completions",
+        content=body,
+        headers=[("content-type", "application/json")],
+    ) as resp:
+        assert resp.status == 200
+        async for chunk in resp.aiter_stream():
+            events += parser.feed(chunk)
+            if first is not None and events:
+                first.set()
+    return events
+
+
+async def test_draining_refuses_new_work_and_ends_stragglers_with_a_terminal_event(
+    nursery: trio.Nursery,
+) -> None:
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        engine_config={"itl_s": 0.05},
+        serving=ServingConfig(graceful_timeout_s=0.5),
+    )
+    first = trio.Event()
+    result: list[list[bytes]] = []
+
+    async def long_stream() -> None:
+        result.append(await _stream(harness.http, harness.url, 200, first))
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(long_stream)
+        await first.wait()
+        started = trio.current_time()
+        harness.router.begin_drain()
+        ready = await harness.get("/ready")
+        assert (ready.status, ready.json()) == (503, {"status": "draining"})
+        refused = await harness.post("/v1/completions", {**STREAM, "max_tokens": 2})
+        assert refused.status == 503
+        assert refused.json()["error"]["message"].startswith("router shutting down")
+    elapsed = trio.current_time() - started
+    (events,) = result
+    assert b'"error"' not in events[0]
+    terminal = msgspec.json.decode(events[-1])["error"]
+    assert terminal["code"] == 503
+    assert terminal["message"].startswith("router shutting down")
+    assert 0.5 <= elapsed < 3.0
+    await finish(harness)
+
+
+async def test_reload_adds_and_removes_engines(nursery: trio.Nursery, tmp_path: Path) -> None:
+    harness = await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, engine_config={"itl_s": 0.02}
+    )
+    d1 = FakeEngine(FakeEngineConfig(model=MODEL, role="decode"))
+    d1_url = await nursery.start(d1.serve)
+    path = tmp_path / "fleet.json"
+    harness.router.config_path = str(path)
+    config = msgspec.to_builtins(harness.router.config)
+    config.pop("engine_contract")
+    assert (await harness.post("/narwhal/reload", b"")).status == 400  # no file yet: kept
+
+    first = trio.Event()
+    result: list[list[bytes]] = []
+
+    async def in_flight() -> None:
+        result.append(await _stream(harness.http, harness.url, 40, first))
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(in_flight)  # a stream on d0, still running during the reload
+        await first.wait()
+        config["engines"] = [config["engines"][0], {"id": "d1", "url": d1_url, "role": "decode"}]
+        path.write_text(json.dumps(config))
+        reply = await harness.post("/narwhal/reload", b"")
+        assert reply.json() == {"engines": ["p0", "d1"], "added": ["d1"], "removed": ["d0"]}
+        for _ in range(3):
+            assert (
+                await harness.post("/v1/completions", {**STREAM, "max_tokens": 2})
+            ).status == 200
+    assert result[0][-1] == b"[DONE]"  # d0's in-flight leg finished normally
+    assert len(d1.log) == 3  # every new request went to the added engine
+    assert len(harness.engines["d0"].log) == 1
+
+    path.write_text(json.dumps({**config, "serving": {"max_inflight": 0, "bogus": 1}}))
+    reply = await harness.post("/narwhal/reload", b"")
+    assert reply.status == 400
+    assert reply.json()["error"]["problems"] == [
+        "serving.bogus: unknown key in [serving] (known: api_keys_env, graceful_timeout_s, "
+        "handoff_timeout_s, max_attempts, max_inflight, max_request_bytes, prefill_timeout_s, "
+        "request_timeout_s, retry_backoff_s, retry_budget, retry_replenish)",
+        "serving.max_inflight: must be an integer >= 1 (got 0)",
+    ]
+    assert (await harness.post("/v1/completions", {**STREAM, "max_tokens": 2})).status == 200
+    assert len(d1.log) == 4  # the running fleet was kept
+    await finish(harness)
+
+
+async def test_sigterm_drains_a_real_process_and_exits_zero(tmp_path: Path) -> None:
+    os.environ["NARWHAL_TEST_ENGINE_KEY"] = "sk-engine-secret-42"
+    with (
+        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
+        _process("fake-engine", "--port", "0", "--role", "decode", "--itl-s", "0.05") as (_, d_url),
+    ):
+        fleet = tmp_path / "fleet.toml"
+        text = (
+            f'model = "{MODEL}"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
+            f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
+            "[serving]\ngraceful_timeout_s = 1.0\n"
+            '[engine]\napi_key_env = "NARWHAL_TEST_ENGINE_KEY"\n'
+        )
+        fleet.write_text(text)
+        log_path = tmp_path / "router.log"
+        port = _free_port()
+        with log_path.open("w") as log:
+            router = await trio.lowlevel.open_process(
+                [
+                    sys.executable,
+                    "-m",
+                    "narwhal",
+                    "serve",
+                    "--config",
+                    str(fleet),
+                    "--port",
+                    str(port),
+                    "--log-format",
+                    "json",
+                ],
+                stderr=log,
+                stdout=subprocess.DEVNULL,
+            )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            async with httpcore.AsyncConnectionPool() as http:
+                with trio.fail_after(20):
+                    while True:  # bounded by fail_after: the process is starting
+                        try:
+                            if (await http.request("GET", url + "/health")).status == 200:
+                                break
+                        except httpcore.ConnectError:
+                            await trio.sleep(0.1)
+                # an invalid fleet file on SIGHUP is reported and the running fleet kept
+                fleet.write_text(text + "bogus = 1\n")
+                router.send_signal(signal.SIGHUP)
+                short: list[list[bytes]] = []
+                long: list[list[bytes]] = []
+                first = trio.Event()
+
+                async def run(out: list[list[bytes]], n: int, ev: trio.Event | None) -> None:
+                    out.append(await _stream(http, url, n, ev))
+
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(run, long, 400, first)
+                    await first.wait()
+                    inner.start_soon(run, short, 8, None)
+                    await trio.sleep(0.1)  # let the short one be admitted before the signal
+                    router.send_signal(signal.SIGTERM)
+            assert short[0][-1] == b"[DONE]"  # finished inside the graceful timeout
+            terminal = msgspec.json.decode(long[0][-1])["error"]
+            assert terminal["code"] == 503
+            assert terminal["message"].startswith("router shutting down")
+            with trio.fail_after(10):
+                assert await router.wait() == 0
+        finally:
+            if router.poll() is None:
+                router.kill()
+                with trio.move_on_after(5):
+                    await router.wait()
+    logs = log_path.read_text()
+    assert "sk-engine-secret-42" not in logs
+    records = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+    requests = [r for r in records if r["msg"] == "request"]
+    assert sorted(r["outcome"] for r in requests) == ["completed", "failed"]
+    assert all(len(r["request_id"]) == 16 and "ttft_s" in r for r in requests)
+    assert any(r["msg"] == "draining" for r in records)
+    assert "keeping the running fleet" in logs
+    assert "bogus: unknown key" in logs

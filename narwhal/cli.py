@@ -71,7 +71,16 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers > 1:
         from narwhal.server import run_workers
 
-        return run_workers(args.config, fleet, args.host, args.port, args.workers, args.journal)
+        return run_workers(
+            args.config,
+            fleet,
+            args.host,
+            args.port,
+            args.workers,
+            args.journal,
+            args.log_format,
+            args.log_level,
+        )
     from narwhal.router.journal import Journal
     from narwhal.router.service import Router
     from narwhal.server import serve

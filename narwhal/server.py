@@ -13,12 +13,15 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from narwhal.config import FleetConfig, load_config
+from narwhal.logs import configure as configure_logs
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
 from narwhal.router.service import FAIL_SEND_BOUND_S, Router
 
 CONFIG_ENV = "NARWHAL_CONFIG_PATH"
 JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"
+LOG_FORMAT_ENV = "NARWHAL_LOG_FORMAT"
+LOG_LEVEL_ENV = "NARWHAL_LOG_LEVEL"
 
 
 def hypercorn_config(fleet: FleetConfig, host: str, port: int) -> HypercornConfig:
@@ -65,8 +68,13 @@ async def serve(
 
 def app_from_environment() -> RouterApp:
     """The app each worker process builds (``--workers N``): config path from the env."""
+    configure_logs(
+        os.environ.get(LOG_FORMAT_ENV, "text"),  # type: ignore[arg-type]
+        os.environ.get(LOG_LEVEL_ENV, "info"),
+    )
     journal = Journal(os.environ.get(JOURNAL_ENV) or None)
-    return RouterApp(Router(load_config(os.environ[CONFIG_ENV]), journal=journal))
+    path = os.environ[CONFIG_ENV]
+    return RouterApp(Router(load_config(path), journal=journal, config_path=path))
 
 
 def run_workers(
@@ -76,11 +84,14 @@ def run_workers(
     port: int,
     workers: int,
     journal_path: str | None = None,
+    log_format: str = "text",
+    log_level: str = "info",
 ) -> int:
     """N worker processes sharing one listening socket (hypercorn's multiprocess runner)."""
     from hypercorn.run import run
 
     os.environ[CONFIG_ENV] = os.path.abspath(config_path)
+    os.environ[LOG_FORMAT_ENV], os.environ[LOG_LEVEL_ENV] = log_format, log_level
     if journal_path:
         os.environ[JOURNAL_ENV] = os.path.abspath(journal_path)
     own_dir = None

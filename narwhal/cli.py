@@ -85,7 +85,11 @@ def _serve(args: argparse.Namespace) -> int:
     from narwhal.router.service import Router
     from narwhal.server import serve
 
-    router = Router(fleet, journal=Journal(args.journal), config_path=args.config)
+    try:
+        router = Router(fleet, journal=Journal(args.journal), config_path=args.config)
+    except ConfigError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 2
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

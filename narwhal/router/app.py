@@ -31,6 +31,8 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
 ]
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# liveness, readiness and scrapes stay open to the platform; everything else needs a key
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 RETRY_AFTER_S = b"1"
 
 
@@ -123,6 +125,14 @@ class RouterApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
+        if path not in _OPEN_PATHS and not self.router.api_keys.allows(scope["headers"]):
+            if path in _COMPLETION_PATHS:
+                self.router.received += 1
+                self.router.journal_unadmitted(
+                    secrets.token_hex(8), path, "rejected", 401, "missing or invalid API key"
+                )
+            await _error(send, 401, "authentication_error", "missing or invalid API key")
+            return
         if path in _COMPLETION_PATHS:
             if method != "POST":
                 await _error(send, 405, "method_not_allowed", f"{path} takes POST")

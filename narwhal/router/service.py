@@ -22,6 +22,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
 from narwhal.logs import log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
+from narwhal.router.auth import ApiKeys
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fleet import Fleet
 from narwhal.router.health import Health
@@ -45,6 +46,7 @@ class Router:
         config_path: str | None = None,
     ) -> None:
         self.config = config
+        self.api_keys = ApiKeys(config.serving.api_keys_env)
         self.fleet = Fleet(config.engines, config.recovery)
         self.metrics = Metrics(e.id for e in self.fleet.engines)
         for engine in self.fleet.engines:
@@ -167,6 +169,7 @@ class Router:
         new legs while their in-flight legs finish; timeouts and limits apply to new
         requests."""
         before = {e.id for e in self.fleet.engines}
+        self.api_keys = ApiKeys(new.serving.api_keys_env)  # an unset variable refuses the file
         self.config = new
         self.fleet.reload(new.engines, new.recovery)
         for engine in self.fleet.engines:

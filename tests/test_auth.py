@@ -1,0 +1,48 @@
+"""Client API keys: 401 without the right bearer key; operations endpoints stay open."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from narwhal.config import ConfigError, ServingConfig
+from narwhal.router.auth import ApiKeys
+from tests.conftest import MODEL, finish, start_fleet
+
+BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+
+async def test_keys_are_required_when_configured(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NARWHAL_TEST_CLIENT_KEYS", "key-one, key-two")
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        serving=ServingConfig(api_keys_env="NARWHAL_TEST_CLIENT_KEYS", graceful_timeout_s=0.5),
+    )
+    for headers in (
+        {},
+        {"authorization": "Bearer key-three"},
+        {"authorization": "key-one"},
+        {"authorization": "Bearer key-on"},
+    ):
+        reply = await harness.post("/v1/completions", BODY, headers)
+        assert reply.status == 401
+        assert reply.json()["error"]["type"] == "authentication_error"
+    assert not harness.engines["p0"].log  # nothing reached an engine
+    for key in ("key-one", "key-two"):
+        reply = await harness.post("/v1/completions", BODY, {"authorization": f"Bearer {key}"})
+        assert reply.status == 200
+    assert (await harness.get("/narwhal/engines")).status == 401
+    assert (await harness.post("/narwhal/reload", b"")).status == 401
+    for open_path in ("/health", "/ready", "/metrics"):
+        assert (await harness.get(open_path)).status == 200
+    await finish(harness)
+
+
+def test_an_unset_key_variable_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NARWHAL_TEST_NO_SUCH_VAR", raising=False)
+    with pytest.raises(ConfigError, match="NARWHAL_TEST_NO_SUCH_VAR is unset or empty"):
+        ApiKeys("NARWHAL_TEST_NO_SUCH_VAR")
+    assert ApiKeys("").allows([])  # no variable named: an open router

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +50,8 @@ def start(*args: str) -> tuple[subprocess.Popen[str], str]:
         line = proc.stderr.readline()
         match = URL.search(line)
         if match and ("fake-engine" in line or "narwhal: serving" in line):
+            # keep draining: a full pipe would block the process (one log line per request)
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
             return proc, match.group(1)
     proc.kill()
     raise RuntimeError(f"{args[0]} did not start")
@@ -91,6 +94,16 @@ async def drive(url: str, requests: int, concurrency: int, tokens: int) -> dict[
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
     }
+
+
+async def output_reads(url: str) -> float:
+    """Engine reads that carried output after the first token (the router's metrics)."""
+    async with httpcore.AsyncConnectionPool() as pool:
+        text = (await pool.request("GET", url + "/metrics")).content.decode()
+    for line in text.splitlines():
+        if line.startswith("narwhal_inter_token_gap_seconds_count"):
+            return float(line.split()[-1]) + 1050  # + the first token's read, per request
+    return 0.0
 
 
 def main() -> int:
@@ -139,9 +152,11 @@ def main() -> int:
             load_cpu = time.process_time() - load_cpu0
             cpu = {p.pid: cpu_seconds(p.pid) - cpu0[p.pid] for p in procs}
             peak = rss_mib(router.pid)
+            reads = trio.run(output_reads, url)
     finally:
         for proc in procs:
-            proc.send_signal(signal.SIGTERM)
+            # py-spy writes its profile on SIGINT; the servers drain on SIGTERM
+            proc.send_signal(signal.SIGINT if proc.args[0] == "py-spy" else signal.SIGTERM)
         for proc in procs:
             try:
                 proc.wait(timeout=10)
@@ -160,6 +175,7 @@ def main() -> int:
     print(f"| load generator CPU | {load_cpu:.2f} s |")
     print(f"| latency p50 / p99 | {result['p50_ms']:.1f} / {result['p99_ms']:.1f} ms |")
     print(f"| router peak RSS | {peak:.0f} MiB |")
+    print(f"| engine reads carrying output, per request | {reads / (n + 50):.1f} |")
     print(f"| failures | {result['failures']:.0f} |")
     return 0
 

@@ -98,7 +98,7 @@ async def memory_fleet(
     urls = {"p0": (engines[0].url, "prefill")}
     urls.update({f"d{i}": (e.url, "decode") for i, e in enumerate(engines[1:])})
     config = fleet_config(urls, **sections)
-    router = Router(config, network_backend=net.backend(), journal=Journal(keep=100))
+    router = Router(config, connect=net.open_stream, journal=Journal(keep=100))
     await nursery.start(router.health.run)
     return MemoryFleet(router, engines[0], engines[1], engines[2:])
 

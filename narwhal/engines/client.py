@@ -1,26 +1,32 @@
-"""EngineClient: the two data legs over pooled keep-alive httpcore connections (SPEC 7).
+"""EngineClient: the two data legs over pooled keep-alive connections (SPEC 7).
 
-Timeouts are the caller's cancel scopes; the only timeout httpcore applies itself is the
-connect timeout. A per-engine ``trio.CapacityLimiter`` sized like the pool sits in front of
-it, so no request ever waits inside httpcore's pool, where cancellation under contention
-can leak connection slots (encode/httpcore#1093).
+Timeouts are the caller's cancel scopes; the only timeout applied here is the connect
+timeout. The transport (``narwhal.engines.transport``, h11 on trio) bounds each engine's
+pool with a capacity limiter and returns what each socket read brought as one batch.
+Transport errors become engine faults here, at the boundary.
 """
 
 from __future__ import annotations
 
-import socket
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import urlsplit
 
-import httpcore
 import msgspec
 import trio
 
 from narwhal.engines.connector import NixlConnector, PrefillResult
+from narwhal.engines.transport import (
+    Connect,
+    ConnectFailed,
+    Pool,
+    Response,
+    TransportError,
+    tcp_connect,
+)
 from narwhal.faults import (
     ConnectTimeout,
+    EngineFault,
     EngineStatusError,
     EngineUnreachable,
     Phase,
@@ -30,7 +36,6 @@ from narwhal.faults import (
 MAX_PREFILL_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
 DRAIN_TIMEOUT_S = 1.0
-_SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 _encode = msgspec.json.Encoder().encode
 
 
@@ -62,22 +67,47 @@ def error_message(body: bytes, status: int) -> tuple[str, str | None]:
 
 
 class _Engine:
-    """One engine's pool, its capacity limiter and its precomputed headers."""
+    """One engine: its pool (with the capacity limiter) and its precomputed headers."""
 
     def __init__(self, base_url: str, client: EngineClient) -> None:
         self.base_url = base_url.rstrip("/")
-        self.limiter = trio.CapacityLimiter(client.max_connections)
-        self.pool = httpcore.AsyncConnectionPool(
-            max_connections=client.max_connections,
-            max_keepalive_connections=client.max_connections,
-            keepalive_expiry=client.keepalive_expiry_s,
-            socket_options=_SOCKET_OPTIONS,
-            network_backend=client.network_backend,
+        parts = urlsplit(self.base_url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.pool = Pool(
+            parts.hostname or "",
+            port,
+            client.connect,
+            client.connect_timeout_s,
+            client.max_connections,
         )
         headers = [(b"content-type", b"application/json"), (b"accept", b"*/*")]
         if client.api_key:
             headers.append((b"authorization", b"Bearer " + client.api_key.encode()))
         self.headers = headers
+
+    def headers_for(self, request_id: str) -> list[tuple[bytes, bytes]]:
+        if not request_id:
+            return self.headers
+        return [*self.headers, (b"x-request-id", request_id.encode())]
+
+    async def request(
+        self,
+        method: bytes,
+        path: str,
+        body: bytes,
+        request_id: str,
+        phase: Phase,
+        broken: str = "",
+    ) -> Response:
+        try:
+            return await self.pool.request(
+                method, path.encode(), self.headers_for(request_id), body
+            )
+        except BaseException as exc:
+            fault = translate(exc, phase, self.base_url, broken)
+            if fault is None:
+                raise
+            raise fault from None
 
 
 class EngineClient:
@@ -89,18 +119,15 @@ class EngineClient:
         connector: NixlConnector | None = None,
         max_connections: int = 512,
         connect_timeout_s: float = 5.0,
-        keepalive_expiry_s: float = 60.0,
         api_key: str | None = None,
-        network_backend: httpcore.AsyncNetworkBackend | None = None,
+        connect: Connect | None = None,
     ) -> None:
         self.connector = connector or NixlConnector()
         self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
-        self.keepalive_expiry_s = keepalive_expiry_s
         self.api_key = api_key
-        self.network_backend = network_backend
+        self.connect: Connect = connect or tcp_connect  # tests pass an in-memory network
         self._engines: dict[str, _Engine] = {}
-        self._extensions = {"timeout": {"connect": connect_timeout_s}}
 
     def _engine(self, url: str) -> _Engine:
         engine = self._engines.get(url)
@@ -108,27 +135,16 @@ class EngineClient:
             engine = self._engines[url] = _Engine(url, self)
         return engine
 
-    def _headers(self, engine: _Engine, request_id: str | None) -> list[tuple[bytes, bytes]]:
-        if request_id is None:
-            return engine.headers
-        return [*engine.headers, (b"x-request-id", request_id.encode())]
-
     async def prefill(
         self, url: str, endpoint: str, body: dict[str, Any], *, request_id: str = ""
     ) -> PrefillResult:
         """Run the one-token prefill leg; return the validated descriptor."""
         engine = self._engine(url)
         payload = _encode(self.connector.prefill_body(body))
-        async with engine.limiter:
-            with _translate(Phase.PREFILL, url):
-                async with engine.pool.stream(
-                    "POST",
-                    engine.base_url + endpoint,
-                    headers=self._headers(engine, request_id or None),
-                    content=payload,
-                    extensions=self._extensions,
-                ) as response:
-                    data = await _read_bounded(response, MAX_PREFILL_RESPONSE_BYTES)
+        async with await engine.request(
+            b"POST", endpoint, payload, request_id, Phase.PREFILL
+        ) as response:
+            data = await _read(response, engine, Phase.PREFILL, MAX_PREFILL_RESPONSE_BYTES)
         if response.status != 200:
             message, kind = error_message(data, response.status)
             raise EngineStatusError(response.status, message, phase=Phase.PREFILL, kind=kind)
@@ -145,7 +161,7 @@ class EngineClient:
         *,
         request_id: str = "",
     ) -> DecodeStream:
-        """The decode leg's stream of raw transport chunks.
+        """The decode leg's stream: each item is what one socket read brought.
 
         With ``result`` None, or produced on this same engine, every ``kv_transfer_params``
         is stripped (same-worker decode). Use as ``async with client.decode(...) as s:``;
@@ -155,41 +171,25 @@ class EngineClient:
         decode_body = self.connector.decode_body(
             body, None if same_worker else result, endpoint=endpoint
         )
-        engine = self._engine(url)
-        return DecodeStream(
-            engine,
-            engine.base_url + endpoint,
-            _encode(decode_body),
-            self._headers(engine, request_id or None),
-            self._extensions,
-        )
+        return DecodeStream(self._engine(url), endpoint, _encode(decode_body), request_id)
 
     async def get(self, url: str, path: str) -> tuple[int, bytes]:
         """A small GET (health, version, models), bounded by the caller's scope."""
         engine = self._engine(url)
-        async with engine.limiter:
-            with _translate(Phase.ADMISSION, url):
-                async with engine.pool.stream(
-                    "GET",
-                    engine.base_url + path,
-                    headers=engine.headers,
-                    extensions=self._extensions,
-                ) as response:
-                    return response.status, await _read_bounded(
-                        response, MAX_PREFILL_RESPONSE_BYTES
-                    )
+        async with await engine.request(b"GET", path, b"", "", Phase.ADMISSION) as response:
+            data = await _read(response, engine, Phase.ADMISSION, MAX_PREFILL_RESPONSE_BYTES)
+        return response.status, data
 
     def limiter(self, url: str) -> trio.CapacityLimiter:
         """The engine's capacity limiter (its pool's size): no free token, no room."""
-        return self._engine(url).limiter
+        return self._engine(url).pool.limiter
 
     def connections(self) -> dict[str, tuple[int, int]]:
         """Per engine: (open connections, connections serving a request)."""
-        out = {}
-        for url, engine in self._engines.items():
-            conns = engine.pool.connections
-            out[url] = (len(conns), sum(1 for c in conns if not c.is_idle()))
-        return out
+        return {
+            url: (len(e.pool.idle) + e.pool.active, e.pool.active)
+            for url, e in self._engines.items()
+        }
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(5):
@@ -198,24 +198,15 @@ class EngineClient:
 
 
 class DecodeStream:
-    """An open decode response; iterating yields the raw bytes of each transport read."""
+    """An open decode response; iterating yields what each socket read brought."""
 
-    def __init__(
-        self,
-        engine: _Engine,
-        url: str,
-        payload: bytes,
-        headers: list[tuple[bytes, bytes]],
-        extensions: dict[str, Any],
-    ) -> None:
+    def __init__(self, engine: _Engine, endpoint: str, payload: bytes, request_id: str) -> None:
         self._engine = engine
-        self._url = url
+        self._endpoint = endpoint
         self._payload = payload
-        self._headers = headers
-        self._extensions = extensions
-        self._cm: Any = None
-        self._chunks: AsyncIterator[bytes] | None = None
-        self._holding = False
+        self._request_id = request_id
+        self._response: Response | None = None
+        self._opened = False
 
     async def __aenter__(self) -> Self:
         await self._open()
@@ -230,101 +221,85 @@ class DecodeStream:
         await self.aclose()
 
     async def _open(self) -> None:
-        await self._engine.limiter.acquire_on_behalf_of(self)
-        self._holding = True
-        try:
-            with _translate(Phase.DECODE, self._engine.base_url):
-                self._cm = self._engine.pool.stream(
-                    "POST",
-                    self._url,
-                    headers=self._headers,
-                    content=self._payload,
-                    extensions=self._extensions,
+        self._opened = True
+        engine = self._engine
+        response = await engine.request(
+            b"POST", self._endpoint, self._payload, self._request_id, Phase.DECODE
+        )
+        self._response = response
+        if response.status != 200:
+            try:
+                data = await _read(
+                    response, engine, Phase.DECODE, MAX_ERROR_BODY_BYTES, truncate=True
                 )
-                response = await self._cm.__aenter__()
-                if response.status != 200:
-                    data = await _read_bounded(response, MAX_ERROR_BODY_BYTES, truncate=True)
-                    message, kind = error_message(data, response.status)
-                    raise EngineStatusError(response.status, message, phase=Phase.DECODE, kind=kind)
-                self._chunks = response.aiter_stream()
-        except BaseException:
-            await self.aclose()
-            raise
+            finally:
+                await self.aclose()
+            message, kind = error_message(data, response.status)
+            raise EngineStatusError(response.status, message, phase=Phase.DECODE, kind=kind)
 
     def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._chunks is None:
-            if self._holding:
+        if self._response is None:
+            if self._opened:
                 raise StopAsyncIteration
             await self._open()
-        assert self._chunks is not None
+        response = self._response
+        assert response is not None
         try:
-            with _translate(Phase.DECODE, self._engine.base_url, "stream ended before [DONE]: "):
-                return await self._chunks.__anext__()
-        except BaseException:
+            batch = await response.next_batch()
+        except BaseException as exc:
             await self.aclose()
-            raise
+            fault = translate(
+                exc, Phase.DECODE, self._engine.base_url, "stream ended before [DONE]: "
+            )
+            if fault is None:
+                raise
+            raise fault from None
+        if batch is None:
+            await self.aclose()
+            raise StopAsyncIteration
+        return batch
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Read what follows ``[DONE]`` (the end of the chunked body), so the connection
         goes back to the pool instead of being closed; give up after ``timeout_s``."""
-        if self._chunks is None:
-            return
-        with trio.move_on_after(timeout_s):
-            size = 0
-            async for part in self:
-                size += len(part)
-                if size > MAX_ERROR_BODY_BYTES:
-                    break
+        response = self._response
+        if response is not None:
+            with trio.move_on_after(timeout_s):
+                size = 0
+                while (
+                    part := await response.next_batch()
+                ) is not None and size < MAX_ERROR_BODY_BYTES:
+                    size += len(part)
         await self.aclose()
 
     async def aclose(self) -> None:
-        cm, self._cm, self._chunks = self._cm, None, None
-        try:
-            if cm is not None:
-                # httpcore shields its own close path; an unfinished response closes
-                # the connection instead of returning it to the pool.
-                with _translate(Phase.DECODE, self._engine.base_url):
-                    await cm.__aexit__(None, None, None)
-        finally:
-            if self._holding:
-                self._holding = False
-                self._engine.limiter.release_on_behalf_of(self)
+        response, self._response = self._response, None
+        if response is not None:
+            await response.aclose()
 
 
-async def _read_bounded(
-    response: httpcore.Response, limit: int, *, truncate: bool = False
+async def _read(
+    response: Response, engine: _Engine, phase: Phase, limit: int, *, truncate: bool = False
 ) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    async for part in response.aiter_stream():
-        parts.append(part)
-        size += len(part)
-        if size > limit:
-            if truncate:
-                break
-            raise StreamBroken(f"engine response larger than {limit} bytes", phase=Phase.PREFILL)
-    return b"".join(parts)
-
-
-@contextmanager
-def _translate(phase: Phase, url: str, broken: str = "") -> Iterator[None]:
-    """Translate httpcore's exceptions into engine faults at the boundary; ``broken``
-    prefixes the message of a connection that broke (mid-body: the stream ended early)."""
     try:
-        yield
-    except httpcore.ConnectTimeout:
-        raise ConnectTimeout(f"connect to engine {url} timed out", phase=phase) from None
-    except httpcore.ConnectError as exc:
-        raise EngineUnreachable(f"cannot connect to engine {url}: {exc}", phase=phase) from None
-    except (httpcore.ReadError, httpcore.WriteError, httpcore.RemoteProtocolError) as exc:
-        detail = str(exc) or type(exc).__name__
+        return await response.read_all(limit)
+    except TransportError as exc:
+        if truncate and "larger than" in str(exc):
+            return b""
         raise StreamBroken(
-            f"{broken}connection to engine {url} broke: {detail}", phase=phase
+            f"connection to engine {engine.base_url} broke: {exc}", phase=phase
         ) from None
-    except httpcore.TimeoutException as exc:
-        raise ConnectTimeout(f"engine {url} timed out: {exc}", phase=phase) from None
-    except httpcore.ProtocolError as exc:
-        raise StreamBroken(f"engine {url} broke HTTP: {exc}", phase=phase) from None
+
+
+def translate(exc: BaseException, phase: Phase, url: str, broken: str = "") -> EngineFault | None:
+    """The engine fault for a transport error (None: not a transport error, re-raise it)."""
+    if isinstance(exc, ConnectFailed):
+        if exc.timed_out:
+            return ConnectTimeout(f"connect to engine {url} timed out", phase=phase)
+        return EngineUnreachable(f"cannot connect to engine {url}: {exc}", phase=phase)
+    if isinstance(exc, TransportError):
+        return StreamBroken(f"{broken}connection to engine {url} broke: {exc}", phase=phase)
+    return None

@@ -13,12 +13,12 @@ import os
 import random
 from collections.abc import Awaitable, Callable
 
-import httpcore
 import msgspec
 import trio
 
 from narwhal.config import ConfigError, FleetConfig, load_config
 from narwhal.engines.client import EngineClient
+from narwhal.engines.transport import Connect
 from narwhal.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
 from narwhal.logs import log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
@@ -40,7 +40,7 @@ class Router:
         self,
         config: FleetConfig,
         *,
-        network_backend: httpcore.AsyncNetworkBackend | None = None,
+        connect: Connect | None = None,
         journal: Journal | None = None,
         rng: random.Random | None = None,
         config_path: str | None = None,
@@ -63,7 +63,7 @@ class Router:
             max_connections=config.engine.max_connections,
             connect_timeout_s=config.engine.connect_timeout_s,
             api_key=api_key,
-            network_backend=network_backend,  # None: real sockets; tests pass a memory network
+            connect=connect,  # None: real sockets; tests pass an in-memory network
         )
         self.config_path = config_path
         self.draining = False

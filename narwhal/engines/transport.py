@@ -1,0 +1,278 @@
+"""The data legs' HTTP/1.1 transport: h11 over trio streams, one keep-alive pool per engine.
+
+Why not httpcore here: a decode stream is many small chunks, and httpcore hands them over
+one h11 event at a time through several async generators, so the router paid a client
+write per token even when one socket read had brought ten (measured: one engine read per
+token at 32 concurrent streams). Reading h11 directly, ``Response.next_batch()`` returns
+everything one socket read completed, which the router relays in one write. It also keeps
+cancellation simple: a response closed early closes its connection, nothing is left in a
+pool's wait queue (the httpcore pool-slot leak under contended cancellation,
+encode/httpcore#1093, cannot happen), and the capacity limiter in front bounds the pool.
+
+Timeouts are the caller's cancel scopes, except the connect timeout.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Self
+
+import h11
+import trio
+
+Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
+IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never race its close
+READ_SIZE = 65536
+
+
+class TransportError(Exception):
+    """The connection broke or the peer broke HTTP; ``before_response`` when nothing of a
+    response had arrived yet (a reused connection closed under us: safe to retry once)."""
+
+    def __init__(self, message: str, *, before_response: bool = False) -> None:
+        super().__init__(message)
+        self.before_response = before_response
+
+
+class ConnectFailed(Exception):
+    """The engine could not be reached (refused, unresolvable, or the connect timed out)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
+    stream = await trio.open_tcp_stream(host, port)
+    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # trio's default too
+    return stream
+
+
+class _Connection:
+    __slots__ = ("h11", "idle_since", "stream")
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT)
+        self.idle_since = 0.0
+
+    def looks_alive(self, now: float) -> bool:
+        """Fresh enough and with nothing to read (readable while idle means closed)."""
+        if now - self.idle_since > IDLE_EXPIRY_S:
+            return False
+        sock = getattr(self.stream, "socket", None)
+        if sock is None:
+            return True  # an in-memory stream (tests)
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        return not readable
+
+
+class Pool:
+    """Kept-alive connections to one engine, at most ``max_connections`` in use."""
+
+    def __init__(
+        self, host: str, port: int, connect: Connect, connect_timeout_s: float, max_connections: int
+    ) -> None:
+        self.host, self.port = host, port
+        self.connect = connect
+        self.connect_timeout_s = connect_timeout_s
+        self.limiter = trio.CapacityLimiter(max_connections)
+        self.idle: list[_Connection] = []
+        self.active = 0
+
+    async def _checkout(self) -> tuple[_Connection, bool]:
+        now = trio.current_time()
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.looks_alive(now):
+                return conn, True
+            await _close(conn)
+        with trio.move_on_after(self.connect_timeout_s) as connect_clock:
+            try:
+                stream = await self.connect(self.host, self.port)
+            except OSError as exc:
+                raise ConnectFailed(str(exc) or type(exc).__name__) from None
+            return _Connection(stream), False
+        assert connect_clock.cancelled_caught
+        raise ConnectFailed(f"connect timed out after {self.connect_timeout_s:g}s", timed_out=True)
+
+    def _checkin(self, conn: _Connection) -> None:
+        conn.h11.start_next_cycle()
+        conn.idle_since = trio.current_time()
+        self.idle.append(conn)
+
+    async def request(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Response:
+        """Send a request and read the response head; the caller reads the body and closes
+        the Response. Holds a capacity-limiter slot until then."""
+        response = Response(self)
+        await self.limiter.acquire_on_behalf_of(response)
+        try:
+            for _ in range(2):  # a reused connection closed under us gets one fresh retry
+                conn, reused = await self._checkout()
+                response.conn = conn
+                self.active += 1
+                try:
+                    await response.start(method, target, headers, body)
+                    return response
+                except TransportError as exc:
+                    await response.drop_connection()
+                    if not (reused and exc.before_response):
+                        raise
+            raise AssertionError("unreachable")  # pragma: no cover
+        except BaseException:
+            await response.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            await _close(conn)
+
+
+class Response:
+    """One response being read; ``next_batch`` coalesces what each socket read brought."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.conn: _Connection | None = None
+        self.status = 0
+        self.done = False
+        self._holding = True
+
+    async def start(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        conn = self.conn
+        assert conn is not None
+        pool = self.pool
+        all_headers = [
+            (b"host", f"{pool.host}:{pool.port}".encode()),
+            (b"content-length", b"%d" % len(body)),
+            *headers,
+        ]
+        try:
+            data = conn.h11.send(h11.Request(method=method, target=target, headers=all_headers))
+            data += conn.h11.send(h11.Data(data=body)) or b""
+            data += conn.h11.send(h11.EndOfMessage()) or b""
+            await conn.stream.send_all(data or b"")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise TransportError(
+                f"connection broke: {_describe(exc)}", before_response=True
+            ) from None
+        event = await self._next_event(head=True)
+        while isinstance(event, h11.InformationalResponse):
+            event = await self._next_event(head=True)
+        assert isinstance(event, h11.Response)
+        self.status = event.status_code
+
+    async def _next_event(self, *, head: bool = False) -> h11.Event:
+        conn = self.conn
+        assert conn is not None
+        while True:
+            try:
+                event = conn.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise TransportError(f"engine broke HTTP: {exc}") from None
+            if isinstance(event, h11.ConnectionClosed):
+                raise TransportError("connection closed by engine", before_response=head)
+            if isinstance(event, h11.Event):
+                return event
+            await self._receive(head)  # NEED_DATA (PAUSED only follows a complete response)
+
+    async def _receive(self, head: bool) -> None:
+        conn = self.conn
+        assert conn is not None
+        try:
+            data = await conn.stream.receive_some(READ_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise TransportError(
+                f"connection broke: {_describe(exc)}", before_response=head
+            ) from None
+        try:
+            conn.h11.receive_data(bytes(data))
+        except h11.RemoteProtocolError as exc:  # pragma: no cover - h11 raises on next_event
+            raise TransportError(f"engine broke HTTP: {exc}") from None
+
+    async def next_batch(self) -> bytes | None:
+        """The body bytes that arrived together; None at the end of the body."""
+        if self.done:
+            return None
+        conn = self.conn
+        assert conn is not None
+        parts: list[bytes] = []
+        while True:
+            try:
+                event = conn.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise TransportError(f"engine broke HTTP: {exc}") from None
+            if isinstance(event, h11.Data):
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                self.done = True
+                break
+            elif event is h11.NEED_DATA:
+                if parts:
+                    break
+                await self._receive(False)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise TransportError("connection closed by engine")
+        if self.done and not parts:
+            await self.aclose()
+            return None
+        return b"".join(parts) if len(parts) != 1 else parts[0]
+
+    async def read_all(self, limit: int) -> bytes:
+        """The whole body, or TransportError when it is larger than ``limit``."""
+        parts, size = [], 0
+        while (part := await self.next_batch()) is not None:
+            parts.append(part)
+            size += len(part)
+            if size > limit:
+                raise TransportError(f"engine response larger than {limit} bytes")
+        return b"".join(parts)
+
+    async def drop_connection(self) -> None:
+        """Give the connection back (complete exchange) or close it; keep the slot."""
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        self.pool.active -= 1
+        h = conn.h11
+        if self.done and h.our_state is h11.DONE and h.their_state is h11.DONE:
+            self.pool._checkin(conn)
+        else:
+            await _close(conn)
+
+    async def aclose(self) -> None:
+        """End the exchange: connection back to the pool or closed, capacity slot freed."""
+        try:
+            await self.drop_connection()
+        finally:
+            if self._holding:
+                self._holding = False
+                self.pool.limiter.release_on_behalf_of(self)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+async def _close(conn: _Connection) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1):
+        await conn.stream.aclose()
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

@@ -3,7 +3,7 @@
 Each fault carries the phase it happened in, the HTTP status the client sees, whether a
 fresh attempt may be made for it, and its breaker class (which later issues feed to the
 per-engine breaker). Engine and transport errors are translated into these at the
-boundary (``narwhal.engines.client``), so nothing above it sees httpcore or h11 types.
+boundary (``narwhal.engines.client``), so nothing above it sees transport or h11 types.
 """
 
 from __future__ import annotations

@@ -149,6 +149,27 @@ class HandoffExpired(RequestFault):
     transient = True
 
 
+class TooLarge(RequestFault):
+    """A body over ``serving.max_request_bytes``."""
+
+    status = 413
+    kind = "request_too_large"
+
+
+class Overloaded(RequestFault):
+    """``serving.max_inflight`` reached (429 with Retry-After)."""
+
+    status = 429
+    kind = "rate_limit_exceeded"
+
+
+class Maintenance(RequestFault):
+    """Whole-wave maintenance after an ejection (503 with Retry-After)."""
+
+    status = 503
+    kind = "service_unavailable"
+
+
 class InternalError(RequestFault):
     """A bug in the router: reported as 500, never blamed on an engine."""
 

@@ -107,7 +107,9 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
         assert 0 < lines[0]["ttft_s"] <= lines[0]["first_byte_s"] <= lines[0]["duration_s"]
 
 
-def test_check_on_the_command_line(tmp_path: Path) -> None:
+@contextmanager
+def _fake_fleet(tmp_path: Path, extra: str = "") -> Iterator[Path]:
+    """Two fake engines (p0 prefill, d0 decode) as processes, and a fleet file naming them."""
     with (
         _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
         _process("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
@@ -115,9 +117,13 @@ def test_check_on_the_command_line(tmp_path: Path) -> None:
         fleet = tmp_path / "fleet.toml"
         fleet.write_text(
             f'model = "fake-model"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
-            f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
-            '[engine_contract]\nengine_version = "0.32.0"\n'
+            f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n' + extra
         )
+        yield fleet
+
+
+def test_check_on_the_command_line(tmp_path: Path) -> None:
+    with _fake_fleet(tmp_path, '[engine_contract]\nengine_version = "0.32.0"\n') as fleet:
         ok = subprocess.run(
             [sys.executable, "-m", "narwhal", "check", "--config", str(fleet)],
             capture_output=True,
@@ -156,30 +162,24 @@ def test_check_on_the_command_line(tmp_path: Path) -> None:
 
 def test_metrics_are_summed_over_workers(tmp_path: Path) -> None:
     with (
-        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
-        _process("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
+        _fake_fleet(tmp_path) as fleet,
+        _process("serve", "--config", str(fleet), "--port", "0", "--workers", "2") as (_, url),
     ):
-        fleet = tmp_path / "fleet.toml"
-        fleet.write_text(
-            f'model = "fake-model"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
-            f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
-        )
-        with _process("serve", "--config", str(fleet), "--port", "0", "--workers", "2") as (_, url):
-            for _ in range(30):  # a new connection each: the kernel spreads them over workers
-                request = urllib.request.Request(
-                    url + "/v1/completions",
-                    data=b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2}',
-                    headers={"content-type": "application/json", "connection": "close"},
-                )
-                with urllib.request.urlopen(request, timeout=20) as resp:
-                    assert resp.status == 200
-            # a request is counted as its handler ends, just after its last byte: the
-            # first scrapes may miss the last request; from then on every scrape, whichever
-            # worker answers it, reports all 30
-            counts = [_completed(url) for _ in range(50)]
-            assert 30.0 in counts
-            first = counts.index(30.0)
-            assert counts[first:] == [30.0] * (50 - first)
+        for _ in range(30):  # a new connection each: the kernel spreads them over workers
+            request = urllib.request.Request(
+                url + "/v1/completions",
+                data=b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2}',
+                headers={"content-type": "application/json", "connection": "close"},
+            )
+            with urllib.request.urlopen(request, timeout=20) as resp:
+                assert resp.status == 200
+        # a request is counted as its handler ends, just after its last byte: the first
+        # scrapes may miss the last request; from then on every scrape, whichever worker
+        # answers it, reports all 30
+        counts = [_completed(url) for _ in range(50)]
+        assert 30.0 in counts
+        first = counts.index(30.0)
+        assert counts[first:] == [30.0] * (50 - first)
 
 
 def _completed(url: str) -> float:

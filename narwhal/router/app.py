@@ -16,7 +16,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from narwhal.config import ConfigError
-from narwhal.faults import Phase, RequestFault, ShuttingDown
+from narwhal.faults import Maintenance, Overloaded, Phase, RequestFault, ShuttingDown, TooLarge
 from narwhal.router.requests import BadRequest, parse_request
 from narwhal.router.service import Router
 
@@ -38,21 +38,6 @@ RETRY_AFTER_S = b"1"
 
 class Disconnected(Exception):
     """The client went away before its request was read."""
-
-
-class TooLarge(RequestFault):
-    status = 413
-    kind = "request_too_large"
-
-
-class Overloaded(RequestFault):
-    status = 429
-    kind = "rate_limit_exceeded"
-
-
-class Maintenance(RequestFault):
-    status = 503
-    kind = "service_unavailable"
 
 
 class AsgiSink:

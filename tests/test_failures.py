@@ -58,6 +58,10 @@ EXPECTED = {
     "in-stream 503 first": Expect(503, "scripted fault"),
     "in-stream 429 after tokens": Expect(429, "scripted fault", after_output=True),
     "in-stream error without code": Expect(500, "scripted fault", after_output=True),
+    "malformed chunk": Expect(502, "engine sent a malformed stream chunk"),
+    "oversized event after tokens": Expect(
+        502, "engine sent a malformed stream: line longer than", after_output=True
+    ),
     "consumer stopped": Expect(502, "cannot connect to engine"),
 }
 ENDPOINTS = {

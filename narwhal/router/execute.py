@@ -44,7 +44,7 @@ from narwhal.router.lifecycle import Input, Lifecycle, State
 from narwhal.router.placement import pick
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget, RetryDecision, decide
-from narwhal.sse import SSEParser
+from narwhal.sse import SSEError, SSEParser
 
 _DONE_FRAME = b"data: [DONE]\n\n"
 _PHASE_OF = {
@@ -308,7 +308,7 @@ class RequestRun:
             out: list[bytes] = pending
             done = False
             try:
-                for payload in parser.feed(data):
+                for payload in _feed(parser, data):
                     chunk = parse_payload(payload)
                     if chunk is None:
                         if self.first_byte_s is None:
@@ -328,8 +328,11 @@ class RequestRun:
                     else:
                         out.append(b"data: " + payload + b"\n\n")
             except RequestFault:
-                if self.sink.committed and out:
-                    await self.sink.send(b"".join(out))
+                # what came before the fault in this read still goes out (and commits, if it
+                # holds the first token), so the outcome does not depend on how the engine's
+                # bytes were split into reads
+                if streaming and out and self.first_byte_s is not None:
+                    await self._send(b"".join(out))
                 raise
             if done:
                 await self._finish(out, assembler)
@@ -346,16 +349,19 @@ class RequestRun:
                 last_output_at = now
             clock.deadline = math.inf  # a slow client is not a silent engine
             if streaming and out:
-                payload_bytes = b"".join(out)
-                if self.sink.committed:
-                    await self.sink.send(payload_bytes)
-                else:
-                    await self.sink.commit(payload_bytes)
+                await self._send(b"".join(out))
             clock.deadline = trio.current_time() + silence if silence > 0 else math.inf
         raise StreamBroken(
             "stream ended before [DONE]",
             phase=Phase.STREAM if self.first_byte_s is not None else Phase.DECODE,
         )
+
+    async def _send(self, data: bytes) -> None:
+        """Relay bytes to a streaming client; the first send commits (200 + headers)."""
+        if self.sink.committed:
+            await self.sink.send(data)
+        else:
+            await self.sink.commit(data)
 
     async def _finish(self, out: list[bytes], assembler: Assembler | None) -> None:
         self.lifecycle.advance(Input.DONE)
@@ -405,3 +411,11 @@ class RequestRun:
             await self.sink.end(b"data: " + error + b"\n\n")
         else:
             await self.sink.respond_json(fault.status, error)
+
+
+def _feed(parser: SSEParser, data: bytes) -> list[bytes]:
+    """The SSE payloads in ``data``; an engine's unframeable bytes are its fault (502)."""
+    try:
+        return parser.feed(data)
+    except SSEError as exc:
+        raise StreamBroken(f"engine sent a malformed stream: {exc}", phase=Phase.DECODE) from None

@@ -18,7 +18,7 @@ import trio
 from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.engines.stream import Kind, classify, parse_payload
 from narwhal.faults import Phase, RequestFault, StreamBroken
-from narwhal.sse import SSEParser
+from narwhal.sse import SSEError, SSEParser
 
 Side = Literal["producer", "consumer"]
 _counter = itertools.count(1)
@@ -99,7 +99,13 @@ async def count_tokens(stream: DecodeStream, on_first: Callable[[], None] | None
     parser = SSEParser()
     tokens = 0
     async for data in stream:
-        for payload in parser.feed(data):
+        try:
+            payloads = parser.feed(data)
+        except SSEError as exc:
+            raise StreamBroken(
+                f"engine sent a malformed stream: {exc}", phase=Phase.DECODE
+            ) from None
+        for payload in payloads:
             chunk = parse_payload(payload)
             if chunk is None:
                 if not tokens:

@@ -420,11 +420,7 @@ class FakeEngine:
             await ex.write(b": keep-alive\n\n")
             await ex.write(b"data: " + shapes.usage_chunk(prompt_tokens, 0) + b"\n\n")
             await trio.sleep_forever()
-        if fault is not None and kind in (
-            "tokens_then_silence",
-            "tokens_then_close",
-            "stream_error",
-        ):
+        if fault is not None and kind != "slow_drip":
             ids = ids[: fault.tokens]
         last = len(ids) - 1 if kind is None or kind == "slow_drip" else -1
         for n, index in enumerate(ids):
@@ -452,6 +448,12 @@ class FakeEngine:
         elif fault.kind == "stream_error":
             await ex.write(gen.stream_error_event(fault.message, fault.code))
             await ex.end_stream()
+        elif fault.kind == "malformed_chunk":
+            await ex.write(b"data: {not json\n\ndata: [DONE]\n\n")
+            await ex.end_stream()
+        elif fault.kind == "oversized_event":
+            await ex.write(b"data: " + b"x" * (2 << 20))
+            await trio.sleep_forever()
 
 
 def _corrupt(descriptor: dict[str, Any], fault: Fault) -> dict[str, Any] | None:

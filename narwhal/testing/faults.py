@@ -16,7 +16,9 @@ Kinds, by the leg they break:
   (``tokens`` tokens first; with ``keepalive_s``, one ``: keep-alive`` comment that long
   after the last token before the silence); ``done_first`` (``[DONE]`` before any token);
   ``stream_error`` (``tokens`` tokens, then an error object with ``code``, then ``[DONE]``,
-  as vLLM does); ``slow_drip`` (every token ``interval_s`` apart).
+  as vLLM does); ``malformed_chunk`` and ``oversized_event`` (``tokens`` tokens, then a
+  ``data:`` line that is not JSON, or a 2 MiB line with no end); ``slow_drip`` (every
+  token ``interval_s`` apart).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ FaultKind = Literal[
     "done_first",
     "stream_error",
     "slow_drip",
+    "malformed_chunk",
+    "oversized_event",
 ]
 PREFILL_ONLY = frozenset({"no_descriptor", "bad_engine_id", "bad_block_ids", "close_mid_body"})
 DECODE_ONLY = frozenset(
@@ -52,6 +56,8 @@ DECODE_ONLY = frozenset(
         "done_first",
         "stream_error",
         "slow_drip",
+        "malformed_chunk",
+        "oversized_event",
     }
 )
 

@@ -36,6 +36,8 @@ FAULTS: dict[str, tuple[Side, Fault | None]] = {
     "in-stream 503 first": ("consumer", Fault(kind="stream_error", code=503)),
     "in-stream 429 after tokens": ("consumer", Fault(kind="stream_error", code=429, tokens=2)),
     "in-stream error without code": ("consumer", Fault(kind="stream_error", code=None, tokens=1)),
+    "malformed chunk": ("consumer", Fault(kind="malformed_chunk")),
+    "oversized event after tokens": ("consumer", Fault(kind="oversized_event", tokens=2)),
     "slow drip inside the limits": ("consumer", Fault(kind="slow_drip", interval_s=0.1)),
     "consumer stopped": ("consumer", None),
 }

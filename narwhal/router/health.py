@@ -92,10 +92,12 @@ class Health:
 
     def start_background(self, fn: Any, *args: Any) -> None:
         """Run ``fn`` in the server-owned nursery (never in a request's)."""
-        if self.nursery is None:
-            log.error("no background nursery: %s cannot run", getattr(fn, "__name__", fn))
-            return
-        self.nursery.start_soon(fn, *args)
+        try:
+            if self.nursery is None:
+                raise RuntimeError("no background nursery")
+            self.nursery.start_soon(fn, *args)
+        except RuntimeError as exc:  # not started yet, or the server is already closing
+            log.warning("%s cannot run: %s", getattr(fn, "__name__", fn), exc)
 
     def event(self, kind: str, engine: EngineState | None, **fields: Any) -> None:
         """Journal, log and announce an engine event (ejection, probe, readmission...)."""
@@ -148,10 +150,13 @@ class Health:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The server-owned nursery every probe runs in; lives as long as the server."""
-        async with trio.open_nursery() as nursery:
-            self.nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self.nursery = None
 
     async def _readmission_loop(self, engine: EngineState) -> None:
         interval = self.router.config.recovery.readmit_interval_s

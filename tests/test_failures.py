@@ -7,6 +7,7 @@ terminal error event. Never an empty 200, never a silent truncation.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,3 +171,38 @@ async def test_the_openai_client_raises_instead_of_hanging_or_truncating(
 
 def test_every_catalogued_fault_has_an_expectation() -> None:
     assert set(FAULTS) - set(EXPECTED) == {"slow drip inside the limits"}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("name", EXPECTED)
+async def test_the_openai_client_raises_for_every_fault(
+    nursery: trio.Nursery, name: str, stream: bool
+) -> None:
+    case = EXPECTED[name]
+    harness = await _fleet(nursery)
+    await _break(harness, name)
+    client = openai.AsyncOpenAI(base_url=harness.url + "/v1", api_key="x", max_retries=0)
+    received: list[str] = []
+    try:
+        if stream and case.after_output:
+            chunks = await client.completions.create(
+                model=MODEL, prompt="hello", max_tokens=6, stream=True
+            )
+
+            async def read_all() -> None:
+                async for chunk in chunks:
+                    received.append(chunk.choices[0].text)
+
+            with pytest.raises(openai.APIError, match=re.escape(case.message)):
+                await read_all()
+            assert received  # partial text came, then an error: never passed off as complete
+        else:
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.completions.create(
+                    model=MODEL, prompt="hello", max_tokens=6, stream=stream
+                )
+            assert info.value.status_code == case.status
+            assert case.message in str(info.value)
+    finally:
+        await client.close()
+    await finish(harness)

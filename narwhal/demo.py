@@ -12,6 +12,7 @@ import trio
 import trio.lowlevel
 
 from narwhal.config import EngineSpec, FleetConfig
+from narwhal.logs import configure as configure_logs
 from narwhal.router.service import Router
 from narwhal.server import serve
 from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
@@ -20,6 +21,7 @@ MODEL = "fake-model"
 
 
 def run_demo(*, keep: bool = False, port: int = 8000) -> int:
+    configure_logs("text", "error")  # the demo's output is the stream, not the router's log
     trio.run(partial(_demo, keep=keep, port=port))
     return 0
 

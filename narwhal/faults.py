@@ -103,7 +103,6 @@ class EngineStatusError(EngineFault):
         kind: str | None = None,
     ) -> None:
         super().__init__(message, phase=phase, engine_id=engine_id)
-        self.engine_status = status
         client_error = 400 <= status < 500 and status not in (408, 429)
         if status in (408, 504):
             self.status, self.kind = 504, "gateway_timeout"

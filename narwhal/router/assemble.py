@@ -20,10 +20,8 @@ class Assembler:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.usage: dict[str, Any] | None = None
-        self.chunks = 0
 
     def add(self, chunk: Chunk) -> None:
-        self.chunks += 1
         if chunk.id and not self.id:
             self.id, self.created = chunk.id, chunk.created or 0
         if chunk.usage is not None:

@@ -70,8 +70,3 @@ class Journal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def read_journal(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    with open(path, "rb") as f:
-        return [msgspec.json.decode(line) for line in f if line.strip()]

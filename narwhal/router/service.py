@@ -49,11 +49,7 @@ class Router:
         self.api_keys = ApiKeys(config.serving.api_keys_env)
         self.fleet = Fleet(config.engines, config.recovery)
         self.metrics = Metrics(e.id for e in self.fleet.engines)
-        for engine in self.fleet.engines:
-            engine.inflight_gauges = {
-                phase: self.metrics.legs_inflight.labels(engine.id, phase)
-                for phase in ("prefill", "decode")
-            }
+        self._bind_gauges()
         self.health = Health(self)
         self.journal = journal or Journal()
         self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
@@ -175,10 +171,7 @@ class Router:
         for engine in self.fleet.engines:
             if engine.id not in before:
                 self.metrics.add_engine(engine.id)
-            engine.inflight_gauges = {
-                phase: self.metrics.legs_inflight.labels(engine.id, phase)
-                for phase in ("prefill", "decode")
-            }
+        self._bind_gauges()
         self.retry_budget.cap = new.serving.retry_budget
         self.retry_budget.replenish = new.serving.retry_replenish
         after = {e.id for e in self.fleet.engines}
@@ -189,6 +182,14 @@ class Router:
         }
         log_event(log, logging.WARNING, "fleet reloaded", dict(change))
         return change
+
+    def _bind_gauges(self) -> None:
+        """Reservations move their engine's in-flight gauge (resolved once, not per leg)."""
+        for engine in self.fleet.engines:
+            engine.inflight_gauges = {
+                phase: self.metrics.legs_inflight.labels(engine.id, phase)
+                for phase in ("prefill", "decode")
+            }
 
     def reload_file(self) -> dict[str, list[str]]:
         """Re-read the fleet file; a ConfigError leaves the running fleet untouched."""

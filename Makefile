@@ -3,7 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo fleet test lint typecheck unit rough-bench clean
+BENCH_VENV ?= .bench-venv
+
+.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,5 +36,17 @@ test: lint typecheck unit
 rough-bench: venv    ## first rough figure: 1,000 streamed 64-token requests at c=32
 	$(PY) bench/rough.py --requests 1000 --concurrency 32 --tokens 64
 
+$(BENCH_VENV)/.installed:   ## the peers we measure against: instruments, never imported by narwhal/
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q vllm-router==0.1.17 narwhal-inference==0.7.0 matplotlib
+	touch $@
+
+bench-quick: venv $(BENCH_VENV)/.installed   ## all four targets, scenarios a and b, under 3 minutes
+	$(PY) bench/peers.py --quick --peers-venv $(BENCH_VENV)
+
+bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in bench/results/
+	$(PY) bench/peers.py --peers-venv $(BENCH_VENV)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

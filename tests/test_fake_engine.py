@@ -277,3 +277,18 @@ async def test_scripted_faults_over_http(engines: tuple[Engine, Engine]) -> None
     assert (await producer.call("POST", "/v1/completions", body))[0] == 200
     status, _ = await producer.call("POST", "/fake/faults", [{"kind": "explode"}])
     assert status == 400
+
+
+async def test_tokenize_and_token_ids_like_vllm(engines: tuple[Engine, Engine]) -> None:
+    _, consumer = engines
+    status, raw = await consumer.call("POST", "/tokenize", {"model": MODEL, "prompt": "a b c"})
+    reply = msgspec.json.decode(raw)
+    assert status == 200
+    assert (reply["count"], len(reply["tokens"]), reply["max_model_len"]) == (3, 3, 32768)
+    status, raw = await consumer.call(
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True, "return_token_ids": True},
+    )
+    chunks = [msgspec.json.decode(e) for e in SSEParser().feed(raw)[:-1]]
+    assert all(isinstance(c["choices"][0]["token_ids"], list) for c in chunks)

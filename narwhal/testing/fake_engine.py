@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+import zlib
 from collections import Counter, deque
 from typing import Any, Literal
 
@@ -125,6 +126,8 @@ class FakeEngine:
             await self._completion(req, ex, chat=False)
         elif route == ("POST", "/v1/chat/completions"):
             await self._completion(req, ex, chat=True)
+        elif route == ("POST", "/tokenize"):
+            await self._tokenize(req, ex)
         elif route == ("GET", "/health"):
             await ex.respond(200, b"")
         elif route == ("GET", "/version"):
@@ -169,6 +172,25 @@ class FakeEngine:
             return
         self.faults.push(*faults)
         await ex.respond(200, msgspec.json.encode({"queued": len(self.faults)}))
+
+    async def _tokenize(self, req: Request, ex: Exchange) -> None:
+        """vLLM's ``/tokenize``: count, max_model_len and token ids (whitespace words here)."""
+        try:
+            body = msgspec.json.decode(req.body)
+            assert isinstance(body, dict)
+        except (msgspec.DecodeError, AssertionError):
+            await ex.respond(400, gen.error_body("Invalid JSON body", "Bad Request", 400))
+            return
+        text, count = gen.prompt_of(body, "messages" in body)
+        tokens = [zlib.crc32(word.encode()) % 32000 for word in text.split()][:count]
+        tokens += [1] * (count - len(tokens))
+        reply = {
+            "count": count,
+            "max_model_len": self.config.max_model_len,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+        await ex.respond(200, msgspec.json.encode(reply))
 
     def _models(self) -> bytes:
         card = {
@@ -423,10 +445,12 @@ class FakeEngine:
         if fault is not None and kind != "slow_drip":
             ids = ids[: fault.tokens]
         last = len(ids) - 1 if kind is None or kind == "slow_drip" else -1
+        with_ids = body.get("return_token_ids") is True
         for n, index in enumerate(ids):
             if itl > 0 and n:
                 await trio.sleep(itl)
-            await ex.write(b"data: " + shapes.token_chunk(index, n == last) + b"\n\n")
+            chunk = shapes.token_chunk(index, n == last, with_ids)
+            await ex.write(b"data: " + chunk + b"\n\n")
             self.counters["generation_tokens"] += 1
         if fault is not None and kind != "slow_drip":
             await self._break_stream(fault, ex)

@@ -124,10 +124,15 @@ class Shapes:
             b'"prompt_token_ids":null,"prompt_text":null}'
         )
 
-    def token_chunk(self, index: int, last: bool) -> bytes:
+    def token_chunk(self, index: int, last: bool, with_ids: bool = False) -> bytes:
+        """One token's chunk; ``with_ids`` (the request's ``return_token_ids``) fills in
+        ``token_ids`` the way vLLM does instead of null."""
         text = _VOCAB_JSON[index]
         body = b'"delta":{"content":' + text + b"}" if self.chat else b'"text":' + text
-        return self._head + body + (self._last_tail if last else self._tok_tail)
+        tail = self._last_tail if last else self._tok_tail
+        if with_ids:
+            tail = tail.replace(b'"token_ids":null', b'"token_ids":[%d]' % (index + 100))
+        return self._head + body + tail
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         usage = {

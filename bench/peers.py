@@ -1,0 +1,579 @@
+"""Routers side by side, in one run, over the same fake engines (issue: benchmarks).
+
+    python bench/peers.py [--quick] [--peers-venv .bench-venv] [--out bench/results]
+
+Targets, measured in turn per scenario over the same pair of fake engines:
+  lower-bound   a minimal client doing prefill then decode itself (kept-alive connections)
+  narwhal       this router (``narwhal serve``)
+  vllm-router   vllm-router 0.1.17 (``--vllm-pd-disaggregation``), from the peers venv
+  narwhal-0.7   narwhal-inference 0.7.0, from the peers venv, when it can be configured
+
+Scenarios: (a) c=32, 64-token streams, no inter-token delay; (b) c=1 (time to first token
+added over the lower bound); (c) open streams, 50 ms between tokens; (d) 8k-token
+prompts, 16 output tokens. ``--quick`` runs fewer requests and skips (c) and (d).
+
+Router CPU is user+system time of the router's process tree (from /proc) over the load
+phase only. The load generator reports its own CPU so it can be seen not to be the limit.
+Figures are reported as ratios to the peers measured in the same run; nothing here is
+asserted: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import trio
+
+from narwhal.engines.transport import Pool, tcp_connect
+
+URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
+TICK = os.sysconf("SC_CLK_TCK")
+MODEL = "fake-model"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    requests: int
+    concurrency: int
+    tokens: int
+    itl_s: float = 0.0
+    prompt_words: int = 8
+
+
+@dataclass
+class Result:
+    target: str
+    scenario: str
+    ok: int = 0
+    failed: int = 0
+    wall_s: float = 0.0
+    router_cpu_s: float | None = None
+    loadgen_cpu_s: float = 0.0
+    rss_mib: float | None = None
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    note: str = ""
+
+    def cpu_ms_per_request(self) -> float | None:
+        if self.router_cpu_s is None or not self.ok:
+            return None
+        return self.router_cpu_s / (self.ok + self.failed) * 1000
+
+
+# ---- processes -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tree_cpu(pid: int) -> float:
+    """User+system CPU seconds of a process and its children (threads included)."""
+    total = 0.0
+    for p in [pid, *children(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICK
+    return total
+
+
+def tree_rss_mib(pid: int) -> float:
+    total = 0
+    for p in [pid, *children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return out
+    for kid in map(int, kids):
+        out += [kid, *children(kid)]
+    return out
+
+
+class Proc:
+    """A started process; stderr drained to a file so a full pipe never blocks it."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self.handle = log.open("w")
+        self.proc = subprocess.Popen(argv, stdout=self.handle, stderr=subprocess.STDOUT, env=env)
+
+    def wait_for_url(self, pattern: str, timeout_s: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:  # bounded: the process is starting
+            text = self.log.read_text(errors="replace")
+            for line in text.splitlines():
+                if pattern in line and (match := URL.search(line)):
+                    return match.group(1)
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.proc.args[0]} did not start: {self.log.read_text()[-800:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.handle.close()
+
+
+def wait_http(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
+    async def probe() -> bool:
+        host, port = url.removeprefix("http://").split(":")
+        try:
+            stream = await tcp_connect(host, int(port))
+        except OSError:
+            return False
+        await stream.aclose()
+        return True
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.proc.poll() is None:  # bounded
+        if trio.run(probe):
+            return
+        time.sleep(0.2)
+    proc.stop()
+    raise RuntimeError(f"{url} did not come up: {proc.log.read_text(errors='replace')[-300:]}")
+
+
+# ---- load ------------------------------------------------------------------------------
+
+
+def prompt(words: int, salt: int) -> str:
+    base = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
+    return " ".join(base[(i + salt) % len(base)] for i in range(words))
+
+
+async def one_request(pool: Pool, body: bytes) -> tuple[bool, float | None, float]:
+    """POST a streamed completion; (complete, time to first data event, end to end)."""
+    start = time.perf_counter()
+    first: float | None = None
+    tail = b""
+    async with await pool.request(
+        b"POST", b"/v1/completions", [(b"content-type", b"application/json")], body
+    ) as resp:
+        while (batch := await resp.next_batch()) is not None:
+            if first is None and b"data: {" in batch:
+                first = time.perf_counter() - start
+            tail = (tail + batch)[-64:]
+        ok = resp.status == 200 and tail.endswith(b"data: [DONE]\n\n")
+    return ok, first, time.perf_counter() - start
+
+
+async def lower_bound_request(
+    p_pool: Pool,
+    d_pool: Pool,
+    body: dict,  # type: ignore[type-arg]
+) -> tuple[bool, float | None, float]:
+    """What a router must do at minimum: prefill, then decode with the descriptor."""
+    start = time.perf_counter()
+    pre = {
+        **body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    async with await p_pool.request(
+        b"POST",
+        b"/v1/completions",
+        [(b"content-type", b"application/json")],
+        msgspec.json.encode(pre),
+    ) as resp:
+        data = await resp.read_all(1 << 22)
+    kv = msgspec.json.decode(data)["kv_transfer_params"]
+    decode_start = time.perf_counter()
+    ok, first, _ = await one_request(
+        d_pool, msgspec.json.encode({**body, "kv_transfer_params": kv})
+    )
+    ttft = None if first is None else decode_start - start + first
+    return ok, ttft, time.perf_counter() - start
+
+
+async def drive(scenario: Scenario, send: Callable[[int], object], result: Result) -> None:
+    remaining = iter(range(scenario.requests))
+
+    async def worker() -> None:
+        for i in remaining:
+            ok, first, e2e = await send(i)  # type: ignore[misc]
+            if ok:
+                result.ok += 1
+                result.e2e.append(e2e)
+                if first is not None:
+                    result.ttft.append(first)
+            else:
+                result.failed += 1
+
+    with trio.fail_after(900):
+        async with trio.open_nursery() as nursery:
+            for _ in range(scenario.concurrency):
+                nursery.start_soon(worker)
+
+
+def run_load(
+    scenario: Scenario, result: Result, url: str | None, engines: tuple[str, str] | None = None
+) -> None:
+    """Drive one target (``url``) or the lower bound (``engines``) through a scenario."""
+
+    async def main() -> None:
+        width = scenario.concurrency + 8
+
+        def pool_for(u: str) -> Pool:
+            host, port = u.removeprefix("http://").split(":")
+            return Pool(host, int(port), tcp_connect, 10.0, width)
+
+        def body(i: int) -> dict:  # type: ignore[type-arg]
+            return {
+                "model": MODEL,
+                "prompt": prompt(scenario.prompt_words, i),
+                "max_tokens": scenario.tokens,
+                "stream": True,
+                "temperature": 0,
+            }
+
+        if engines is not None:
+            p_pool, d_pool = pool_for(engines[0]), pool_for(engines[1])
+
+            async def send(i: int) -> tuple[bool, float | None, float]:
+                return await lower_bound_request(p_pool, d_pool, body(i))
+        else:
+            assert url is not None
+            pool = pool_for(url)
+
+            async def send(i: int) -> tuple[bool, float | None, float]:
+                return await one_request(pool, msgspec.json.encode(body(i)))
+
+        await drive(scenario, send, result)
+
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    trio.run(main)
+    result.wall_s = time.perf_counter() - t0
+    result.loadgen_cpu_s = time.process_time() - cpu0
+
+
+# ---- targets ---------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    start: Callable[[str, str, Path], tuple[Proc, str]] | None  # None: the lower bound
+
+
+def start_narwhal(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
+    fleet = tmp / "fleet.toml"
+    fleet.write_text(
+        f'model = "{MODEL}"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
+        f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
+        "[serving]\nmax_inflight = 20000\n[engine]\nmax_connections = 20000\n"
+    )
+    proc = Proc(
+        [
+            sys.executable,
+            "-m",
+            "narwhal",
+            "serve",
+            "--config",
+            str(fleet),
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        tmp / "narwhal.log",
+    )
+    return proc, proc.wait_for_url("narwhal: serving")
+
+
+def peers_bin(name: str) -> Path:
+    return Path(os.environ.get("PEERS_VENV", ".bench-venv")) / "bin" / name
+
+
+def start_vllm_router(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc(
+        [
+            str(peers_bin("vllm-router")),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            p_url,
+            "--decode",
+            d_url,
+            "--log-level",
+            "warning",
+        ],
+        tmp / "vllm-router.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, proc)
+    return proc, url
+
+
+def start_narwhal07(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
+    """narwhal-inference 0.7.0: a fleet file and synthetic profiles bound to the live
+    engines' identity, written by its own digest code (bench/narwhal07_config.py)."""
+    config_dir = tmp / "narwhal07"
+    subprocess.run(
+        [
+            str(peers_bin("python")),
+            str(Path(__file__).with_name("narwhal07_config.py")),
+            str(config_dir),
+            MODEL,
+            p_url,
+            d_url,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    port = free_port()
+    proc = Proc(
+        [
+            str(peers_bin("narwhal-serve")),
+            "--fleet",
+            str(config_dir / "fleet.json"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--max-concurrent",
+            "20000",
+        ],
+        tmp / "narwhal07.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, proc)
+    return proc, url
+
+
+TARGETS = [
+    Target("lower-bound", None),
+    Target("narwhal", start_narwhal),
+    Target("vllm-router", start_vllm_router),
+    Target("narwhal-0.7", start_narwhal07),
+]
+
+
+def start_engines(scenario: Scenario, tmp: Path) -> tuple[list[Proc], str, str]:
+    procs, urls = [], []
+    for role in ("prefill", "decode"):
+        proc = Proc(
+            [
+                sys.executable,
+                "-m",
+                "narwhal",
+                "fake-engine",
+                "--port",
+                "0",
+                "--role",
+                role,
+                "--itl-s",
+                str(scenario.itl_s),
+                "--max-model-len",
+                "65536",
+            ],
+            tmp / f"engine-{role}.log",
+        )
+        procs.append(proc)
+        urls.append(proc.wait_for_url("fake-engine"))
+    return procs, urls[0], urls[1]
+
+
+def measure(scenario: Scenario, target: Target, engines: tuple[str, str], tmp: Path) -> Result:
+    result = Result(target.name, scenario.name)
+    if target.start is None:
+        run_load(scenario, result, None, engines)
+        return result
+    try:
+        proc, url = target.start(engines[0], engines[1], tmp)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        result.note = f"not measured: {exc}"[:200]
+        return result
+    try:
+        warm = Scenario(
+            "warm-up",
+            20,
+            min(8, scenario.concurrency),
+            scenario.tokens,
+            scenario.itl_s,
+            scenario.prompt_words,
+        )
+        run_load(warm, Result(target.name, "warm-up"), url)
+        cpu0 = tree_cpu(proc.proc.pid)
+        run_load(scenario, result, url)
+        result.router_cpu_s = tree_cpu(proc.proc.pid) - cpu0
+        result.rss_mib = tree_rss_mib(proc.proc.pid)
+    finally:
+        proc.stop()
+    return result
+
+
+# ---- report ----------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def fmt(value: float | None, scale: float = 1000.0, digits: int = 2) -> str:
+    return "—" if value is None else f"{value * scale:.{digits}f}"
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    if value is None or base is None or base == 0:
+        return "—"
+    return f"{value / base:.2f}x"
+
+
+def table(results: list[Result]) -> str:
+    lines = []
+    for scenario in dict.fromkeys(r.scenario for r in results):
+        rows = [r for r in results if r.scenario == scenario]
+        by = {r.target: r for r in rows}
+        base_ttft = pct(by["lower-bound"].ttft, 0.5) if "lower-bound" in by else None
+        vr, nw = by.get("vllm-router"), by.get("narwhal-0.7")
+        lines += [
+            f"\n### {scenario}\n",
+            "| target | router CPU ms/req | vs vllm-router | vs Narwhal 0.7 | req/s | TTFT p50 ms "
+            "| TTFT p99 ms | added TTFT p50 ms | e2e p50 ms | e2e p99 ms | peak RSS MiB "
+            "| loadgen CPU s | ok/failed | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            cpu = r.cpu_ms_per_request()
+            p50 = pct(r.ttft, 0.5)
+            added = None if p50 is None or base_ttft is None else p50 - base_ttft
+            rps = (r.ok + r.failed) / r.wall_s if r.wall_s else None
+            lines.append(
+                f"| {r.target} | {fmt(cpu, 1)} | "
+                f"{ratio(cpu, vr.cpu_ms_per_request() if vr else None)} | "
+                f"{ratio(cpu, nw.cpu_ms_per_request() if nw else None)} | "
+                f"{fmt(rps, 1, 0)} | {fmt(p50)} | {fmt(pct(r.ttft, 0.99))} | {fmt(added)} | "
+                f"{fmt(pct(r.e2e, 0.5))} | {fmt(pct(r.e2e, 0.99))} | {fmt(r.rss_mib, 1, 0)} | "
+                f"{r.loadgen_cpu_s:.2f} | {r.ok}/{r.failed} | {r.note} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    a = [r for r in results if r.scenario.startswith("a") and r.cpu_ms_per_request()]
+    axes[0].bar([r.target for r in a], [r.cpu_ms_per_request() or 0 for r in a])
+    axes[0].set_title("router CPU ms per request (a: c=32, 64 tokens)")
+    b = {r.target: r for r in results if r.scenario.startswith("b")}
+    base = pct(b["lower-bound"].ttft, 0.5) if "lower-bound" in b else None
+    names = [t for t in b if t != "lower-bound" and b[t].ttft and base is not None]
+    axes[1].bar(names, [((pct(b[t].ttft, 0.5) or 0) - (base or 0)) * 1000 for t in names])
+    axes[1].set_title("added TTFT p50 ms over the lower bound (b: c=1)")
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--peers-venv", default=os.environ.get("PEERS_VENV", ".bench-venv"))
+    args = parser.parse_args()
+    os.environ["PEERS_VENV"] = args.peers_venv
+    if args.quick:
+        scenarios = [
+            Scenario("a: c=32, 64 tokens, ITL 0", 300, 32, 64),
+            Scenario("b: c=1, 64 tokens, ITL 0", 60, 1, 64),
+        ]
+    else:
+        scenarios = [
+            Scenario("a: c=32, 64 tokens, ITL 0", 1000, 32, 64),
+            Scenario("b: c=1, 64 tokens, ITL 0", 200, 1, 64),
+            Scenario("c: 1,000 open streams, ITL 50 ms", 1000, 1000, 64, itl_s=0.05),
+            Scenario("d: 8k-token prompts, 16 tokens", 200, 8, 16, prompt_words=8000),
+        ]
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="narwhal-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        for scenario in scenarios:
+            engines, p_url, d_url = start_engines(scenario, tmp)
+            try:
+                for target in TARGETS:
+                    result = measure(scenario, target, (p_url, d_url), tmp)
+                    results.append(result)
+                    print(
+                        f"{scenario.name:40} {target.name:12} ok={result.ok} "
+                        f"failed={result.failed} {result.note}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            finally:
+                for proc in engines:
+                    proc.stop()
+    stamp = time.strftime("%Y-%m-%d")
+    host = (
+        f"{platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}"
+    )
+    report = (
+        f"# Router benchmark, {stamp}\n\nMachine: {host}. Mode: "
+        f"{'quick' if args.quick else 'full'}. Fake engines on 127.0.0.1.\n" + table(results)
+    )
+    print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{stamp}-{'quick' if args.quick else 'full'}"
+    (out / f"{name}.md").write_text(report + "\n")
+    (out / f"{name}.json").write_text(json.dumps([r.__dict__ for r in results], default=str))
+    if not args.quick and plot(results, out / f"{name}.png"):
+        print(f"plot: {out / name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -122,10 +122,10 @@ def children(pid: int) -> list[int]:
 class Proc:
     """A started process; stderr drained to a file so a full pipe never blocks it."""
 
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], log: Path, cwd: Path | None = None) -> None:
         self.log = log
         self.handle = log.open("w")
-        self.proc = subprocess.Popen(argv, stdout=self.handle, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(argv, stdout=self.handle, stderr=subprocess.STDOUT, cwd=cwd)
 
     def wait_for_url(self, pattern: str, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
@@ -298,7 +298,9 @@ def start_narwhal(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
     fleet.write_text(
         f'model = "{MODEL}"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
         f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
-        "[serving]\nmax_inflight = 20000\n[engine]\nmax_connections = 20000\n"
+        "[serving]\nmax_inflight = 20000\n"
+        # the peers have no first-token timeout: measure routing, not our 2.5 s default
+        "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n"
     )
     proc = Proc(
         [
@@ -379,6 +381,7 @@ def start_narwhal07(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
             "20000",
         ],
         tmp / "narwhal07.log",
+        cwd=config_dir,  # it writes runs/state.json beside itself
     )
     url = f"http://127.0.0.1:{port}"
     wait_http(url, proc)
@@ -497,26 +500,20 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[Result], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    a = [r for r in results if r.scenario.startswith("a") and r.cpu_ms_per_request()]
-    axes[0].bar([r.target for r in a], [r.cpu_ms_per_request() or 0 for r in a])
-    axes[0].set_title("router CPU ms per request (a: c=32, 64 tokens)")
-    b = {r.target: r for r in results if r.scenario.startswith("b")}
-    base = pct(b["lower-bound"].ttft, 0.5) if "lower-bound" in b else None
-    names = [t for t in b if t != "lower-bound" and b[t].ttft and base is not None]
-    axes[1].bar(names, [((pct(b[t].ttft, 0.5) or 0) - (base or 0)) * 1000 for t in names])
-    axes[1].set_title("added TTFT p50 ms over the lower bound (b: c=1)")
-    fig.tight_layout()
-    fig.savefig(path)
-    return True
+def plot(results_json: Path, path: Path) -> bool:
+    """Draw the plot with the peers venv's matplotlib (bench/plot.py); False if it fails."""
+    proc = subprocess.run(
+        [
+            str(peers_bin("python")),
+            str(Path(__file__).with_name("plot.py")),
+            str(results_json),
+            str(path),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    return proc.returncode == 0
 
 
 def main() -> int:
@@ -524,6 +521,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--peers-venv", default=os.environ.get("PEERS_VENV", ".bench-venv"))
+    parser.add_argument("--only", help="run only the scenarios whose name starts with this")
     args = parser.parse_args()
     os.environ["PEERS_VENV"] = args.peers_venv
     if args.quick:
@@ -538,6 +536,8 @@ def main() -> int:
             Scenario("c: 1,000 open streams, ITL 50 ms", 1000, 1000, 64, itl_s=0.05),
             Scenario("d: 8k-token prompts, 16 tokens", 200, 8, 16, prompt_words=8000),
         ]
+    if args.only:
+        scenarios = [s for s in scenarios if s.name.startswith(args.only)]
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="narwhal-bench-") as tmpdir:
         tmp = Path(tmpdir)
@@ -570,7 +570,7 @@ def main() -> int:
     name = f"{stamp}-{'quick' if args.quick else 'full'}"
     (out / f"{name}.md").write_text(report + "\n")
     (out / f"{name}.json").write_text(json.dumps([r.__dict__ for r in results], default=str))
-    if not args.quick and plot(results, out / f"{name}.png"):
+    if not args.quick and plot(out / f"{name}.json", out / f"{name}.png"):
         print(f"plot: {out / name}.png")
     return 0
 

@@ -73,3 +73,25 @@ async def test_a_refused_connection_is_an_engine_fault(nursery: trio.Nursery) ->
     assert info.value.status == 502
     assert client.limiter(url).borrowed_tokens == 0
     await client.aclose()
+
+
+async def test_reuse_check_works_beyond_a_thousand_descriptors(nursery: trio.Nursery) -> None:
+    """select() cannot watch descriptors >= 1024; a busy router has many more."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # push new fds past 1024
+    try:
+        engine = FakeEngine(FakeEngineConfig(model=MODEL))
+        url = await nursery.start(engine.serve)
+        client = EngineClient()
+        for _ in range(2):  # the second reuses a kept-alive connection with a high fd
+            assert await _decode_all(client, url) > 0
+        assert engine.counters["connections"] == 1
+        await client.aclose()
+    finally:
+        for fd in filler:
+            os.close(fd)

@@ -66,8 +66,10 @@ class _Connection:
         sock = getattr(self.stream, "socket", None)
         if sock is None:
             return True  # an in-memory stream (tests)
-        readable, _, _ = select.select([sock.fileno()], [], [], 0)
-        return not readable
+        # poll, not select: a busy router has descriptors beyond select's 1024 limit
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return not poller.poll(0)
 
 
 class Pool:

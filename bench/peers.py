@@ -321,7 +321,8 @@ def start_narwhal(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
 
 
 def peers_bin(name: str) -> Path:
-    return Path(os.environ.get("PEERS_VENV", ".bench-venv")) / "bin" / name
+    # absolute: narwhal-inference 0.7.0 runs with its config folder as working directory
+    return (Path(os.environ.get("PEERS_VENV", ".bench-venv")) / "bin" / name).absolute()
 
 
 def start_vllm_router(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:

@@ -24,7 +24,7 @@ Kinds, by the leg they break:
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -47,19 +47,8 @@ FaultKind = Literal[
     "oversized_event",
 ]
 PREFILL_ONLY = frozenset({"no_descriptor", "bad_engine_id", "bad_block_ids", "close_mid_body"})
-DECODE_ONLY = frozenset(
-    {
-        "headers_then_silence",
-        "metadata_then_silence",
-        "tokens_then_silence",
-        "tokens_then_close",
-        "done_first",
-        "stream_error",
-        "slow_drip",
-        "malformed_chunk",
-        "oversized_event",
-    }
-)
+ANY_LEG = frozenset({"status", "hang"})
+DECODE_ONLY = frozenset(get_args(FaultKind)) - PREFILL_ONLY - ANY_LEG
 
 
 class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -235,3 +235,12 @@ def test_decode_body_strips_client_params_and_same_worker_sends_none() -> None:
         msgspec.json.encode(connector.decode_body(client_body, result, endpoint="/v1/completions"))
     )
     assert crossed["kv_transfer_params"] == GOOD
+
+
+def test_a_json_bomb_from_a_producer_is_an_invalid_descriptor() -> None:
+    bomb = (
+        b'{"choices": [{"text": "a"}], "kv_transfer_params": {"remote_engine_id": "e", '
+        b'"remote_block_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    )
+    with pytest.raises(DescriptorInvalid):
+        _extract(bomb)

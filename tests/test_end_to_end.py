@@ -304,3 +304,15 @@ async def test_engine_connections_are_kept_alive(pd: Harness) -> None:
     # which the router reads so the connection goes back to the pool
     assert pd.engines["p0"].counters["connections"] == 1
     assert pd.engines["d0"].counters["connections"] == 1
+
+
+async def test_json_bombs_are_400_not_500(pd: Harness) -> None:
+    deep = (
+        b'{"model": "fake-model", "prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    )
+    reply = await pd.post("/v1/completions", deep)
+    assert reply.status == 400
+    assert reply.json()["error"]["message"] == "body: JSON nested too deeply"
+    huge = b'{"model": "fake-model", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+    assert (await pd.post("/v1/completions", huge)).status == 400
+    assert not _requests(pd.engines["p0"])

@@ -76,3 +76,9 @@ def test_in_stream_error_status(code: object, status: int) -> None:
 def test_garbage_is_a_broken_stream(payload: bytes) -> None:
     with pytest.raises(StreamBroken, match="malformed stream chunk"):
         parse_payload(payload)
+
+
+def test_a_deeply_nested_chunk_is_a_broken_stream_not_a_crash() -> None:
+    payload = b'{"choices": [{"text": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}"
+    with pytest.raises(StreamBroken, match="malformed stream chunk"):
+        parse_payload(payload)

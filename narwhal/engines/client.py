@@ -54,7 +54,7 @@ def error_message(body: bytes, status: int) -> tuple[str, str | None]:
     """The message and type of an engine's error body (vLLM, FastAPI or plain text)."""
     try:
         parsed = msgspec.json.decode(body, type=_ErrorBody)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         text = body[:200].decode("utf-8", "replace").strip()
         return (text or f"engine answered HTTP {status}"), None
     if parsed.error is not None and isinstance(parsed.error.message, str):

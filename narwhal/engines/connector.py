@@ -96,7 +96,7 @@ class NixlConnector:
         """Find and validate the descriptor in a prefill response (SPEC 4.1, 4.2)."""
         try:
             parsed = msgspec.json.decode(response, type=_PrefillResponse)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise DescriptorInvalid(
                 f"prefill response is not an OpenAI completion: {exc}", phase=Phase.PREFILL
             ) from None
@@ -124,7 +124,7 @@ def validate_descriptor(raw: msgspec.Raw | bytes) -> None:
     """Raise DescriptorInvalid with a distinct message for each rule of SPEC 4.2."""
     try:
         view = msgspec.json.decode(raw, type=_DescriptorView)
-    except msgspec.ValidationError:
+    except (msgspec.ValidationError, RecursionError):
         raise DescriptorInvalid(
             "missing engine identity: kv_transfer_params is not a JSON object",
             phase=Phase.PREFILL,

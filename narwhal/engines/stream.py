@@ -75,7 +75,7 @@ def parse_payload(payload: bytes) -> Chunk | None:
         return None
     try:
         chunk = _decode_chunk(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise StreamBroken(
             f"engine sent a malformed stream chunk: {exc}", phase=Phase.DECODE
         ) from None

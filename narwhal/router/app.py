@@ -233,7 +233,7 @@ class RouterApp:
         if raw.strip():
             try:
                 named = msgspec.json.decode(raw, type=_WaveRequest).engines
-            except msgspec.MsgspecError as exc:
+            except (msgspec.MsgspecError, RecursionError) as exc:
                 await _error(send, 400, "invalid_request_error", f"engines: {exc}")
                 return
             if sorted(named) != fleet_ids:

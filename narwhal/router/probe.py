@@ -158,6 +158,6 @@ async def identity_problem(
             return None
         except RequestFault as fault:
             return f"unreachable: {fault.message}"
-        except msgspec.MsgspecError as exc:
+        except (msgspec.MsgspecError, RecursionError) as exc:
             return f"unreadable answer: {exc}"
     return f"no answer within {timeout_s:g}s"

@@ -74,6 +74,8 @@ def parse_request(raw: bytes, *, endpoint: str, model: str) -> ClientRequest:
         body = _decode_any(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"body: not valid JSON ({exc})", "body") from None
+    except RecursionError:  # a JSON bomb: refuse it, never a 500
+        raise BadRequest("body: JSON nested too deeply", "body") from None
     if not isinstance(body, dict):
         raise BadRequest(f"body: must be a JSON object, got {type(body).__name__}", "body")
     try:

@@ -107,6 +107,17 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
         assert 0 < lines[0]["ttft_s"] <= lines[0]["first_byte_s"] <= lines[0]["duration_s"]
 
 
+def _narwhal(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``narwhal ARGS`` to completion (bounded), capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "narwhal", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 @contextmanager
 def _fake_fleet(tmp_path: Path, extra: str = "") -> Iterator[Path]:
     """Two fake engines (p0 prefill, d0 decode) as processes, and a fleet file naming them."""
@@ -124,24 +135,12 @@ def _fake_fleet(tmp_path: Path, extra: str = "") -> Iterator[Path]:
 
 def test_check_on_the_command_line(tmp_path: Path) -> None:
     with _fake_fleet(tmp_path, '[engine_contract]\nengine_version = "0.32.0"\n') as fleet:
-        ok = subprocess.run(
-            [sys.executable, "-m", "narwhal", "check", "--config", str(fleet)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        ok = _narwhal("check", "--config", str(fleet))
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert "p0 -> d0 moved KV, 4 tokens, first token" in ok.stdout
         assert ok.stdout.splitlines()[-1] == "PASS: 2/2 engines ok, 1/1 transfers moved KV"
     # the engines are gone now: clear lines, exit 1, no traceback
-    down = subprocess.run(
-        [sys.executable, "-m", "narwhal", "check", "--config", str(fleet)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    down = _narwhal("check", "--config", str(fleet))
     assert down.returncode == 1
     assert "Traceback" not in down.stdout + down.stderr
     assert "p0 (prefill, " in down.stdout
@@ -149,13 +148,7 @@ def test_check_on_the_command_line(tmp_path: Path) -> None:
     assert "p0 -> d0 skipped" in down.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "m"\n')
-    refused = subprocess.run(
-        [sys.executable, "-m", "narwhal", "check", "--config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    refused = _narwhal("check", "--config", str(bad))
     assert refused.returncode == 2
     assert "engines: required" in refused.stderr
 

@@ -172,14 +172,18 @@ class Response:
         assert isinstance(event, h11.Response)
         self.status = event.status_code
 
-    async def _next_event(self, *, head: bool = False) -> h11.Event:
+    def _h11_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        """The next parsed event; the peer's protocol errors become TransportError."""
         conn = self.conn
         assert conn is not None
+        try:
+            return conn.h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise TransportError(f"engine broke HTTP: {exc}") from None
+
+    async def _next_event(self, *, head: bool = False) -> h11.Event:
         while True:
-            try:
-                event = conn.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise TransportError(f"engine broke HTTP: {exc}") from None
+            event = self._h11_event()
             if isinstance(event, h11.ConnectionClosed):
                 raise TransportError("connection closed by engine", before_response=head)
             if isinstance(event, h11.Event):
@@ -204,14 +208,9 @@ class Response:
         """The body bytes that arrived together; None at the end of the body."""
         if self.done:
             return None
-        conn = self.conn
-        assert conn is not None
         parts: list[bytes] = []
         while True:
-            try:
-                event = conn.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise TransportError(f"engine broke HTTP: {exc}") from None
+            event = self._h11_event()
             if isinstance(event, h11.Data):
                 parts.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):

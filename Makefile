@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 BENCH_VENV ?= .bench-venv
+VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick clean
+.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick e2e-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,10 @@ bench-quick: venv $(BENCH_VENV)/.installed   ## all four targets, scenarios a an
 
 bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in bench/results/
 	$(PY) bench/peers.py --peers-venv $(BENCH_VENV)
+
+e2e-vllm: venv       ## our router between two real vLLM engines moving real KV (3.7 GB, minutes)
+	bash e2e/vllm/setup.sh $(VLLM_DIR)
+	NARWHAL_VLLM_DIR=$(VLLM_DIR) $(PY) -m pytest -m vllm -p no:cacheprovider -s e2e/vllm
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,230 @@
+"""Two real vLLM engines (a producer and a consumer moving KV over NIXL) and our router in
+front of them, for the suite marked ``vllm``. ``make e2e-vllm`` builds the environment first.
+
+Every process is started in its own session and ended by its own process group, on every
+exit path: a fixture's ``finally``, and SIGTERM/SIGHUP turned into KeyboardInterrupt so the
+finalizers run when ``make`` is interrupted too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+MODEL = "tiny"
+START_S = 400.0  # an engine is ready in 40-130 s on the 2-core machine; slack for a busy one
+HANDOFF_S = 120.0  # handoffs sometimes stall 15-30 s (NIXL's lease); never assert latency
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = HANDOFF_S) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def up(url: str) -> bool:
+    try:
+        return http("GET", url, timeout=5)[0] == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class Process:
+    """One child in its own session, its output in a log file."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: vLLM forks an engine core
+                env={**os.environ, **self.env},
+                cwd=ROOT,
+            )
+
+    def wait_until(self, url: str, budget_s: float) -> None:
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if up(url):
+                return
+            time.sleep(1.0)  # waiting for a child process to come up; bounded by budget_s
+        pytest.fail(f"{self.name} not ready at {url} within {budget_s:.0f}s:\n{self.tail()}")
+
+    def signal(self, signum: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signum)  # our own child's group, by its id
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        # the group may outlive its leader (vLLM's engine core): end the stragglers too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc = None
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class Engine(Process):
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, prefix: str) -> float:
+        """Sum of every sample whose name starts with ``prefix`` on the engine's /metrics."""
+        status, body = http("GET", self.url + "/metrics", timeout=30)
+        assert status == 200
+        total = 0.0
+        for line in body.decode().splitlines():
+            if line.startswith(prefix):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@dataclass
+class Fleet:
+    producer: Engine
+    consumer: Engine
+    router: Process
+    router_url: str
+    config: Path
+    logs: Path
+
+    def engines(self) -> dict[str, dict[str, Any]]:
+        status, body = http("GET", self.router_url + "/narwhal/engines", timeout=30)
+        assert status == 200
+        return {e["id"]: e for e in json.loads(body)["engines"]}
+
+
+def _vllm_dir() -> Path:
+    raw = os.environ.get("NARWHAL_VLLM_DIR", "")
+    path = Path(raw) if raw else Path.home() / ".cache" / "narwhal-vllm"
+    if not (path / ".ready").exists():
+        pytest.fail(f"no vLLM environment in {path}: run `make e2e-vllm` (it builds one)")
+    return path
+
+
+def _engine(vllm: Path, logs: Path, name: str, role: str) -> Engine:
+    port, side = free_port(), free_port()
+    argv = ["bash", str(HERE / "serve_nixl.sh"), str(vllm), str(port), str(side), role]
+    return Engine(name=name, argv=argv, log=logs / f"{name}.log", port=port)
+
+
+FLEET = """\
+model = "{model}"
+
+[[engines]]
+id = "p0"
+url = "{producer}"
+role = "prefill"
+
+[[engines]]
+id = "d0"
+url = "{consumer}"
+role = "decode"
+
+[serving]
+request_timeout_s = 300.0
+prefill_timeout_s = 120.0
+max_attempts = 1
+
+[engine]
+first_token_timeout_s = 120.0
+decode_read_timeout_s = 60.0
+connect_timeout_s = 5.0
+health_timeout_s = 10.0
+max_connections = 16
+
+[recovery]
+eject_after = 2
+readmit_interval_s = 3.0
+"""
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    vllm = _vllm_dir()
+    logs = Path(os.environ.get("NARWHAL_E2E_LOGS", "") or tmp_path_factory.mktemp("logs"))
+    logs.mkdir(parents=True, exist_ok=True)
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    producer = _engine(vllm, logs, "producer", "kv_producer")
+    consumer = _engine(vllm, logs, "consumer", "kv_consumer")
+    config = logs / "fleet.toml"
+    config.write_text(FLEET.format(model=MODEL, producer=producer.url, consumer=consumer.url))
+    port = free_port()
+    argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config)]
+    router = Process("router", [*argv, "--port", str(port)], logs / "router.log")
+    started: list[Process] = []
+    try:
+        for p in (producer, consumer):  # both load at once: the start-up is mostly waiting
+            p.start()
+            started.append(p)
+        producer.wait_until(producer.url + "/health", START_S)
+        consumer.wait_until(consumer.url + "/health", START_S)
+        router.start()
+        started.append(router)
+        url = f"http://127.0.0.1:{port}"
+        router.wait_until(url + "/ready", 60)
+        yield Fleet(producer, consumer, router, url, config, logs)
+    finally:
+        for p in reversed(started):
+            p.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        print(f"\nlogs of the engines and the router: {logs}")

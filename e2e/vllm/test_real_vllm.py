@@ -1,0 +1,226 @@
+"""Our router in front of two real vLLM 0.32 engines moving real KV (``make e2e-vllm``).
+
+The tests run in file order against one fleet: the consumer is killed and restarted last.
+Generous timeouts and no latency assertions: handoffs sometimes stall 15-30 s here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from .conftest import HANDOFF_S, MODEL, START_S, Fleet, http
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 6 + "Once upon a time"
+# vLLM's NIXL connector counts each finished KV pull in this histogram on the consumer
+TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+
+
+@pytest.fixture(scope="module")
+def client(fleet: Fleet) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=fleet.router_url + "/v1", api_key="unused", timeout=HANDOFF_S * 2, max_retries=0
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm(fleet: Fleet) -> None:
+    """The first handoff of a pair does the NIXL handshake; let it happen outside a test
+    (directly, not through the router, so the router's breaker starts clean)."""
+    body = {"model": MODEL, "prompt": "warm up", "max_tokens": 1, "temperature": 0}
+    for _ in range(3):  # bounded: a first handshake can time out once on a busy machine
+        pre = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+        status, raw = http("POST", fleet.producer.url + "/v1/completions", pre)
+        assert status == 200, raw
+        kv = json.loads(raw)["kv_transfer_params"]
+        status, raw = http(
+            "POST", fleet.consumer.url + "/v1/completions", {**body, "kv_transfer_params": kv}
+        )
+        if status == 200:
+            return
+    pytest.fail(f"no handoff between the two engines succeeded: {raw[:300]!r}")
+
+
+def local(fleet: Fleet, path: str, body: dict[str, object]) -> str:
+    """What the consumer produces for this request on its own (no KV from elsewhere)."""
+    status, raw = http("POST", fleet.consumer.url + path, {**body, "temperature": 0})
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    return str(choice["text"] if "text" in choice else choice["message"]["content"])
+
+
+class Transfers:
+    """The consumer's KV transfer counter, read before and after."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.before = fleet.consumer.metric(TRANSFERS)
+
+    def risen_by(self) -> float:
+        return self.fleet.consumer.metric(TRANSFERS) - self.before
+
+
+def test_check_passes_and_names_the_pair(fleet: Fleet) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "narwhal", "check", "--config", str(fleet.config)],
+        capture_output=True,
+        text=True,
+        timeout=HANDOFF_S * 3,
+        check=False,
+    )
+    report = out.stdout + out.stderr
+    print(report)
+    assert out.returncode == 0, report
+    assert "p0 -> d0" in report
+
+
+def test_completion_equals_the_consumers_own_output(fleet: Fleet, client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12}
+    transfers = Transfers(fleet)
+    routed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert transfers.risen_by() >= 1, "the consumer pulled no KV"
+    text = routed.choices[0].text
+    print(f"routed {text!r}; transfers +{transfers.risen_by():g}")
+    assert text
+    assert text == local(fleet, "/v1/completions", body)
+    assert routed.usage is not None
+    assert routed.usage.completion_tokens == 12
+
+
+def test_streamed_completion_with_usage(fleet: Fleet, client: openai.OpenAI) -> None:
+    transfers = Transfers(fleet)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT + " there",
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert transfers.risen_by() >= 1
+    body = {"model": MODEL, "prompt": PROMPT + " there", "max_tokens": 10}
+    assert text == local(fleet, "/v1/completions", body)
+    assert usage is not None, "stream_options.include_usage did not pass through"
+    assert usage.completion_tokens == 10
+
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about a lazy dog and a fox."}]
+
+
+def test_chat_equals_the_consumers_own_output(fleet: Fleet, client: openai.OpenAI) -> None:
+    transfers = Transfers(fleet)
+    routed = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+    )
+    assert transfers.risen_by() >= 1
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8}
+    assert routed.choices[0].message.content == local(fleet, "/v1/chat/completions", body)
+
+
+def test_streamed_chat(fleet: Fleet, client: openai.OpenAI) -> None:
+    transfers = Transfers(fleet)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert transfers.risen_by() >= 1
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8}
+    assert "".join(parts) == local(fleet, "/v1/chat/completions", body)
+    assert usage is not None
+    assert usage.completion_tokens == 8
+
+
+def test_wrong_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="not-" + MODEL, prompt="hello", max_tokens=2)
+
+
+def test_prompt_over_the_model_length_is_the_engines_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="fox dog " * 600, max_tokens=4)
+    print(caught.value.message)
+    assert "length" in caught.value.message.lower() or "token" in caught.value.message.lower()
+
+
+def test_consumer_killed_mid_stream_then_ejected_then_readmitted(
+    fleet: Fleet, client: openai.OpenAI
+) -> None:
+    eject_after = 2  # the fleet file's recovery.eject_after
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True
+    )
+    received = 0
+
+    def read_until_the_end() -> None:
+        nonlocal received
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                received += 1
+                if received == 3:
+                    fleet.consumer.stop(grace_s=0.0)  # SIGTERM then SIGKILL: a dead engine
+
+    with pytest.raises(openai.APIError) as caught:
+        read_until_the_end()
+    print(f"after {received} tokens: {caught.value.message}")
+    assert received >= 3
+    failures = 1
+    while fleet.engines()["d0"]["breaker"]["state"] != "ejected":
+        assert failures < eject_after, fleet.engines()["d0"]
+        with pytest.raises(openai.APIStatusError):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        failures += 1
+    assert failures == eject_after
+    d0 = fleet.engines()["d0"]
+    print("ejected:", d0["breaker"])
+    assert d0["breaker"]["streak"] == eject_after
+    # the last consumer stays placeable ("held in"), so clients get the honest 502 of a
+    # refused connection, and /ready tells the load balancer the fleet cannot serve
+    assert d0["held_in"] is True
+    assert http("GET", fleet.router_url + "/ready")[0] == 503
+
+    fleet.consumer.start()
+    fleet.consumer.wait_until(fleet.consumer.url + "/health", START_S)
+    deadline = time.monotonic() + 120
+    while fleet.engines()["d0"]["breaker"]["state"] != "closed":
+        assert time.monotonic() < deadline, fleet.engines()["d0"]
+        time.sleep(1.0)  # the router probes every readmit_interval_s; bounded by deadline
+    print("readmitted:", fleet.engines()["d0"]["breaker"])
+    for _ in range(3):  # a restarted consumer's first pull redoes the NIXL handshake
+        try:
+            done = client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0
+            )
+        except openai.APIStatusError as e:
+            print("first request after readmission:", e.status_code, e.message)
+            continue
+        assert done.choices[0].text
+        return
+    pytest.fail("no request succeeded after readmission")

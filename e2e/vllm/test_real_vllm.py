@@ -66,7 +66,9 @@ class Transfers:
         self.before = fleet.consumer.metric(TRANSFERS)
 
     def risen_by(self) -> float:
-        return self.fleet.consumer.metric(TRANSFERS) - self.before
+        after = self.fleet.consumer.metric(TRANSFERS)
+        print(f"{TRANSFERS} on the consumer: {self.before:g} -> {after:g}")
+        return after - self.before
 
 
 def test_check_passes_and_names_the_pair(fleet: Fleet) -> None:
@@ -89,7 +91,7 @@ def test_completion_equals_the_consumers_own_output(fleet: Fleet, client: openai
     routed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     assert transfers.risen_by() >= 1, "the consumer pulled no KV"
     text = routed.choices[0].text
-    print(f"routed {text!r}; transfers +{transfers.risen_by():g}")
+    print(f"routed {text!r}")
     assert text
     assert text == local(fleet, "/v1/completions", body)
     assert routed.usage is not None

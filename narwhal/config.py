@@ -52,6 +52,8 @@ class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
     max_request_bytes: PositiveInt = 4 * 1024 * 1024
     api_keys_env: str = ""
     graceful_timeout_s: NonNegativeFloat = 30.0
+    client_idle_timeout_s: PositiveFloat = 15.0
+    client_body_timeout_s: PositiveFloat = 30.0
 
 
 class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):

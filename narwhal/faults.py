@@ -155,6 +155,20 @@ class TooLarge(RequestFault):
     kind = "request_too_large"
 
 
+class BodyTimeout(RequestFault):
+    """The body did not arrive within ``serving.client_body_timeout_s`` of its headers."""
+
+    status = 408
+    kind = "request_timeout"
+
+
+class HeadersTooLarge(RequestFault):
+    """More request header fields than the router reads (hypercorn bounds their size)."""
+
+    status = 431
+    kind = "request_header_fields_too_large"
+
+
 class Overloaded(RequestFault):
     """``serving.max_inflight`` reached (429 with Retry-After)."""
 

@@ -32,7 +32,10 @@ def hypercorn_config(fleet: FleetConfig, host: str, port: int) -> HypercornConfi
     # hypercorn's own limit only backs that up
     hc.graceful_timeout = fleet.serving.graceful_timeout_s + FAIL_SEND_BOUND_S + 1.0
     hc.accesslog = None
-    hc.keep_alive_timeout = 75  # longer than common client idle timeouts
+    # Hypercorn's idle timer runs from the connection's start (or its last response) until a
+    # request's headers are complete: it bounds idle keep-alive connections and slowloris
+    # headers alike. Longer than the idle expiry of common clients (httpx: 5 s).
+    hc.keep_alive_timeout = fleet.serving.client_idle_timeout_s
     # hypercorn's default backlog (100) overflows when many clients connect at once, and
     # the kernel's SYN retries then add seconds to their first token (seen at 1,000 streams)
     hc.backlog = 4096

@@ -15,8 +15,17 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from narwhal.config import ConfigError
-from narwhal.faults import Maintenance, Overloaded, Phase, RequestFault, ShuttingDown, TooLarge
+from narwhal.config import ConfigError, ServingConfig
+from narwhal.faults import (
+    BodyTimeout,
+    HeadersTooLarge,
+    Maintenance,
+    Overloaded,
+    Phase,
+    RequestFault,
+    ShuttingDown,
+    TooLarge,
+)
 from narwhal.router.requests import BadRequest, parse_request
 from narwhal.router.service import Router
 
@@ -34,6 +43,11 @@ _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # liveness, readiness and scrapes stay open to the platform; everything else needs a key
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 RETRY_AFTER_S = b"1"
+# More header fields, or header bytes, than any OpenAI client sends. Hypercorn's h11 buffer
+# limit only catches a header block still incomplete past 64 KiB, so a bigger block that
+# arrives in two reads gets through; and it has no bound on the number of fields.
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 32 * 1024
 
 
 class Disconnected(Exception):
@@ -110,6 +124,10 @@ class RouterApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
+        too_large = _headers_problem(scope["headers"])
+        if too_large is not None:
+            await respond(send, too_large.status, error_json(too_large))
+            return
         if path not in _OPEN_PATHS and not self.router.api_keys.allows(scope["headers"]):
             if path in _COMPLETION_PATHS:
                 self.router.received += 1
@@ -191,7 +209,7 @@ class RouterApp:
         rid = rid_text.encode()
         serving = router.config.serving
         try:
-            raw = await _read_body(scope, receive, serving.max_request_bytes)
+            raw = await _read_body_within(scope, receive, serving)
             if router.draining:
                 raise ShuttingDown(
                     "router shutting down: not taking new requests", phase=Phase.ADMISSION
@@ -260,7 +278,36 @@ async def _error(
     await respond(send, status, msgspec.json.encode(body), rid)
 
 
+def _headers_problem(headers: list[tuple[bytes, bytes]]) -> HeadersTooLarge | None:
+    if len(headers) > MAX_HEADERS:
+        message = f"request has {len(headers)} header fields; at most {MAX_HEADERS}"
+        return HeadersTooLarge(message, phase=Phase.ADMISSION)
+    size = sum(len(name) + len(value) for name, value in headers)
+    if size > MAX_HEADER_BYTES:
+        message = f"request headers hold {size} bytes; at most {MAX_HEADER_BYTES}"
+        return HeadersTooLarge(message, phase=Phase.ADMISSION)
+    return None
+
+
+async def _read_body_within(scope: Scope, receive: Receive, serving: ServingConfig) -> bytes:
+    """The body, or 408 when it trickles in slower than ``client_body_timeout_s``."""
+    with trio.move_on_after(serving.client_body_timeout_s):
+        return await _read_body(scope, receive, serving.max_request_bytes)
+    raise BodyTimeout(
+        f"request body not received within client_body_timeout_s="
+        f"{serving.client_body_timeout_s:g}s",
+        phase=Phase.ADMISSION,
+    )
+
+
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """At most ``limit`` bytes plus one received chunk are read before a 413."""
+    names = [name for name, _ in scope["headers"]]
+    if b"transfer-encoding" in names and b"content-length" in names:
+        # RFC 9112 6.3: a request smuggling shape; refuse it rather than pick a framing
+        raise BadRequest(
+            "transfer-encoding: not allowed together with content-length", "transfer-encoding"
+        )
     for name, value in scope["headers"]:
         if name == b"content-length":
             if not value.isdigit():

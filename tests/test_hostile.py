@@ -1,0 +1,280 @@
+"""Hostile clients (issue 6): what they send never reaches an engine it must not, never
+becomes two requests, never ties a connection up past a configured bound, never a 500.
+
+Raw sockets where the shape cannot be sent by an HTTP client library.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from narwhal.config import ServingConfig
+from narwhal.router.app import _read_body
+from narwhal.testing.fake_engine import FakeEngine
+from tests.conftest import MODEL, Harness, finish, start_fleet
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+COMPLETION = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+
+
+async def raw_exchange(
+    url: str, *parts: bytes, pause_s: float = 0.0, limit_s: float = 10.0
+) -> bytes:
+    """Send ``parts`` (``pause_s`` apart), then read until the router closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    received = bytearray()
+    with trio.fail_after(limit_s):
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            try:
+                for i, part in enumerate(parts):
+                    if i and pause_s:
+                        await trio.sleep(pause_s)  # the trickle is the behaviour under test
+                    await stream.send_all(part)
+            except trio.BrokenResourceError:
+                pass  # the router closed on us mid-send: what comes next says why
+            while chunk := await _receive(stream):
+                received += chunk
+    return bytes(received)
+
+
+async def _receive(stream: trio.SocketStream) -> bytes:
+    try:
+        return await stream.receive_some(65536)
+    except trio.BrokenResourceError:
+        return b""
+
+
+def statuses(raw: bytes) -> list[int]:
+    """Status codes of every response on the connection, in order."""
+    out = []
+    for line in raw.split(b"\r\n"):
+        if line.startswith(b"HTTP/1.1 "):
+            out.append(int(line.split()[1]))
+    return out
+
+
+def request(
+    body: bytes, *headers: bytes, path: bytes = b"/v1/completions", close: bool = True
+) -> bytes:
+    """One request; ``close`` asks the router to close after answering (no idle wait)."""
+    head = [b"POST " + path + b" HTTP/1.1", b"host: 127.0.0.1", b"content-type: application/json"]
+    if close:
+        head.append(b"connection: close")
+    return b"\r\n".join([*head, *headers, b"", b""]) + body
+
+
+def engine_requests(*engines: FakeEngine) -> int:
+    return sum(len(e.log) for e in engines)
+
+
+# ---- client kv_transfer_params ----------------------------------------------------------
+
+FORGED: list[Any] = [
+    None,
+    "string",
+    42,
+    3.5,
+    True,
+    [],
+    [{"do_remote_prefill": True}],
+    {},
+    {"do_remote_decode": False},
+    {"do_remote_decode": True},
+    {"do_remote_prefill": True},
+    {"do_remote_prefill": True, "remote_engine_id": "evil"},
+    {
+        "do_remote_prefill": True,
+        "remote_engine_id": "evil",
+        "remote_block_ids": [[1]],
+        "remote_host": "10.0.0.1",
+        "remote_port": 1,
+    },
+    {"remote_host": "169.254.169.254", "remote_port": 80},
+    {"remote_host": "127.0.0.1", "remote_port": 22, "do_remote_prefill": True},
+    {"remote_block_ids": list(range(100_000))},
+    {"remote_block_ids": [[i] for i in range(10_000)]},
+    {"tp_size": 10**18, "do_remote_prefill": True},
+    {"tp_size": -1},
+    {"nested": {"kv_transfer_params": {"do_remote_prefill": True}}},
+    {"kv_transfer_params": {"kv_transfer_params": {"remote_engine_id": "x"}}},
+    {"remote_engine_id": None, "remote_block_ids": None},
+    {"remote_request_id": "someone-elses-request", "transfer_mode": "push"},
+]
+
+
+async def test_client_descriptors_never_reach_an_engine(nursery: trio.Nursery) -> None:
+    """In every shape, pointing at a real producer too: the engines see only the router's."""
+    h = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
+    producer, consumer = h.engines["p0"], h.engines["d0"]
+    # one aimed at the real producer's KV side channel, with its real engine id
+    real_target = {
+        "do_remote_prefill": True,
+        "remote_engine_id": producer.engine_id,
+        "remote_host": producer.host,
+        "remote_port": producer.kv_port,
+        "remote_block_ids": [[1, 2]],
+        "remote_request_id": "guessed",
+    }
+    shapes = [*FORGED, real_target]
+    assert len(shapes) >= 20
+    for i, forged in enumerate(shapes):
+        for endpoint, extra in (
+            ("/v1/completions", {"prompt": PROMPT}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+        ):
+            body = {"model": MODEL, "max_tokens": 2, "stream": i % 2 == 0, **extra}
+            reply = await h.post(endpoint, {**body, "kv_transfer_params": forged})
+            assert reply.status == 200, (forged, reply.body[:200])
+    issued = {e["request_id"] for e in producer.store.events} | set(producer.store.released)
+    for entry in producer.log:
+        assert entry["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+    for entry in consumer.log:
+        kv = entry["body"]["kv_transfer_params"]
+        assert kv["remote_engine_id"] == producer.engine_id
+        assert kv["remote_request_id"] in issued
+    assert consumer.counters["kv_pull_failed"] == 0
+    assert producer.counters["kv_pull_refused_forged"] == 0
+    await finish(h)
+
+
+# ---- HTTP framing, headers and paths (raw sockets) ----------------------------------------
+
+BOUNDED = ServingConfig(
+    graceful_timeout_s=0.5, client_idle_timeout_s=1.0, client_body_timeout_s=1.0
+)
+
+
+@pytest.fixture
+async def bounded(nursery: trio.Nursery) -> Harness:
+    return await start_fleet(nursery, {"p0": "prefill", "d0": "decode"}, serving=BOUNDED)
+
+
+async def test_request_smuggling_shapes_are_400_and_never_two_requests(bounded: Harness) -> None:
+    # a second request hidden in the body of the first; keep-alive, so it would be served
+    smuggled = request(b"", path=b"/v1/models", close=False).replace(b"POST", b"GET")
+    te_body = b"0\r\n\r\n" + smuggled
+    cl = b"content-length: %d"
+    shapes = [
+        request(te_body, cl % len(te_body), b"transfer-encoding: chunked", close=False),
+        request(te_body, b"transfer-encoding: chunked", cl % len(te_body), close=False),
+        request(COMPLETION, cl % len(COMPLETION), b"content-length: 5", close=False),
+        request(COMPLETION + smuggled, b"content-length: %d, 5" % len(COMPLETION), close=False),
+    ]
+    for shape in shapes:
+        raw = await raw_exchange(bounded.url, shape)
+        assert statuses(raw) == [400], raw[:300]
+    assert engine_requests(*bounded.engines.values()) == 0
+    await finish(bounded)
+
+
+async def test_headers_too_long_or_too_many_are_refused(bounded: Harness) -> None:
+    length = b"content-length: %d" % len(COMPLETION)
+    for size in (40, 70, 120):  # KiB, in one field or spread over many
+        long_header = b"x-filler: " + b"a" * (size * 1024)
+        raw = await raw_exchange(bounded.url, request(COMPLETION, length, long_header))
+        assert statuses(raw) == [431], size
+        spread = [b"x-f%d: " % i + b"a" * (size * 1024 // 50) for i in range(50)]
+        raw = await raw_exchange(bounded.url, request(COMPLETION, length, *spread))
+        assert statuses(raw) == [431], size
+    many = [b"x-h%d: v" % i for i in range(500)]
+    raw = await raw_exchange(bounded.url, request(COMPLETION, length, *many))
+    assert statuses(raw) == [431]
+    assert b"header fields; at most 100" in raw
+    # a 1 MiB request id is refused before any engine sees it (never echoed onwards)
+    rid = b"x-request-id: " + b"r" * (1 << 20)
+    raw = await raw_exchange(bounded.url, request(COMPLETION, rid))
+    assert statuses(raw) == [431]
+    assert engine_requests(*bounded.engines.values()) == 0
+    await finish(bounded)
+
+
+async def test_slowloris_headers_are_closed_at_the_idle_bound(bounded: Harness) -> None:
+    head = request(b"", b"content-length: 2")
+    trickle = [head[i : i + 1] for i in range(len(head))]  # one byte every 0.2 s: ~20 s
+    start = time.monotonic()
+    raw = await raw_exchange(bounded.url, *trickle, pause_s=0.2, limit_s=10.0)
+    took = time.monotonic() - start
+    assert statuses(raw) in ([], [408])  # closed, never served
+    assert took < 1.0 + 2.0, f"the connection stayed open {took:.1f}s"
+    assert engine_requests(*bounded.engines.values()) == 0
+    await finish(bounded)
+
+
+async def test_a_trickled_body_is_408_at_the_body_bound(bounded: Harness) -> None:
+    head = request(b"", b"content-length: %d" % len(COMPLETION))
+    parts = [head, *(COMPLETION[i : i + 4] for i in range(0, len(COMPLETION), 4))]
+    start = time.monotonic()
+    raw = await raw_exchange(bounded.url, *parts, pause_s=0.2, limit_s=10.0)
+    took = time.monotonic() - start
+    assert statuses(raw) == [408]
+    assert b"client_body_timeout_s=1s" in raw
+    assert took < 1.0 + 2.0
+    assert engine_requests(*bounded.engines.values()) == 0
+    # one journal line: the router received it and rejected it
+    assert bounded.router.journal.lines[-1].status == 408
+    await finish(bounded)
+
+
+async def test_only_documented_paths_are_served(bounded: Harness) -> None:
+    for path in (
+        b"/invocations",
+        b"/tokenize",
+        b"/detokenize",
+        b"/v1/embeddings",
+        b"/../v1/completions",
+        b"/v1/../v1/completions",
+        b"//v1/completions",
+        b"/v1/completions/",
+        b"/V1/COMPLETIONS",
+        b"/v1/completions%00",
+    ):
+        raw = await raw_exchange(
+            bounded.url, request(COMPLETION, b"content-length: %d" % len(COMPLETION), path=path)
+        )
+        assert statuses(raw) in ([404], [400]), (path, raw[:200])
+    assert engine_requests(*bounded.engines.values()) == 0
+    await finish(bounded)
+
+
+# ---- bodies --------------------------------------------------------------------------------
+
+
+async def test_an_oversized_body_is_refused_after_reading_at_most_limit_plus_64k() -> None:
+    limit = 1 << 20
+    chunk = b"x" * 65536
+    delivered = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        delivered += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    scope = {"headers": [(b"transfer-encoding", b"chunked")]}  # no length to refuse up front
+    with pytest.raises(Exception, match="exceeds max_request_bytes") as caught:
+        await _read_body(scope, receive, limit)
+    assert getattr(caught.value, "status", None) == 413
+    assert delivered <= limit + 64 * 1024
+
+
+async def test_json_bombs_are_400_in_bounded_cpu(bounded: Harness) -> None:
+    bombs = [
+        b'{"model": "fake-model", "prompt": "x", "n": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+        b'{"model": "fake-model", "prompt": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_000 + b"}",
+        b'{"model": "fake-model", "prompt": "x", "max_tokens": ' + b"9" * 100_000 + b"}",
+        b'{"model": "fake-model", "prompt": "x", "temperature": 1e999999}',
+        b'{"model": "fake-model", "prompt": "x", "top_p": -' + b"9" * 100_000 + b".5}",
+        b'{"model": "fake-model", "prompt": [' + b"1," * 200_000 + b'1], "max_tokens": "x"}',
+    ]
+    for bomb in bombs:
+        start = time.process_time()
+        reply = await bounded.post("/v1/completions", bomb)
+        assert reply.status == 400, reply.body[:200]
+        assert time.process_time() - start < 1.0  # bounded CPU, generous for a busy machine
+    assert engine_requests(*bounded.engines.values()) == 0
+    await finish(bounded)

@@ -236,7 +236,17 @@ class FakeEngine:
             await ex.respond(400, gen.error_body("Body must be an object", "Bad Request", 400))
             return
         backend_id = req.headers.get("x-request-id", "")
-        self.log.append({"path": req.path, "request_id": backend_id, "body": body})
+        # one entry per leg: what the fault matrix reconciles against the client and journal
+        entry: dict[str, Any] = {
+            "path": req.path,
+            "request_id": backend_id,
+            "body": body,
+            "start": trio.current_time(),
+            "end": None,
+            "tokens": 0,
+            "disconnected": False,
+        }
+        self.log.append(entry)
         problem = self._validate(body, chat)
         if problem is not None:
             await ex.respond(problem[0], problem[1])
@@ -257,7 +267,9 @@ class FakeEngine:
                 if fault is not None and fault.kind in ("status", "hang"):
                     await self._refuse(fault, ex)
                 else:
-                    await self._generate(body, backend_id, ex, chat=chat, leg=leg, fault=fault)
+                    await self._generate(
+                        body, backend_id, ex, chat=chat, leg=leg, fault=fault, entry=entry
+                    )
                 nursery.cancel_scope.cancel()
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
             # a write lost the race with the watcher: the client is gone all the same
@@ -266,6 +278,8 @@ class FakeEngine:
             self.running -= 1
             if not self.running:
                 self._idle.set()
+            entry["end"] = trio.current_time()
+            entry["disconnected"] = ex.disconnected
             if ex.disconnected:
                 self.counters[f"{leg}_disconnects"] += 1
 
@@ -321,6 +335,7 @@ class FakeEngine:
         chat: bool,
         leg: Literal["prefill", "decode"],
         fault: Fault | None,
+        entry: dict[str, Any],
     ) -> None:
         cfg = self.config
         prompt, prompt_tokens = gen.prompt_of(body, chat)
@@ -344,7 +359,7 @@ class FakeEngine:
         count = max_tokens or body.get("max_tokens") or cfg.default_max_tokens
         ids = gen.token_ids(prompt, count)
         if stream:
-            await self._stream(shapes, ids, prompt_tokens, body, ex, fault)
+            await self._stream(shapes, ids, prompt_tokens, body, ex, fault, entry)
             return
         descriptor = self._produce(resp_id, prompt_tokens, chat) if produce else None
         if descriptor is not None and fault is not None:
@@ -356,6 +371,7 @@ class FakeEngine:
             await ex.respond_partial(200, response)
             return
         await ex.respond(200, response)
+        entry["tokens"] = len(ids)
 
     async def _compute_prompt(self, prompt_tokens: int) -> None:
         delay = self.config.prefill_delay_per_token_s * prompt_tokens
@@ -426,6 +442,7 @@ class FakeEngine:
         body: dict[str, Any],
         ex: Exchange,
         fault: Fault | None,
+        entry: dict[str, Any],
     ) -> None:
         kind = fault.kind if fault is not None else None
         itl = fault.interval_s if fault is not None and kind == "slow_drip" else self.config.itl_s
@@ -452,6 +469,7 @@ class FakeEngine:
             chunk = shapes.token_chunk(index, n == last, with_ids)
             await ex.write(b"data: " + chunk + b"\n\n")
             self.counters["generation_tokens"] += 1
+            entry["tokens"] += 1
         if fault is not None and kind != "slow_drip":
             await self._break_stream(fault, ex)
             return

@@ -19,10 +19,14 @@ Kinds, by the leg they break:
   as vLLM does); ``malformed_chunk`` and ``oversized_event`` (``tokens`` tokens, then a
   ``data:`` line that is not JSON, or a 2 MiB line with no end); ``slow_drip`` (every
   token ``interval_s`` apart).
+
+A fault with ``rate`` > 0 stays armed and strikes every matching leg with that probability
+until the queue is cleared.
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from typing import Any, Literal, get_args
 
@@ -61,6 +65,9 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     interval_s: float = 0.0
     keepalive_s: float = 0.0
     value: Any = ""
+    # 0: strike once (queued). > 0: stay armed and strike each matching leg with this
+    # probability (the fault matrix and the soak break engines at a rate, not once)
+    rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind in PREFILL_ONLY and self.leg == "decode":
@@ -78,24 +85,30 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
 
 
 class FaultQueue:
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self._queue: deque[Fault] = deque()
+        self.armed: list[Fault] = []  # faults with a rate: they stay until cleared
+        self._random = random.Random(seed)  # deterministic: a run can be replayed
 
     def push(self, *faults: Fault) -> None:
-        self._queue.extend(faults)
+        for fault in faults:
+            (self.armed.append if fault.rate > 0 else self._queue.append)(fault)
 
     def take(self, leg: Literal["prefill", "decode"]) -> Fault | None:
-        """The first queued fault for ``leg`` (or for any leg), removed from the queue."""
-        if not self._queue:
-            return None
+        """The first queued fault for ``leg`` (or for any leg), removed from the queue;
+        else an armed one, drawn at its rate."""
         for i, fault in enumerate(self._queue):
             if fault.target in (leg, "any"):
                 del self._queue[i]
                 return fault
+        for fault in self.armed:
+            if fault.target in (leg, "any") and self._random.random() < fault.rate:
+                return fault
         return None
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self.armed)
 
     def clear(self) -> None:
         self._queue.clear()
+        self.armed.clear()

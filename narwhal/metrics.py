@@ -141,6 +141,12 @@ class Metrics:
             engine,
             "livemax",
         )
+        self.tasks = gauge(
+            "narwhal_tasks",
+            "Live trio tasks in the worker; back to its idle level once traffic stops.",
+            (),
+            "livesum",
+        )
         self.ejections = counter("narwhal_engine_ejections", "Ejections.", engine)
         self.probes = counter("narwhal_engine_probes", "Readmission probes.", ("engine", "outcome"))
         self.readmissions = counter("narwhal_engine_readmissions", "Readmissions.", engine)

@@ -48,6 +48,9 @@ class Health:
         self.held_in: dict[LegPhase, bool] = {"prefill": False, "decode": False}
         self.events: list[dict[str, Any]] = []  # recent engine events, newest last
         self._changed = trio.Event()
+        # crossed handoffs of probes in flight: each holds a producer and a consumer leg, so
+        # an audit of reservations after a drain can tell them from a client's
+        self.probe_handoffs = 0
 
     # ---- evidence from the data path -----------------------------------------------------
 
@@ -132,6 +135,7 @@ class Health:
         """Time-driven gauges (quarantine ends by the clock), brought up to date at scrape."""
         now = trio.current_time()
         metrics, fleet = self.router.metrics, self.router.fleet
+        metrics.tasks.set(live_tasks())
         held = fleet.held_in(now)
         for engine in fleet.engines:
             b = engine.breaker
@@ -238,16 +242,20 @@ class Health:
     ) -> HandoffResult:
         config = self.router.config
         fleet = self.router.fleet
-        async with fleet.reserve(producer, "prefill"), fleet.reserve(consumer, "decode"):
-            return await crossed_handoff(
-                self.router.client,
-                config.model,
-                producer.url,
-                consumer.url,
-                leg_timeout_s=config.engine.first_token_timeout_s,
-                prompt=probe_prompt(target.id),
-                max_tokens=2,
-            )
+        self.probe_handoffs += 1
+        try:
+            async with fleet.reserve(producer, "prefill"), fleet.reserve(consumer, "decode"):
+                return await crossed_handoff(
+                    self.router.client,
+                    config.model,
+                    producer.url,
+                    consumer.url,
+                    leg_timeout_s=config.engine.first_token_timeout_s,
+                    prompt=probe_prompt(target.id),
+                    max_tokens=2,
+                )
+        finally:
+            self.probe_handoffs -= 1
 
     # ---- lifecycle validation (engine contract) ------------------------------------------
 
@@ -300,3 +308,16 @@ class Health:
                 self.maintenance = False
                 self.event("maintenance", None, state="ended")
             return outcomes
+
+
+def live_tasks(prefixes: tuple[str, ...] = ("",)) -> int:
+    """Tasks of this trio run whose name starts with one of ``prefixes`` (all by default);
+    a leak shows as a count that never comes back down."""
+    root = trio.lowlevel.current_root_task()
+    stack, count = [root] if root is not None else [], 0
+    while stack:
+        task = stack.pop()
+        count += task.name.startswith(prefixes)
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return count

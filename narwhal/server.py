@@ -13,10 +13,13 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from narwhal.config import FleetConfig, load_config
+from narwhal.hypercorn_fixes import stop_idle_timer_when_reading_ends
 from narwhal.logs import configure as configure_logs
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
 from narwhal.router.service import FAIL_SEND_BOUND_S, Router
+
+stop_idle_timer_when_reading_ends()
 
 CONFIG_ENV = "NARWHAL_CONFIG_PATH"
 JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"

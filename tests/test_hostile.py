@@ -12,9 +12,11 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from narwhal.config import ServingConfig
 from narwhal.router.app import _read_body
+from narwhal.router.health import live_tasks
 from narwhal.testing.fake_engine import FakeEngine
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
@@ -277,4 +279,23 @@ async def test_json_bombs_are_400_in_bounded_cpu(bounded: Harness) -> None:
         assert reply.status == 400, reply.body[:200]
         assert time.process_time() - start < 1.0  # bounded CPU, generous for a busy machine
     assert engine_requests(*bounded.engines.values()) == 0
+    await finish(bounded)
+
+
+async def test_a_closed_client_connection_is_released_at_once(bounded: Harness) -> None:
+    """hypercorn kept a connection's idle timer (and its socket, in CLOSE_WAIT) running after
+    the client closed; ``narwhal.hypercorn_fixes`` stops it when reading ends."""
+    idle_timers = ("hypercorn.trio.tcp_server.TCPServer._idle_timeout",)
+    body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True})
+    host, port = bounded.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(request(body, b"content-length: %d" % len(body), close=False))
+            seen = b""
+            while not seen.endswith(b"0\r\n\r\n"):  # the end of the chunked body
+                seen += await stream.receive_some(65536)
+    # the idle bound is 1 s here: once every task has settled, none may still be waiting on it
+    await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+    assert live_tasks(idle_timers) == 0
     await finish(bounded)

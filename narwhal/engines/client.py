@@ -191,6 +191,10 @@ class EngineClient:
             for url, e in self._engines.items()
         }
 
+    async def sweep_idle(self) -> None:
+        for engine in list(self._engines.values()):
+            await engine.pool.sweep()
+
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             for engine in self._engines.values():

@@ -130,6 +130,15 @@ class Pool:
             await response.aclose()
             raise
 
+    async def sweep(self) -> None:
+        """Close idle connections past their expiry: once traffic stops, the router holds no
+        descriptors (nor engine-side connection slots) it will never use again."""
+        now = trio.current_time()
+        stale = [c for c in self.idle if now - c.idle_since > IDLE_EXPIRY_S]
+        self.idle = [c for c in self.idle if now - c.idle_since <= IDLE_EXPIRY_S]
+        for conn in stale:
+            await _close(conn)
+
     async def aclose(self) -> None:
         idle, self.idle = self.idle, []
         for conn in idle:

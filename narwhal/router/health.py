@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from narwhal.engines.transport import IDLE_EXPIRY_S
 from narwhal.faults import BreakerClass, RequestFault
 from narwhal.logs import log_event
 from narwhal.router.breaker import BreakerState, ProbeOutcome
@@ -158,9 +159,14 @@ class Health:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 task_status.started()
-                await trio.sleep_forever()
+                await self._sweep_idle_connections()
         finally:
             self.nursery = None
+
+    async def _sweep_idle_connections(self) -> None:
+        while True:
+            await trio.sleep(IDLE_EXPIRY_S)
+            await self.router.client.sweep_idle()
 
     async def _readmission_loop(self, engine: EngineState) -> None:
         interval = self.router.config.recovery.readmit_interval_s

@@ -148,8 +148,8 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         "client disconnect during prefill",
-        disconnect_after_s=0.05,
-        engine_config={"prefill_delay_per_token_s": 0.01},  # ~0.15 s prefills
+        disconnect_after_s=0.25,
+        engine_config={"prefill_delay_per_token_s": 0.04},  # ~0.45 s prefills (< 0.5 s bound)
     ),
     Scenario(
         "client disconnect between prefill and decode",
@@ -411,8 +411,12 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
     outcomes = Counter(r.outcome for r in results)
     lines = router.journal.lines
     ids = Counter(line.request_id for line in lines)
+    # a client that gives up before its request is even read never reaches the router: the
+    # only requests the router may not have are ones whose client disconnected
+    unseen = len(results) - router.received
     journal_ok = (
-        router.journal.written == router.received == len(results)
+        router.journal.written == router.received
+        and 0 <= unseen <= outcomes["disconnected"]
         and all(n == 1 for n in ids.values())
         and all(r.rid is None or ids[r.rid] == 1 for r in results)
     )

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BENCH_VENV ?= .bench-venv
 VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick e2e-vllm faults soak clean
+.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick e2e-vllm faults soak fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in
 
 faults: venv         ## the fault matrix: every scenario, 200 requests at c=32, as a table
 	$(PY) -m tests.fault_matrix --requests 200 --concurrency 32
+
+fuzz: venv           ## the property tests (SSE splits, stream models) at 10x their CI example count
+	NARWHAL_FUZZ_SCALE=10 $(PY) -m pytest -q -p no:cacheprovider fuzz
 
 soak: venv           ## 20,000 requests at c=64 with 5% mixed engine faults: RSS, descriptors, tasks
 	$(PY) bench/soak.py --requests 20000 --concurrency 64

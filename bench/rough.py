@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpcore
 import msgspec
@@ -41,7 +42,8 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def start(*args: str) -> tuple[subprocess.Popen[str], str]:
+def start(*args: str, log: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Start ``narwhal ARGS``; its stderr goes to ``log`` (or nowhere) once it is up."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "narwhal", *args], stderr=subprocess.PIPE, text=True
     )
@@ -51,10 +53,19 @@ def start(*args: str) -> tuple[subprocess.Popen[str], str]:
         match = URL.search(line)
         if match and ("fake-engine" in line or "narwhal: serving" in line):
             # keep draining: a full pipe would block the process (one log line per request)
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            threading.Thread(target=_drain, args=(proc.stderr, log), daemon=True).start()
             return proc, match.group(1)
     proc.kill()
     raise RuntimeError(f"{args[0]} did not start")
+
+
+def _drain(stream: Any, log: Path | None) -> None:
+    if log is None:
+        stream.read()
+        return
+    with log.open("a") as out:
+        for line in stream:
+            out.write(line)
 
 
 async def drive(url: str, requests: int, concurrency: int, tokens: int) -> dict[str, float]:

@@ -121,7 +121,6 @@ async def soak(url: str, pid: int, requests: int, concurrency: int) -> dict[str,
     samples: list[tuple[int, float]] = []
     done = 0
     remaining = iter(range(requests))
-    headers = [("content-type", "application/json")]
     async with httpcore.AsyncConnectionPool() as admin:
         idle_tasks, idle_fds = await tasks(admin, url), open_fds(pid)
 
@@ -133,17 +132,7 @@ async def soak(url: str, pid: int, requests: int, concurrency: int) -> dict[str,
                 stream = i % 2 == 0
                 body = {"model": "fake-model", "prompt": f"soak {i} the quick brown fox"}
                 body |= {"max_tokens": 16, "stream": stream}
-                with trio.move_on_after(30) as limit:  # bounded: a hang is counted, not waited
-                    async with pool.stream(
-                        "POST",
-                        url + "/v1/completions",
-                        headers=headers,
-                        content=msgspec.json.encode(body),
-                    ) as resp:
-                        data = b"".join([part async for part in resp.aiter_stream()])
-                outcomes[
-                    _outcome(resp.status, data, stream) if not limit.cancelled_caught else "hung"
-                ] += 1
+                outcomes[await _one(pool, url + "/v1/completions", body)] += 1
                 done += 1
                 if done % SAMPLE_EVERY == 0:
                     samples.append((done, rss_mib(pid)))
@@ -173,6 +162,20 @@ async def soak(url: str, pid: int, requests: int, concurrency: int) -> dict[str,
     }
 
 
+async def _one(pool: httpcore.AsyncConnectionPool, url: str, body: dict[str, Any]) -> str:
+    headers = [("content-type", "application/json")]
+    with trio.move_on_after(30):  # bounded: a hang is counted, not waited out
+        try:
+            async with pool.stream(
+                "POST", url, headers=headers, content=msgspec.json.encode(body)
+            ) as resp:
+                data = b"".join([part async for part in resp.aiter_stream()])
+        except httpcore.NetworkError as exc:
+            return f"connection error ({type(exc).__name__})"  # the router broke a connection
+        return _outcome(resp.status, data, body["stream"])
+    return "hung"
+
+
 def _outcome(status: int, data: bytes, stream: bool) -> str:
     if status != 200:
         return str(status)
@@ -200,6 +203,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--router-log", default="soak-router.log", help="the router's stderr")
     args = parser.parse_args()
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -212,7 +216,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             fleet = Path(tmp) / "fleet.toml"
             fleet.write_text(FLEET.format(**urls))
-            router, url = start("serve", "--config", str(fleet), "--port", "0")
+            router_log = Path(args.router_log)
+            router, url = start("serve", "--config", str(fleet), "--port", "0", log=router_log)
             procs.append(router)
             t0 = time.perf_counter()
             result = trio.run(soak, url, router.pid, args.requests, args.concurrency)
@@ -259,8 +264,10 @@ def report(args: argparse.Namespace, result: dict[str, Any], wall: float) -> int
     print("| figure | value | bound |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    broken = sum(v for k, v in outcomes.items() if k.startswith("connection error"))
     ok = (
         growth <= 20
+        and broken == 0
         and outcomes["hung"] == 0
         and outcomes["200 CUT"] == 0
         and fds[1] <= fds[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fuzz import examples
 from narwhal.sse import SSEError, SSEParser
 
 payloads = st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b""))
@@ -33,7 +34,7 @@ def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(streams(), st.lists(st.integers(0, 10_000), max_size=12))
 def test_any_byte_split_gives_the_same_events(
     stream: tuple[bytes, list[bytes]], cuts: list[int]
@@ -47,7 +48,7 @@ def test_any_byte_split_gives_the_same_events(
     assert not parser.pending
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.lists(st.binary(max_size=300), max_size=10))
 def test_arbitrary_bytes_give_events_or_our_error(pieces: list[bytes]) -> None:
     parser = SSEParser(max_event_bytes=512)

@@ -445,6 +445,9 @@ class FakeEngine:
         entry: dict[str, Any],
     ) -> None:
         kind = fault.kind if fault is not None else None
+        if fault is not None and kind == "script":
+            await _play(fault.value, ex)
+            return
         itl = fault.interval_s if fault is not None and kind == "slow_drip" else self.config.itl_s
         await ex.start_stream()
         if kind == "headers_then_silence":
@@ -495,6 +498,25 @@ class FakeEngine:
             await ex.end_stream()
         elif fault.kind == "oversized_event":
             await ex.write(b"data: " + b"x" * (2 << 20))
+            await trio.sleep_forever()
+
+
+async def _play(steps: list[tuple[str, Any]], ex: Exchange) -> None:
+    """A scripted decode response, step by step (the ``script`` fault)."""
+    for op, arg in steps:
+        if op == "sleep":
+            await trio.sleep(arg)
+        elif op == "headers":
+            await ex.start_stream()
+        elif op == "write":
+            await ex.write(arg)
+        elif op == "end":
+            await ex.end_stream()
+            return
+        elif op == "close":
+            await ex.abort()
+            return
+        elif op == "hang":
             await trio.sleep_forever()
 
 

@@ -18,7 +18,10 @@ Kinds, by the leg they break:
   ``stream_error`` (``tokens`` tokens, then an error object with ``code``, then ``[DONE]``,
   as vLLM does); ``malformed_chunk`` and ``oversized_event`` (``tokens`` tokens, then a
   ``data:`` line that is not JSON, or a 2 MiB line with no end); ``slow_drip`` (every
-  token ``interval_s`` apart).
+  token ``interval_s`` apart); ``script`` (``value`` is a list of steps played as the
+  whole decode response: ``("sleep", s)``, ``("headers", None)``, ``("write", bytes)``,
+  ``("end", None)``, ``("close", None)``, ``("hang", None)``; the stream models in
+  ``fuzz/`` generate them).
 
 A fault with ``rate`` > 0 stays armed and strikes every matching leg with that probability
 until the queue is cleared.
@@ -49,6 +52,7 @@ FaultKind = Literal[
     "slow_drip",
     "malformed_chunk",
     "oversized_event",
+    "script",
 ]
 PREFILL_ONLY = frozenset({"no_descriptor", "bad_engine_id", "bad_block_ids", "close_mid_body"})
 ANY_LEG = frozenset({"status", "hang"})

@@ -124,7 +124,11 @@ async def soak(url: str, pid: int, requests: int, concurrency: int) -> dict[str,
     async with httpcore.AsyncConnectionPool() as admin:
         idle_tasks, idle_fds = await tasks(admin, url), open_fds(pid)
 
-    async with httpcore.AsyncConnectionPool(max_connections=concurrency) as pool:
+    # like httpx and the openai client: idle connections expire after 5 s, below the router's
+    # client_idle_timeout_s, so the client never reuses one the router is closing (without
+    # it, a connection left idle for 15 s met the router's close: "server disconnected")
+    pool = httpcore.AsyncConnectionPool(max_connections=concurrency, keepalive_expiry=5.0)
+    async with pool:
 
         async def worker() -> None:
             nonlocal done
@@ -170,7 +174,7 @@ async def _one(pool: httpcore.AsyncConnectionPool, url: str, body: dict[str, Any
                 "POST", url, headers=headers, content=msgspec.json.encode(body)
             ) as resp:
                 data = b"".join([part async for part in resp.aiter_stream()])
-        except httpcore.NetworkError as exc:
+        except (httpcore.NetworkError, httpcore.RemoteProtocolError) as exc:
             return f"connection error ({type(exc).__name__})"  # the router broke a connection
         return _outcome(resp.status, data, body["stream"])
     return "hung"

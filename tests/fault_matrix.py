@@ -375,7 +375,7 @@ async def _load(
     h: Harness, sc: Scenario, requests: int, concurrency: int, arm: Callable[[bool], None]
 ) -> list[ClientResult]:
     results: list[ClientResult] = []
-    pool = httpcore.AsyncConnectionPool(max_connections=concurrency)
+    pool = httpcore.AsyncConnectionPool(max_connections=concurrency, keepalive_expiry=5.0)
     next_index = 0
 
     async def worker() -> None:

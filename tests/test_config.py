@@ -44,7 +44,7 @@ def test_every_default() -> None:
         "max_request_bytes": 4194304,
         "api_keys_env": "",
         "graceful_timeout_s": 30.0,
-        "client_idle_timeout_s": 15.0,
+        "client_idle_timeout_s": 20.0,
         "client_body_timeout_s": 30.0,
     }
     assert msgspec.structs.asdict(fleet.engine) == {

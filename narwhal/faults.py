@@ -163,7 +163,7 @@ class BodyTimeout(RequestFault):
 
 
 class HeadersTooLarge(RequestFault):
-    """More request header fields than the router reads (hypercorn bounds their size)."""
+    """More request header fields, or header bytes, than the router reads."""
 
     status = 431
     kind = "request_header_fields_too_large"

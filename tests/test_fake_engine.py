@@ -176,6 +176,13 @@ async def test_error_bodies_match_vllm(engines: tuple[Engine, Engine]) -> None:
     real = msgspec.json.decode((CAPTURES / "err_maxtokens.txt").read_text().splitlines()[0])
     assert status == 400
     assert _keys(msgspec.json.decode(raw)) == _keys(real)
+    # a prompt over the model's length, as the tiny model (512) answered make e2e-vllm
+    engine = consumer.engine
+    engine.config = msgspec.structs.replace(engine.config, max_model_len=512)
+    body = {"model": MODEL, "prompt": "fox " * 600, "max_tokens": 4}
+    status, raw = await consumer.call("POST", "/v1/completions", body)
+    real = msgspec.json.decode((CAPTURES / "err_context_length.json").read_bytes())
+    assert (status, msgspec.json.decode(raw)) == (400, real)
 
 
 async def _decode(consumer: Engine, descriptor: Any, stream: bool = True) -> tuple[int, bytes]:

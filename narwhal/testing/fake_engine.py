@@ -303,6 +303,17 @@ class FakeEngine:
             )
             return 400, gen.error_body(msg, "BadRequestError", 400, "max_tokens")
         _, prompt_tokens = gen.prompt_of(body, chat)
+        if prompt_tokens > limit:
+            # as real vLLM 0.32 answers (seen through the router by make e2e-vllm;
+            # tests/captures/err_context_length.json): it stops counting at limit + 1
+            over = limit + 1
+            msg = (
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains at least {over} input tokens, which exceeds this limit even without "
+                f"any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={over})"
+            )
+            return 400, gen.error_body(msg, "BadRequestError", 400)
         if prompt_tokens + (max_tokens or 1) > limit:
             msg = (
                 f"This model's maximum context length is {limit} tokens. However, your request "

@@ -23,6 +23,8 @@ from typing import Self
 import h11
 import trio
 
+from narwhal.engines.chunked import ChunkedDecoder, ChunkedError
+
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never race its close
 READ_SIZE = 65536
@@ -101,8 +103,9 @@ class Pool:
         assert connect_clock.cancelled_caught
         raise ConnectFailed(f"connect timed out after {self.connect_timeout_s:g}s", timed_out=True)
 
-    def _checkin(self, conn: _Connection) -> None:
-        conn.h11.start_next_cycle()
+    def _checkin(self, conn: _Connection, *, fresh: bool = False) -> None:
+        if not fresh:
+            conn.h11.start_next_cycle()
         conn.idle_since = trio.current_time()
         self.idle.append(conn)
 
@@ -154,6 +157,10 @@ class Response:
         self.status = 0
         self.done = False
         self._holding = True
+        # a chunked body is decoded here, not by h11 (see narwhal.engines.chunked)
+        self._chunked: ChunkedDecoder | None = None
+        self._early: list[bytes] = []  # body bytes that came in with the head
+        self._keep_alive = False
 
     async def start(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
@@ -180,6 +187,19 @@ class Response:
             event = await self._next_event(head=True)
         assert isinstance(event, h11.Response)
         self.status = event.status_code
+        if _is_chunked(event):
+            self._take_chunked_body(conn, event)
+
+    def _take_chunked_body(self, conn: _Connection, head: h11.Response) -> None:
+        """From here on the body is ours to decode; h11 saw only the head (it accepts no
+        transfer coding but chunked, so a head it parsed with one is chunked)."""
+        self._chunked = ChunkedDecoder()
+        self._keep_alive = head.http_version == b"1.1" and not any(
+            name == b"connection" and b"close" in value.lower() for name, value in head.headers
+        )
+        early, _ = conn.h11.trailing_data
+        if early:
+            self._early = self._decode(bytes(early))
 
     def _h11_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         """The next parsed event; the peer's protocol errors become TransportError."""
@@ -213,10 +233,41 @@ class Response:
         except h11.RemoteProtocolError as exc:  # pragma: no cover - h11 raises on next_event
             raise TransportError(f"engine broke HTTP: {exc}") from None
 
+    def _decode(self, data: bytes) -> list[bytes]:
+        assert self._chunked is not None
+        try:
+            return [part for part in self._chunked.feed(data) if part]
+        except ChunkedError as exc:
+            raise TransportError(f"engine broke HTTP: {exc}") from None
+
+    async def _next_chunked(self, decoder: ChunkedDecoder) -> bytes | None:
+        conn = self.conn
+        assert conn is not None
+        parts, self._early = self._early, []
+        while not parts and not decoder.done:
+            try:
+                data = await conn.stream.receive_some(READ_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise TransportError(f"connection broke: {_describe(exc)}") from None
+            if not data:
+                raise TransportError(
+                    "engine broke HTTP: peer closed connection without sending complete "
+                    "message body (incomplete chunked read)"
+                )
+            parts = self._decode(bytes(data))
+        if decoder.done:
+            self.done = True
+            if not parts:
+                await self.aclose()
+                return None
+        return b"".join(parts) if len(parts) != 1 else parts[0]
+
     async def next_batch(self) -> bytes | None:
         """The body bytes that arrived together; None at the end of the body."""
         if self.done:
             return None
+        if self._chunked is not None:
+            return await self._next_chunked(self._chunked)
         parts: list[bytes] = []
         while True:
             event = self._h11_event()
@@ -253,10 +304,19 @@ class Response:
             return
         self.pool.active -= 1
         h = conn.h11
-        if self.done and h.our_state is h11.DONE and h.their_state is h11.DONE:
+        if self._chunked is not None:
+            # h11 never saw this body, so it cannot judge reuse: the decoder's clean end,
+            # nothing sent past it, the request fully sent, keep-alive agreed
+            chunked = self._chunked
+            clean = chunked.done and not chunked.leftover and h.our_state is h11.DONE
+            if clean and self._keep_alive:
+                conn.h11 = h11.Connection(h11.CLIENT)
+                self.pool._checkin(conn, fresh=True)
+                return
+        elif self.done and h.our_state is h11.DONE and h.their_state is h11.DONE:
             self.pool._checkin(conn)
-        else:
-            await _close(conn)
+            return
+        await _close(conn)
 
     async def aclose(self) -> None:
         """End the exchange: connection back to the pool or closed, capacity slot freed."""
@@ -277,6 +337,12 @@ class Response:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def _is_chunked(head: h11.Response) -> bool:
+    if head.status_code in (204, 304):
+        return False
+    return any(name == b"transfer-encoding" for name, _ in head.headers)
 
 
 async def _close(conn: _Connection) -> None:

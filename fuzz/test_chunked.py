@@ -4,12 +4,10 @@ another exception; data is emitted as it arrives, never held for a whole chunk."
 
 from __future__ import annotations
 
-import itertools
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuzz import examples
+from fuzz import examples, split
 from narwhal.engines.chunked import ChunkedDecoder, ChunkedError
 
 
@@ -26,11 +24,6 @@ def bodies(draw: st.DrawFn) -> tuple[bytes, bytes]:
     return wire + b"0\r\n" + trailers + b"\r\n", data
 
 
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
-
-
 @settings(max_examples=examples(300))
 @given(bodies(), st.lists(st.integers(0, 5000), max_size=12), st.binary(max_size=8))
 def test_any_split_gives_the_same_body(
@@ -38,7 +31,7 @@ def test_any_split_gives_the_same_body(
 ) -> None:
     wire, data = body
     decoder, out = ChunkedDecoder(), b""
-    for piece in _split(wire + extra, cuts):
+    for piece in split(wire + extra, cuts):
         out += b"".join(decoder.feed(piece))
     assert out == data
     assert decoder.done
@@ -50,7 +43,7 @@ def test_any_split_gives_the_same_body(
 def test_arbitrary_bytes_give_data_or_our_error(garbage: bytes, cuts: list[int]) -> None:
     decoder = ChunkedDecoder()
     try:
-        for piece in _split(garbage, cuts):
+        for piece in split(garbage, cuts):
             decoder.feed(piece)
     except ChunkedError:
         pass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuzz import examples
+from fuzz import examples, split
 from narwhal.sse import SSEError, SSEParser
 
 payloads = st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b""))
@@ -29,11 +29,6 @@ def streams(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
     return out, expected
 
 
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
-
-
 @settings(max_examples=examples(300))
 @given(streams(), st.lists(st.integers(0, 10_000), max_size=12))
 def test_any_byte_split_gives_the_same_events(
@@ -42,7 +37,7 @@ def test_any_byte_split_gives_the_same_events(
     data, expected = stream
     parser = SSEParser()
     got: list[bytes] = []
-    for piece in _split(data, cuts):
+    for piece in split(data, cuts):
         got += parser.feed(piece)
     assert got == expected
     assert not parser.pending

@@ -10,7 +10,6 @@ and a non-streaming client: the status, the tokens, and the terminal event or er
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuzz import examples
+from fuzz import examples, split
 from narwhal.config import EngineConfig, ServingConfig
 from narwhal.sse import SSEParser
 from narwhal.testing.faults import Fault
@@ -69,9 +68,7 @@ class Stream:
         steps: list[tuple[str, Any]] = [("sleep", self.header_delay), ("headers", None)]
         for delay, event, cuts in self.events:
             steps.append(("sleep", delay))
-            data = event.frame()
-            points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-            steps += [("write", data[a:b]) for a, b in itertools.pairwise(points) if b > a]
+            steps += [("write", piece) for piece in split(event.frame(), cuts) if piece]
         steps.append((self.ending, None))
         return steps
 

@@ -351,7 +351,7 @@ async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
 
 async def _await_readmission(h: Harness, report: Report) -> None:
     """The probe readmits a recovered engine within a few readmission intervals."""
-    if next(e for e in h.router.fleet.engines if e.id == "d0").breaker.ejections == 0:
+    if h.router.fleet.by_id["d0"].breaker.ejections == 0:
         report.extra = "d0 never ejected in so short a run"
         return
     with trio.move_on_after(20 * RECOVERY.readmit_interval_s):
@@ -535,7 +535,7 @@ def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
     """A failing engine is out of placement at the end (ejected, or being probed)."""
     if not sc.expect.endswith("ejected"):
         return ""
-    state = next(e for e in h.router.fleet.engines if e.id == "d0")
+    state = h.router.fleet.by_id["d0"]
     breaker = state.breaker.state.value
     ok = breaker in ("ejected", "probing")
     if not ok:

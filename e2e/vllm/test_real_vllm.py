@@ -10,7 +10,8 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -71,6 +72,17 @@ class Transfers:
         return after - self.before
 
 
+def read_stream(stream: Iterable[Any], text_of: Callable[[Any], str | None]) -> tuple[str, Any]:
+    """The streamed text (``text_of`` a choice) and the usage chunk, if one came."""
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += text_of(chunk.choices[0]) or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return text, usage
+
+
 def test_check_passes_and_names_the_pair(fleet: Fleet) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "narwhal", "check", "--config", str(fleet.config)],
@@ -108,12 +120,7 @@ def test_streamed_completion_with_usage(fleet: Fleet, client: openai.OpenAI) -> 
         stream=True,
         stream_options={"include_usage": True},
     )
-    text, usage = "", None
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].text
-        if chunk.usage is not None:
-            usage = chunk.usage
+    text, usage = read_stream(stream, lambda choice: choice.text)
     assert transfers.risen_by() >= 1
     body = {"model": MODEL, "prompt": PROMPT + " there", "max_tokens": 10}
     assert text == local(fleet, "/v1/completions", body)
@@ -147,15 +154,10 @@ def test_streamed_chat(fleet: Fleet, client: openai.OpenAI) -> None:
         stream=True,
         stream_options={"include_usage": True},
     )
-    parts, usage = [], None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
+    text, usage = read_stream(stream, lambda choice: choice.delta.content)
     assert transfers.risen_by() >= 1
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8}
-    assert "".join(parts) == local(fleet, "/v1/chat/completions", body)
+    assert text == local(fleet, "/v1/chat/completions", body)
     assert usage is not None
     assert usage.completion_tokens == 8
 

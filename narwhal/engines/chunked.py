@@ -36,7 +36,8 @@ class ChunkedDecoder:
         return self._state == _DONE
 
     def feed(self, data: bytes) -> list[bytes]:
-        """The body bytes ``data`` completes, in order; raises ChunkedError on bad framing."""
+        """The body bytes ``data`` completes, in order and none empty; raises ChunkedError
+        on bad framing."""
         if self._state == _DONE:
             self.leftover += data
             return []

@@ -236,7 +236,7 @@ class Response:
     def _decode(self, data: bytes) -> list[bytes]:
         assert self._chunked is not None
         try:
-            return [part for part in self._chunked.feed(data) if part]
+            return self._chunked.feed(data)  # never an empty part
         except ChunkedError as exc:
             raise TransportError(f"engine broke HTTP: {exc}") from None
 

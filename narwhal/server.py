@@ -13,13 +13,17 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from narwhal.config import FleetConfig, load_config
-from narwhal.hypercorn_fixes import stop_idle_timer_when_reading_ends
+from narwhal.hypercorn_fixes import (
+    send_without_waiting_when_uncontended,
+    stop_idle_timer_when_reading_ends,
+)
 from narwhal.logs import configure as configure_logs
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
 from narwhal.router.service import FAIL_SEND_BOUND_S, Router
 
 stop_idle_timer_when_reading_ends()
+send_without_waiting_when_uncontended()
 
 CONFIG_ENV = "NARWHAL_CONFIG_PATH"
 JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"

@@ -14,6 +14,7 @@ Timeouts are the caller's cancel scopes, except the connect timeout.
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 from collections.abc import Awaitable, Callable
@@ -54,12 +55,28 @@ async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
 
 
 class _Connection:
-    __slots__ = ("h11", "idle_since", "stream")
+    __slots__ = ("fd", "h11", "idle_since", "stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
+        sock = getattr(stream, "socket", None)  # None: an in-memory stream (tests)
+        self.fd = sock.fileno() if isinstance(stream, trio.SocketStream) and sock else -1
+
+    async def receive(self) -> bytes:
+        """What one read brings. On a socket: wait until readable, then read once. Trio's
+        ``receive_some`` tries the read first, and between tokens of a stream that try
+        always fails (a syscall and an exception per token), before it waits anyway."""
+        fd = self.fd
+        if fd < 0:
+            return bytes(await self.stream.receive_some(READ_SIZE))
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                return os.read(fd, READ_SIZE)
+            except BlockingIOError:  # pragma: no cover - a spurious wakeup
+                continue
 
     def looks_alive(self, now: float) -> bool:
         """Fresh enough and with nothing to read (readable while idle means closed)."""
@@ -223,13 +240,13 @@ class Response:
         conn = self.conn
         assert conn is not None
         try:
-            data = await conn.stream.receive_some(READ_SIZE)
+            data = await conn.receive()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise TransportError(
                 f"connection broke: {_describe(exc)}", before_response=head
             ) from None
         try:
-            conn.h11.receive_data(bytes(data))
+            conn.h11.receive_data(data)
         except h11.RemoteProtocolError as exc:  # pragma: no cover - h11 raises on next_event
             raise TransportError(f"engine broke HTTP: {exc}") from None
 
@@ -246,7 +263,7 @@ class Response:
         parts, self._early = self._early, []
         while not parts and not decoder.done:
             try:
-                data = await conn.stream.receive_some(READ_SIZE)
+                data = await conn.receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise TransportError(f"connection broke: {_describe(exc)}") from None
             if not data:
@@ -254,7 +271,7 @@ class Response:
                     "engine broke HTTP: peer closed connection without sending complete "
                     "message body (incomplete chunked read)"
                 )
-            parts = self._decode(bytes(data))
+            parts = self._decode(data)
         if decoder.done:
             self.done = True
             if not parts:

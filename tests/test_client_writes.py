@@ -1,0 +1,47 @@
+"""Writes to the client (``narwhal.hypercorn_fixes``): a write nothing contends for goes
+straight to the socket, and what the kernel does not take still arrives, whole and in order."""
+
+from __future__ import annotations
+
+import socket
+
+import httpcore
+import msgspec
+import trio
+
+from narwhal.sse import SSEParser
+from tests.conftest import MODEL, Harness
+
+PROMPT = "a narwhal swims north under the ice"
+TOKENS = 3000  # about 400 KB of events: far more than a 16 KiB receive window holds
+
+
+async def read_stream(url: str, *, slow: bool) -> list[bytes]:
+    """The events of one streamed completion; ``slow`` reads through a tiny receive buffer
+    and pauses between reads, so the router's writes back up into its send buffer."""
+    options = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)] if slow else None
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
+    parser, events = SSEParser(), []
+    async with (
+        httpcore.AsyncConnectionPool(socket_options=options) as http,
+        http.stream("POST", url + "/v1/completions", content=msgspec.json.encode(body)) as resp,
+    ):
+        assert resp.status == 200
+        async for data in resp.aiter_stream():
+            events += parser.feed(data)
+            if slow and len(events) % 500 == 0:
+                await trio.sleep(0.05)  # the slow reader is the behaviour under test
+    return events
+
+
+async def test_a_slow_reader_gets_every_byte_in_order(pd: Harness) -> None:
+    slow = await read_stream(pd.url, slow=True)
+    fast = await read_stream(pd.url, slow=False)
+    assert slow[-1] == b"[DONE]"
+    texts = [msgspec.json.decode(e)["choices"][0]["text"] for e in slow[:-1]]
+    assert len([t for t in texts if t]) == TOKENS
+    # the same prompt read at full speed: the same events, byte for byte, in the same order
+    strip = [msgspec.json.decode(e)["choices"] for e in slow[:-1]]
+    assert strip == [msgspec.json.decode(e)["choices"] for e in fast[:-1]]
+    await pd.router.wait_drained()
+    assert [j.outcome for j in pd.router.journal.lines] == ["completed", "completed"]

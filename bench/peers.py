@@ -38,7 +38,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from narwhal.engines.transport import Pool, tcp_connect
+from narwhal.engines.transport import ConnectFailed, Pool, TransportError, tcp_connect
 
 URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -78,6 +78,7 @@ class Result:
     e2e: list[float] = field(default_factory=list)
     note: str = ""
     streaming: Streaming = field(default_factory=Streaming)
+    errors: dict[str, int] = field(default_factory=dict)  # load generator errors, by kind
 
     def cpu_ms_per_request(self) -> float | None:
         if self.router_cpu_s is None or not self.ok:
@@ -247,7 +248,14 @@ async def drive(scenario: Scenario, send: Callable[[int], object], result: Resul
 
     async def worker() -> None:
         for i in remaining:
-            ok, first, e2e = await send(i)  # type: ignore[misc]
+            try:
+                ok, first, e2e = await send(i)  # type: ignore[misc]
+            except (ConnectFailed, TransportError, KeyError, msgspec.DecodeError) as exc:
+                # a request the target (or the machine) could not serve is a failure to
+                # report, not the end of the run
+                result.failed += 1
+                result.errors[type(exc).__name__] = result.errors.get(type(exc).__name__, 0) + 1
+                continue
             if ok:
                 result.ok += 1
                 result.e2e.append(e2e)
@@ -272,7 +280,9 @@ def run_load(
 
         def pool_for(u: str) -> Pool:
             host, port = u.removeprefix("http://").split(":")
-            return Pool(host, int(port), tcp_connect, 10.0, width)
+            # thousands of connects at once overflow the SYN queue (tcp_max_syn_backlog);
+            # the kernel's retries (1 s, 3 s, 7 s...) then exceed a short timeout
+            return Pool(host, int(port), tcp_connect, 60.0, width)
 
         def body(i: int) -> dict:  # type: ignore[type-arg]
             return {
@@ -517,9 +527,14 @@ def table(results: list[Result]) -> str:
                 f"{fmt(rps, 1, 0)} | {fmt(p50)} | {fmt(pct(r.ttft, 0.99))} | {fmt(added)} | "
                 f"{fmt(pct(r.e2e, 0.5))} | {fmt(pct(r.e2e, 0.99))} | {fmt(r.rss_mib, 1, 0)} | "
                 f"{r.streaming.peak} | "
-                f"{r.loadgen_cpu_s:.2f} | {r.ok}/{r.failed} | {r.note} |"
+                f"{r.loadgen_cpu_s:.2f} | {r.ok}/{r.failed} | {r.note}{_errors(r)} |"
             )
     return "\n".join(lines)
+
+
+def _errors(r: Result) -> str:
+    kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(r.errors.items()))
+    return f" load generator errors: {kinds}" if kinds else ""
 
 
 def plot(results_json: Path, path: Path) -> bool:

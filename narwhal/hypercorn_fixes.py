@@ -1,4 +1,6 @@
-"""Two changes to hypercorn's trio worker (0.18), applied when ``narwhal.server`` is imported.
+"""Three changes to hypercorn's trio worker (0.18, with h11 0.16), applied when
+``narwhal.server`` is imported. Both versions are pinned in pyproject.toml: these replace
+internals, and each falls back to hypercorn's own path when a shape is not the one known.
 
 1. The idle timer stops when the read loop ends.
 
@@ -25,6 +27,17 @@ blocking, and only hands what the kernel did not take to ``send_all`` (still shi
 still under the lock, so nothing interleaves). Measured: 0.76x router CPU per request at
 128 open streams (same engines, same run). TLS streams and every other event keep
 hypercorn's path. The relay loop still checkpoints on each engine read.
+
+3. A streamed body chunk is framed here, not through four layers.
+
+Each chunk of a streamed response went ASGI ``send`` -> ``HTTPStream.app_send`` (checks, a
+``Body`` event) -> ``H11Protocol.stream_send`` (an isinstance chain) -> h11 (its state
+machine, then its chunked writer) -> ``protocol_send``. When h11 has agreed chunked framing
+and is in the middle of the body, a chunk is ``size CRLF data CRLF`` whatever came before,
+and h11's state does not change with it; the patched ``app_send`` writes exactly those
+bytes to ``protocol_send``. Start, end (h11 writes the last chunk), HTTP/2, HEAD, 204/304
+and anything else keep hypercorn's path. Measured: 0.89x router CPU per request at 256
+open streams, 50 ms between tokens (median of 4 rounds each, same engines, same run).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import h11
 import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
@@ -87,3 +101,37 @@ async def _write(stream: trio.SocketStream, fd: int, data: bytes) -> None:
     if sent < len(data):
         with trio.CancelScope(shield=True):  # a half-written chunk would corrupt the stream
             await stream.send_all(memoryview(data)[sent:])
+
+
+def frame_body_chunks_directly() -> None:
+    try:
+        from h11._writers import ChunkedWriter
+        from hypercorn.protocol.h11 import H11Protocol
+        from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+    except ImportError:  # pragma: no cover - other versions: hypercorn's own path
+        return
+    original: Callable[[Any, Any], Awaitable[None]] = HTTPStream.app_send
+    if getattr(original, _PATCHED, False):
+        return
+    streaming = ASGIHTTPState.RESPONSE
+
+    async def app_send(self: Any, message: Any) -> None:
+        if (
+            message is not None
+            and message["type"] == "http.response.body"
+            and message.get("more_body", False)
+            and self.state is streaming
+        ):
+            body = message.get("body", b"")
+            protocol = getattr(self.send, "__self__", None)
+            if body and type(body) is bytes and type(protocol) is H11Protocol:
+                conn = protocol.connection
+                # chunked framing agreed and the body under way (HEAD, 204 and 304 have
+                # no chunked writer): the chunk is the same bytes h11 would write
+                if conn.our_state is h11.SEND_BODY and type(conn._writer) is ChunkedWriter:
+                    await protocol.send(RawData(data=b"%x\r\n%s\r\n" % (len(body), body)))
+                    return
+        await original(self, message)
+
+    setattr(app_send, _PATCHED, True)
+    HTTPStream.app_send = app_send  # type: ignore[method-assign]

@@ -45,3 +45,24 @@ async def test_a_slow_reader_gets_every_byte_in_order(pd: Harness) -> None:
     assert strip == [msgspec.json.decode(e)["choices"] for e in fast[:-1]]
     await pd.router.wait_drained()
     assert [j.outcome for j in pd.router.journal.lines] == ["completed", "completed"]
+
+
+async def test_an_http10_client_gets_the_stream_until_close(pd: Harness) -> None:
+    """HTTP/1.0 has no chunked framing: the stream is the body up to the close (the chunk
+    shortcut applies only where h11 agreed chunked framing)."""
+    body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "stream": True})
+    host, port = pd.url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    head = b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+    async with stream:
+        await stream.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        raw = b""
+        with trio.fail_after(10):
+            while data := await stream.receive_some(65536):
+                raw += data
+    status, _, payload = raw.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.0 200") or status.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in status.lower()
+    events = SSEParser().feed(payload)
+    assert events[-1] == b"[DONE]"
+    assert sum(1 for e in events[:-1] if msgspec.json.decode(e)["choices"][0]["text"]) == 20

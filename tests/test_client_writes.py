@@ -66,3 +66,17 @@ async def test_an_http10_client_gets_the_stream_until_close(pd: Harness) -> None
     events = SSEParser().feed(payload)
     assert events[-1] == b"[DONE]"
     assert sum(1 for e in events[:-1] if msgspec.json.decode(e)["choices"][0]["text"]) == 20
+
+
+async def test_answers_given_without_reading_the_body_keep_the_connection(pd: Harness) -> None:
+    """A 404 to a POST with a body, sent before hypercorn has read that body, used to close
+    the kept-alive connection under the client's next request ("server disconnected")."""
+    async with httpcore.AsyncConnectionPool(max_connections=1) as http:
+        for _ in range(60):
+            resp = await http.request("POST", pd.url + "/no/such/path", content=b"x" * 2048)
+            assert resp.status == 404
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        resp = await http.request(
+            "POST", pd.url + "/v1/completions", content=msgspec.json.encode(body)
+        )
+        assert resp.status == 200

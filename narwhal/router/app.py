@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from contextlib import suppress
 from typing import Any
 
 import msgspec
@@ -48,6 +49,8 @@ RETRY_AFTER_S = b"1"
 # arrives in two reads gets through; and it has no bound on the number of fields.
 MAX_HEADERS = 100
 MAX_HEADER_BYTES = 32 * 1024
+DISCARD_LIMIT = 64 * 1024  # the most of an unused body read to keep its connection
+DISCARD_TIMEOUT_S = 1.0
 
 
 class Disconnected(Exception):
@@ -134,17 +137,19 @@ class RouterApp:
                 self.router.journal_unadmitted(
                     secrets.token_hex(8), path, "rejected", 401, "missing or invalid API key"
                 )
+            await _finish_reading(scope, receive)
             await _error(send, 401, "authentication_error", "missing or invalid API key")
             return
-        if path in _COMPLETION_PATHS:
-            if method != "POST":
-                await _error(send, 405, "method_not_allowed", f"{path} takes POST")
-                return
+        if path in _COMPLETION_PATHS and method == "POST":
             await self._completion(path, scope, receive, send)
             return
         router = self.router
         if (method, path) == ("POST", "/narwhal/lifecycle/readmit"):
             await self._readmit_wave(receive, send)
+            return
+        await _finish_reading(scope, receive)  # nothing below reads a body
+        if path in _COMPLETION_PATHS:
+            await _error(send, 405, "method_not_allowed", f"{path} takes POST")
             return
         if (method, path) == ("POST", "/narwhal/reload"):
             try:
@@ -287,6 +292,15 @@ def _headers_problem(headers: list[tuple[bytes, bytes]]) -> HeadersTooLarge | No
         message = f"request headers hold {size} bytes; at most {MAX_HEADER_BYTES}"
         return HeadersTooLarge(message, phase=Phase.ADMISSION)
     return None
+
+
+async def _finish_reading(scope: Scope, receive: Receive) -> None:
+    """Read (and drop) a small body we answer without using, so the client's kept-alive
+    connection can carry its next request: hypercorn closes a connection whose request was
+    not read to its end when the answer is, and our writes do not wait for its read loop
+    to catch up. A bigger or slower body is left unread (hypercorn then closes)."""
+    with trio.move_on_after(DISCARD_TIMEOUT_S), suppress(Disconnected, RequestFault):
+        await _read_body(scope, receive, DISCARD_LIMIT)
 
 
 async def _read_body_within(scope: Scope, receive: Receive, serving: ServingConfig) -> bytes:

@@ -14,6 +14,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from narwhal.config import FleetConfig, load_config
 from narwhal.hypercorn_fixes import (
+    accept_in_bursts,
     frame_body_chunks_directly,
     send_without_waiting_when_uncontended,
     stop_idle_timer_when_reading_ends,
@@ -26,6 +27,7 @@ from narwhal.router.service import FAIL_SEND_BOUND_S, Router
 stop_idle_timer_when_reading_ends()
 send_without_waiting_when_uncontended()
 frame_body_chunks_directly()
+accept_in_bursts()
 
 CONFIG_ENV = "NARWHAL_CONFIG_PATH"
 JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"

@@ -1,0 +1,53 @@
+"""The accept loop's bursts (``narwhal.hypercorn_fixes.accept_in_bursts``): every queued
+client is handed out once, in order of arrival, and none is left open when the listener
+closes first."""
+
+from __future__ import annotations
+
+import socket
+
+import trio
+import trio.testing
+
+import narwhal.server  # noqa: F401  (applies the patches, as serving does)
+
+
+async def connected_clients(port: int, count: int) -> list[socket.socket]:
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+    for i, client in enumerate(clients):
+        client.sendall(b"%d\n" % i)
+    await trio.testing.wait_all_tasks_blocked()
+    return clients
+
+
+async def test_a_burst_of_clients_is_each_accepted_once() -> None:
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    clients = await connected_clients(port, 10)
+    seen = []
+    with trio.fail_after(5):
+        for _ in clients:
+            stream = await listener.accept()
+            seen.append(await stream.receive_some(16))
+            await stream.aclose()
+    assert seen == [b"%d\n" % i for i in range(10)]
+    await listener.aclose()
+    for client in clients:
+        client.close()
+
+
+async def test_clients_queued_when_the_listener_closes_are_closed() -> None:
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    clients = await connected_clients(port, 5)
+    first = await listener.accept()  # takes the other four into the burst queue
+    await listener.aclose()
+    await first.aclose()
+    for client in clients:
+        client.settimeout(5)
+        try:
+            data = client.recv(16)
+        except ConnectionResetError:  # closed with the client's bytes unread: a reset
+            data = b""
+        assert data == b""  # closed by the router, not left hanging
+        client.close()

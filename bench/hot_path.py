@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import msgspec
+
 from narwhal.engines.chunked import ChunkedDecoder
 from narwhal.engines.stream import classify, parse_payload
 from narwhal.sse import SSEParser, frame
@@ -26,8 +28,6 @@ TEMPLATE = (
 
 
 def token_events(count: int) -> list[bytes]:
-    import msgspec
-
     return [
         b"data: " + TEMPLATE % msgspec.json.encode(VOCAB[i % len(VOCAB)]) + b"\n\n"
         for i in range(count)

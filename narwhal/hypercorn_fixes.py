@@ -154,6 +154,7 @@ def frame_body_chunks_directly() -> None:
 
 
 ACCEPT_BURST = 64  # connections taken from the kernel's queue per wakeup of the accept loop
+_QUEUED = "_narwhal_queued"  # a listener's accepted connections not yet handed out
 
 
 def accept_in_bursts() -> None:
@@ -186,6 +187,3 @@ def accept_in_bursts() -> None:
     setattr(accept, _PATCHED, True)
     trio.SocketListener.accept = accept  # type: ignore[method-assign]
     trio.SocketListener.aclose = aclose  # type: ignore[method-assign]
-
-
-_QUEUED = "_narwhal_queued"

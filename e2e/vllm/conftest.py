@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,10 +37,44 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
+_ports = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the kernel's ephemeral range, never the same one twice.
+
+    A port the kernel hands out for ``bind(0)`` is free only until someone else takes it:
+    each vLLM engine binds a dozen ephemeral ports of its own (ZMQ, UCX) while it starts,
+    and once one of them was the other engine's NIXL side-channel port, whose listener
+    then died with EADDRINUSE and left that engine never ready. Ports the kernel never
+    hands out on its own cannot collide that way.
+    """
+    low = min(_ephemeral_range()[0], 32768)
+    for _ in range(200):  # bounded: the range holds thousands of ports
+        port = _ports.randrange(20000, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in 20000-{low}")
+
+
+class PortClash(Exception):
+    """A child said it could not bind its port: start it again on fresh ports."""
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = HANDOFF_S) -> tuple[int, bytes]:
@@ -85,6 +120,8 @@ class Process:
         deadline = time.monotonic() + budget_s
         while time.monotonic() < deadline:
             assert self.proc is not None
+            if self.clashed():
+                raise PortClash(f"{self.name}: a port was taken\n{self.tail()}")
             if self.proc.poll() is not None:
                 pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
             if up(url):
@@ -110,6 +147,13 @@ class Process:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = None
+
+    def clashed(self) -> bool:
+        # vLLM's side-channel thread dies on EADDRINUSE while the server lives on, unready
+        try:
+            return b"Address already in use" in self.log.read_bytes()
+        except OSError:
+            return False
 
     def tail(self, lines: int = 40) -> str:
         try:
@@ -166,6 +210,30 @@ def _engine(vllm: Path, logs: Path, name: str, role: str) -> Engine:
     return Engine(name=name, argv=argv, log=logs / f"{name}.log", port=port)
 
 
+def _start_engines(vllm: Path, logs: Path, started: list[Process]) -> tuple[Engine, Engine]:
+    """Both engines up and healthy; on a port clash, both again on fresh ports (twice at most)."""
+    for attempt in (1, 2):
+        suffix = "" if attempt == 1 else f"-{attempt}"
+        producer = _engine(vllm, logs, "producer" + suffix, "kv_producer")
+        consumer = _engine(vllm, logs, "consumer" + suffix, "kv_consumer")
+        pair = [producer, consumer]
+        for p in pair:  # both load at once: the start-up is mostly waiting
+            p.start()
+            started.append(p)
+        try:
+            producer.wait_until(producer.url + "/health", START_S)
+            consumer.wait_until(consumer.url + "/health", START_S)
+            return producer, consumer
+        except PortClash as clash:
+            if attempt == 2:
+                pytest.fail(str(clash))
+            print(f"\n{clash}\nstarting both engines again on fresh ports")
+            for p in pair:
+                p.stop()
+                started.remove(p)
+    raise AssertionError("unreachable")
+
+
 FLEET = """\
 model = "{model}"
 
@@ -203,20 +271,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = Path(os.environ.get("NARWHAL_E2E_LOGS", "") or tmp_path_factory.mktemp("logs"))
     logs.mkdir(parents=True, exist_ok=True)
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    producer = _engine(vllm, logs, "producer", "kv_producer")
-    consumer = _engine(vllm, logs, "consumer", "kv_consumer")
-    config = logs / "fleet.toml"
-    config.write_text(FLEET.format(model=MODEL, producer=producer.url, consumer=consumer.url))
-    port = free_port()
-    argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config)]
-    router = Process("router", [*argv, "--port", str(port)], logs / "router.log")
     started: list[Process] = []
     try:
-        for p in (producer, consumer):  # both load at once: the start-up is mostly waiting
-            p.start()
-            started.append(p)
-        producer.wait_until(producer.url + "/health", START_S)
-        consumer.wait_until(consumer.url + "/health", START_S)
+        producer, consumer = _start_engines(vllm, logs, started)
+        config = logs / "fleet.toml"
+        config.write_text(FLEET.format(model=MODEL, producer=producer.url, consumer=consumer.url))
+        port = free_port()
+        argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config)]
+        router = Process("router", [*argv, "--port", str(port)], logs / "router.log")
         router.start()
         started.append(router)
         url = f"http://127.0.0.1:{port}"

@@ -78,7 +78,7 @@ class Result:
     e2e: list[float] = field(default_factory=list)
     note: str = ""
     streaming: Streaming = field(default_factory=Streaming)
-    errors: dict[str, int] = field(default_factory=dict)  # load generator errors, by kind
+    errors: dict[str, int] = field(default_factory=dict)  # failed requests, by why
 
     def cpu_ms_per_request(self) -> float | None:
         if self.router_cpu_s is None or not self.ok:
@@ -87,6 +87,9 @@ class Result:
 
 
 # ---- processes -------------------------------------------------------------------------
+
+
+KEEP_LOGS = False  # --logs: also keep our router's request journal
 
 
 def free_port() -> int:
@@ -190,8 +193,8 @@ def prompt(words: int, salt: int) -> str:
 
 async def one_request(
     pool: Pool, body: bytes, streaming: Streaming | None = None
-) -> tuple[bool, float | None, float]:
-    """POST a streamed completion; (complete, time to first data event, end to end)."""
+) -> tuple[str | None, float | None, float]:
+    """POST a streamed completion; (why it failed or None, first data event, end to end)."""
     start = time.perf_counter()
     first: float | None = None
     tail = b""
@@ -209,8 +212,17 @@ async def one_request(
         finally:
             if streaming is not None and first is not None:
                 streaming.now -= 1
-        ok = resp.status == 200 and tail.endswith(b"data: [DONE]\n\n")
-    return ok, first, time.perf_counter() - start
+        failure = _failure(resp.status, tail)
+    return failure, first, time.perf_counter() - start
+
+
+def _failure(status: int, tail: bytes) -> str | None:
+    if status != 200:
+        return f"HTTP {status}"
+    if not tail.endswith(b"data: [DONE]\n\n"):
+        # a stream cut short: ours then ends with an error event, and never with [DONE]
+        return "stream ended without [DONE]"
+    return None
 
 
 async def lower_bound_request(
@@ -218,7 +230,7 @@ async def lower_bound_request(
     d_pool: Pool,
     body: dict,  # type: ignore[type-arg]
     streaming: Streaming,
-) -> tuple[bool, float | None, float]:
+) -> tuple[str | None, float | None, float]:
     """What a router must do at minimum: prefill, then decode with the descriptor."""
     start = time.perf_counter()
     pre = {
@@ -236,11 +248,11 @@ async def lower_bound_request(
         data = await resp.read_all(1 << 22)
     kv = msgspec.json.decode(data)["kv_transfer_params"]
     decode_start = time.perf_counter()
-    ok, first, _ = await one_request(
+    failure, first, _ = await one_request(
         d_pool, msgspec.json.encode({**body, "kv_transfer_params": kv}), streaming
     )
     ttft = None if first is None else decode_start - start + first
-    return ok, ttft, time.perf_counter() - start
+    return failure, ttft, time.perf_counter() - start
 
 
 async def drive(scenario: Scenario, send: Callable[[int], object], result: Result) -> None:
@@ -249,20 +261,19 @@ async def drive(scenario: Scenario, send: Callable[[int], object], result: Resul
     async def worker() -> None:
         for i in remaining:
             try:
-                ok, first, e2e = await send(i)  # type: ignore[misc]
+                failure, first, e2e = await send(i)  # type: ignore[misc]
             except (ConnectFailed, TransportError, KeyError, msgspec.DecodeError) as exc:
                 # a request the target (or the machine) could not serve is a failure to
                 # report, not the end of the run
-                result.failed += 1
-                result.errors[type(exc).__name__] = result.errors.get(type(exc).__name__, 0) + 1
-                continue
-            if ok:
+                failure, first, e2e = type(exc).__name__, None, 0.0
+            if failure is None:
                 result.ok += 1
                 result.e2e.append(e2e)
                 if first is not None:
                     result.ttft.append(first)
             else:
                 result.failed += 1
+                result.errors[failure] = result.errors.get(failure, 0) + 1
 
     with trio.fail_after(900):
         async with trio.open_nursery() as nursery:
@@ -296,13 +307,13 @@ def run_load(
         if engines is not None:
             p_pool, d_pool = pool_for(engines[0]), pool_for(engines[1])
 
-            async def send(i: int) -> tuple[bool, float | None, float]:
+            async def send(i: int) -> tuple[str | None, float | None, float]:
                 return await lower_bound_request(p_pool, d_pool, body(i), result.streaming)
         else:
             assert url is not None
             pool = pool_for(url)
 
-            async def send(i: int) -> tuple[bool, float | None, float]:
+            async def send(i: int) -> tuple[str | None, float | None, float]:
                 return await one_request(pool, msgspec.json.encode(body(i)), result.streaming)
 
         await drive(scenario, send, result)
@@ -344,6 +355,8 @@ def start_narwhal(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
             "0",
             "--log-level",
             "warning",
+            # with --logs: one line per request, which says why each failed one failed
+            *(["--journal", str(tmp / "narwhal-journal.jsonl")] if KEEP_LOGS else []),
         ],
         tmp / "narwhal.log",
     )
@@ -534,7 +547,7 @@ def table(results: list[Result]) -> str:
 
 def _errors(r: Result) -> str:
     kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(r.errors.items()))
-    return f" load generator errors: {kinds}" if kinds else ""
+    return f" failures: {kinds}" if kinds else ""
 
 
 def plot(results_json: Path, path: Path) -> bool:
@@ -560,8 +573,14 @@ def main() -> int:
     parser.add_argument("--peers-venv", default=os.environ.get("PEERS_VENV", ".bench-venv"))
     parser.add_argument("--only", help="run only the scenarios whose name starts with this")
     parser.add_argument("--targets", help="comma-separated target names (default: all)")
+    parser.add_argument(
+        "--logs",
+        help="keep the logs in this folder (the last scenario's; our journal has every one)",
+    )
     args = parser.parse_args()
     os.environ["PEERS_VENV"] = args.peers_venv
+    global KEEP_LOGS
+    KEEP_LOGS = bool(args.logs)
     if args.quick:
         scenarios = [
             Scenario("a: c=32, 64 tokens, ITL 0", 300, 32, 64),
@@ -583,7 +602,8 @@ def main() -> int:
         scenarios = [s for s in scenarios if s.name.startswith(args.only)]
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="narwhal-bench-") as tmpdir:
-        tmp = Path(tmpdir)
+        tmp = Path(args.logs or tmpdir)
+        tmp.mkdir(parents=True, exist_ok=True)
         for scenario in scenarios:
             engines, p_url, d_url = start_engines(scenario, tmp)
             try:

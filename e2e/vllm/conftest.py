@@ -52,11 +52,12 @@ _ports = random.Random()
 def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range, never the same one twice.
 
-    A port the kernel hands out for ``bind(0)`` is free only until someone else takes it:
-    each vLLM engine binds a dozen ephemeral ports of its own (ZMQ, UCX) while it starts,
-    and once one of them was the other engine's NIXL side-channel port, whose listener
-    then died with EADDRINUSE and left that engine never ready. Ports the kernel never
-    hands out on its own cannot collide that way.
+    A port the kernel hands out for ``bind(0)`` is free only until someone else takes it,
+    and two engines starting at once take ephemeral ports too (their own listeners, every
+    outgoing connection's local port). In CI one of those was already on the consumer's
+    NIXL side-channel port when its listener started: the listener thread died with
+    EADDRINUSE and the engine stayed unready. Ports below the ephemeral range are never
+    handed out by the kernel on its own, so they cannot collide that way.
     """
     low = min(_ephemeral_range()[0], 32768)
     for _ in range(200):  # bounded: the range holds thousands of ports

@@ -37,12 +37,11 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_start() -> int:
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 _handed_out: set[int] = set()
@@ -59,9 +58,11 @@ def free_port() -> int:
     EADDRINUSE and the engine stayed unready. Ports below the ephemeral range are never
     handed out by the kernel on its own, so they cannot collide that way.
     """
-    low = min(_ephemeral_range()[0], 32768)
+    end = min(_ephemeral_start(), 32768)
+    if end <= 20000 + 200:
+        raise RuntimeError(f"the ephemeral port range starts at {end}: no room below it")
     for _ in range(200):  # bounded: the range holds thousands of ports
-        port = _ports.randrange(20000, low)
+        port = _ports.randrange(20000, end)
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -71,7 +72,7 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise RuntimeError(f"no free port in 20000-{low}")
+    raise RuntimeError(f"no free port in 20000-{end}")
 
 
 class PortClash(Exception):

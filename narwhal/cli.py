@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -68,6 +69,15 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc.render(), file=sys.stderr)
         return 2
+    if args.journal:
+        # every worker opens it again; a missing directory is one line here, not a traceback
+        try:
+            os.close(os.open(args.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+        except OSError as exc:
+            print(
+                f"narwhal: cannot open the journal {args.journal}: {exc.strerror}", file=sys.stderr
+            )
+            return 2
     if args.workers > 1:
         from narwhal.server import run_workers
 
@@ -130,9 +140,11 @@ def _check(args: argparse.Namespace) -> int:
 
 
 async def _reload_on_sighup(router: Any) -> None:
-    """SIGHUP re-reads the fleet file; an invalid one is reported and the fleet kept."""
+    """SIGHUP reopens the journal file (logrotate moved it) and re-reads the fleet file; an
+    invalid fleet file is reported and the running fleet kept."""
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:
+            router.journal.reopen()
             try:
                 router.reload_file()
             except ConfigError as exc:

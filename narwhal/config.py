@@ -51,6 +51,7 @@ class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
     max_inflight: PositiveInt = 1024
     max_request_bytes: PositiveInt = 4 * 1024 * 1024
     api_keys_env: str = ""
+    admin_keys_env: str = ""  # admin keys for /narwhal/*; "" = loopback peers only
     graceful_timeout_s: NonNegativeFloat = 30.0
     client_idle_timeout_s: PositiveFloat = 20.0  # above aiohttp's 15 s and httpx's 5 s idle expiry
     client_body_timeout_s: PositiveFloat = 30.0

@@ -4,11 +4,18 @@ Each fault carries the phase it happened in, the HTTP status the client sees, wh
 fresh attempt may be made for it, and its breaker class (which later issues feed to the
 per-engine breaker). Engine and transport errors are translated into these at the
 boundary (``narwhal.engines.client``), so nothing above it sees transport or h11 types.
+
+Client-visible messages name engines by id, never by URL (SPEC 3): a fault keeps its full
+``message`` (with the engine's address) for logs and the journal, and ``error_body()``,
+which every client answer and terminal stream event is built from, names the engine by id.
 """
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
+from functools import lru_cache
+from urllib.parse import urlsplit
 
 
 class Phase(StrEnum):
@@ -34,14 +41,68 @@ class RequestFault(Exception):
     transient: bool = False
     breaker: BreakerClass = BreakerClass.NONE
 
-    def __init__(self, message: str, *, phase: Phase, engine_id: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        phase: Phase,
+        engine_id: str | None = None,
+        engine_url: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.message = message
+        self.message = message  # the full text, engine address included: logs and journal
         self.phase = phase
         self.engine_id = engine_id
+        self.engine_url = engine_url  # the base URL of the engine at fault, when one is
+
+    def client_message(self) -> str:
+        """``message`` as a client may read it: the engine named by id, never by address."""
+        if not self.engine_url:
+            return self.message
+        return name_engine(self.message, self.engine_url, self.engine_id)
 
     def error_body(self) -> dict[str, object]:
-        return {"message": self.message, "type": self.kind, "param": None, "code": self.status}
+        return {
+            "message": self.client_message(),
+            "type": self.kind,
+            "param": None,
+            "code": self.status,
+        }
+
+
+def name_engine(message: str, url: str, engine_id: str | None) -> str:
+    """Replace every spelling of ``url``'s address in ``message`` (the URL with or without
+    its scheme, ``host:port`` as trio writes it, the ``('host', port)`` of socket errors,
+    the bare host) with ``engine <id>``, or plain ``engine`` when the id is unknown.
+    "engine <address>" becomes "engine <id>", never "engine engine <id>"."""
+    label = f"engine {engine_id}" if engine_id else "engine"
+    return _address_pattern(url).sub(lambda _: label, message)  # an id is never a template
+
+
+@lru_cache(maxsize=1024)
+def _address_pattern(url: str) -> re.Pattern[str]:
+    base = url.strip().rstrip("/")
+    forms = {base}
+    try:
+        parts = urlsplit(base)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # not a URL we can take apart: replace it as written
+        port = None
+    if port is not None and parts.hostname:
+        host = parts.hostname
+        bracketed = f"[{host}]" if ":" in host else host
+        forms |= {parts.netloc, f"{bracketed}:{port}", f"('{host}', {port})", host, bracketed}
+    forms.discard("")
+    if not forms:
+        return re.compile(r"(?!)")  # matches nothing
+    alternatives = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
+    # an optional "engine " and scheme before, a lone "/" after; never part of a longer
+    # name or number, nor the same host with another port
+    return re.compile(
+        rf"(?:\bengine )?(?:\b[a-z][a-z0-9+.-]*://)?(?<![\w.-])(?:{alternatives})"
+        rf"(?:/(?!\w))?(?![\w-]|\.\w|:\d)",
+        re.IGNORECASE,
+    )
 
 
 class EngineFault(RequestFault):
@@ -100,9 +161,10 @@ class EngineStatusError(EngineFault):
         *,
         phase: Phase,
         engine_id: str | None = None,
+        engine_url: str | None = None,
         kind: str | None = None,
     ) -> None:
-        super().__init__(message, phase=phase, engine_id=engine_id)
+        super().__init__(message, phase=phase, engine_id=engine_id, engine_url=engine_url)
         client_error = 400 <= status < 500 and status not in (408, 429)
         if status in (408, 504):
             self.status, self.kind = 504, "gateway_timeout"
@@ -125,8 +187,9 @@ class InStreamError(EngineFault):
         *,
         phase: Phase,
         engine_id: str | None = None,
+        engine_url: str | None = None,
     ) -> None:
-        super().__init__(message, phase=phase, engine_id=engine_id)
+        super().__init__(message, phase=phase, engine_id=engine_id, engine_url=engine_url)
         self.status = status
         self.kind = kind
         client_error = 400 <= status < 500 and status not in (408, 429)

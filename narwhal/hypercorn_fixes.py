@@ -1,34 +1,9 @@
-"""Four changes to hypercorn's trio worker (0.18, with h11 0.16), applied when
+"""Two changes to hypercorn's trio worker (0.18, with h11 0.16), applied when
 ``narwhal.server`` is imported. Both versions are pinned in pyproject.toml: these replace
-internals, and each falls back to hypercorn's own path when a shape is not the one known.
+internals. (The connection handler's own changes, the idle timer that stops with reading
+and the uncontended write, live in ``narwhal.client_connection``, a subclass.)
 
-1. The idle timer stops when the read loop ends.
-
-Hypercorn's ``TCPServer.run`` starts an idle timer (``keep_alive_timeout``) next to its read
-loop and closes the socket only once every task of the connection has ended. When the
-client closes a kept-alive connection, the read loop ends but nothing stops the idle timer,
-so the socket sits in CLOSE_WAIT, with three tasks, for the rest of the keep-alive timeout.
-Clients that open a connection per request (curl, many SDKs) would pile up one descriptor
-per request for ``serving.client_idle_timeout_s``. The soak found it (``bench/soak.py``:
-descriptors and tasks did not come back to their idle level after the drain).
-
-The fix stops the idle timer once the read loop is over: the connection reads nothing
-more, so there is nothing left for it to time out.
-
-2. A write that nothing contends for goes straight to the socket.
-
-Every chunk of a streamed response reaches ``TCPServer.protocol_send``, which takes the
-connection's send lock and a shielded cancel scope, then calls ``send_all``: two trips
-through trio's scheduler per chunk (the lock's and the socket's checkpoints) and a stack of
-context managers, for one ``send()`` that the kernel almost always takes whole. Profiled
-at 256 open streams with a token every 50 ms, that path was a third of the router's CPU.
-When the lock is free, the patched method holds it without waiting, writes once without
-blocking, and only hands what the kernel did not take to ``send_all`` (still shielded,
-still under the lock, so nothing interleaves). Measured: 0.76x router CPU per request at
-128 open streams (same engines, same run). TLS streams and every other event keep
-hypercorn's path. The relay loop still checkpoints on each engine read.
-
-3. A streamed body chunk is framed here, not through four layers.
+1. A streamed body chunk is framed here, not through four layers.
 
 Each chunk of a streamed response went ASGI ``send`` -> ``HTTPStream.app_send`` (checks, a
 ``Body`` event) -> ``H11Protocol.stream_send`` (an isinstance chain) -> h11 (its state
@@ -39,7 +14,7 @@ bytes to ``protocol_send``. Start, end (h11 writes the last chunk), HTTP/2, HEAD
 and anything else keep hypercorn's path. Measured: 0.89x router CPU per request at 256
 open streams, 50 ms between tokens (median of 4 rounds each, same engines, same run).
 
-4. The accept loop takes a burst of connections per wakeup.
+2. The accept loop takes a burst of connections per wakeup.
 
 Hypercorn serves its listeners with ``trio.serve_listeners``, which accepts one connection
 per pass of trio's scheduler (``accept`` is a checkpoint). Under load a pass is long, so a
@@ -57,66 +32,15 @@ token p99 59.5 s -> 39-44 s. Admitted requests then get the router's own answers
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h11
 import trio
-from hypercorn.events import Closed, RawData
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.events import RawData
 
 _PATCHED = "_narwhal_patched"  # marks a method already replaced (import twice, patch once)
-
-
-def stop_idle_timer_when_reading_ends() -> None:
-    original: Callable[[Any], Awaitable[None]] = TCPServer._read_data
-    if getattr(original, _PATCHED, False):
-        return
-
-    async def _read_data(self: Any) -> None:
-        try:
-            await original(self)
-        finally:
-            await self.idle_task.stop()
-
-    setattr(_read_data, _PATCHED, True)
-    TCPServer._read_data = _read_data  # type: ignore[method-assign]
-
-
-def send_without_waiting_when_uncontended() -> None:
-    original: Callable[[Any, Any], Awaitable[None]] = TCPServer.protocol_send
-    if getattr(original, _PATCHED, False):
-        return
-
-    async def protocol_send(self: Any, event: Any) -> None:
-        lock: trio.Lock = self.send_lock
-        socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
-        if type(event) is not RawData or socket is None or lock.locked():
-            await original(self, event)
-            return
-        lock.acquire_nowait()
-        try:
-            await _write(self.stream, socket.fileno(), event.data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            await self.protocol.handle(Closed())  # as hypercorn does, lock held
-        finally:
-            lock.release()
-
-    setattr(protocol_send, _PATCHED, True)
-    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
-
-
-async def _write(stream: trio.SocketStream, fd: int, data: bytes) -> None:
-    """One non-blocking write; what the kernel did not take goes through ``send_all``."""
-    try:
-        sent = os.write(fd, data)  # a closed socket (fd -1) raises OSError: Closed
-    except BlockingIOError:
-        sent = 0
-    if sent < len(data):
-        with trio.CancelScope(shield=True):  # a half-written chunk would corrupt the stream
-            await stream.send_all(memoryview(data)[sent:])
 
 
 def frame_body_chunks_directly() -> None:
@@ -140,7 +64,7 @@ def frame_body_chunks_directly() -> None:
         ):
             body = message.get("body", b"")
             protocol = getattr(self.send, "__self__", None)
-            if body and type(body) is bytes and type(protocol) is H11Protocol:
+            if body and type(body) is bytes and isinstance(protocol, H11Protocol):
                 conn = protocol.connection
                 # chunked framing agreed and the body under way (HEAD, 204 and 304 have
                 # no chunked writer): the chunk is the same bytes h11 would write

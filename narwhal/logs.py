@@ -4,11 +4,20 @@
 ``msg`` and the record's fields); ``text`` writes ``key=value`` pairs after the message.
 Request lines carry exactly the journal's fields. Nothing here ever sees a header or a
 body, so API keys (client or engine) cannot reach a log.
+
+Values may come from clients (a model name, a message quoting one), so one record is
+always one line: the text format writes every control character (C0, DEL, C1) and the
+Unicode line separators in the message and in every field as Python writes them in a
+repr (backslash-n, backslash-x1b, backslash-x85...); JSON escapes C0 itself, and DEL, C1
+and the line separators are written as backslash-u escapes too, so no terminal escape or
+line break ever reaches the output raw. Only a traceback the logger appends (ours) spans
+lines.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import Any, Literal
@@ -18,6 +27,31 @@ import msgspec
 LogFormat = Literal["text", "json"]
 requests_log = logging.getLogger("narwhal.requests")
 _encode = msgspec.json.Encoder().encode
+
+# what a client could use to forge a line or drive a terminal: C0, DEL, C1, and the
+# characters str.splitlines() and some viewers also break lines on
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029]")  # C0 is escaped by msgspec
+
+
+def _python_escape(match: re.Match[str]) -> str:
+    return repr(match.group())[1:-1]  # \n, \r, \t, \x1b, \x85, \u2028
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def escape_text(text: str) -> str:
+    """``text`` with every control character and line separator written as an escape."""
+    return _UNSAFE.sub(_python_escape, text)
+
+
+def json_line(encoded: bytes) -> bytes:
+    """msgspec's JSON with DEL, C1 and U+2028/U+2029 escaped too (only strings hold them)."""
+    if encoded.isascii():
+        return encoded
+    return _JSON_UNSAFE.sub(_json_escape, encoded.decode()).encode()
 
 
 class JsonFormatter(logging.Formatter):
@@ -33,7 +67,7 @@ class JsonFormatter(logging.Formatter):
             line.update(fields)
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
-        return _encode(line).decode()
+        return json_line(_encode(line)).decode()
 
 
 class TextFormatter(logging.Formatter):
@@ -47,6 +81,7 @@ class TextFormatter(logging.Formatter):
                 for k, v in fields.items()
                 if v is not None
             )
+        text = escape_text(text)  # one record, one line, whatever a client sent
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text

@@ -150,6 +150,15 @@ class Metrics:
         self.ejections = counter("narwhal_engine_ejections", "Ejections.", engine)
         self.probes = counter("narwhal_engine_probes", "Readmission probes.", ("engine", "outcome"))
         self.readmissions = counter("narwhal_engine_readmissions", "Readmissions.", engine)
+        self.journal_dropped = counter(
+            "narwhal_journal_dropped",
+            "Journal lines never written: the writer was behind, or the disk or pipe failed.",
+        )
+        self.connection_errors = counter(
+            "narwhal_connection_errors",
+            "Client connections closed by their error boundary: an exception inside the "
+            "server (protocol or codec) that ended that connection only.",
+        )
         self._initialise(engine_ids)
 
     def _initialise(self, engine_ids: list[str]) -> None:

@@ -12,22 +12,33 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from narwhal.client_connection import ClientConnection
 from narwhal.config import FleetConfig, load_config
-from narwhal.hypercorn_fixes import (
-    accept_in_bursts,
-    frame_body_chunks_directly,
-    send_without_waiting_when_uncontended,
-    stop_idle_timer_when_reading_ends,
-)
+from narwhal.hypercorn_fixes import accept_in_bursts, frame_body_chunks_directly
 from narwhal.logs import configure as configure_logs
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
 from narwhal.router.service import FAIL_SEND_BOUND_S, Router
 
-stop_idle_timer_when_reading_ends()
-send_without_waiting_when_uncontended()
 frame_body_chunks_directly()
 accept_in_bursts()
+
+
+def use_client_connection() -> None:
+    """Hypercorn's trio worker serves each connection with ``ClientConnection``."""
+    import hypercorn.trio.run as worker
+    from hypercorn.trio.tcp_server import TCPServer
+
+    current = getattr(worker, "TCPServer", None)
+    if current not in (TCPServer, ClientConnection):
+        raise RuntimeError(
+            f"hypercorn's connection handler is {current!r}, not the one "
+            "narwhal.client_connection extends; check the pinned hypercorn version"
+        )
+    setattr(worker, "TCPServer", ClientConnection)  # noqa: B010 - hypercorn does not export it
+
+
+use_client_connection()
 
 CONFIG_ENV = "NARWHAL_CONFIG_PATH"
 JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"
@@ -52,6 +63,7 @@ def hypercorn_config(fleet: FleetConfig, host: str, port: int) -> HypercornConfi
     hc.backlog = 4096
     # Our own limit applies to the body; this bounds headers and the h11 buffer.
     hc.h11_max_incomplete_size = 64 * 1024
+    hc.alpn_protocols = ["http/1.1"]  # HTTP/2 is not served (narwhal.client_connection)
     return hc
 
 

@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import socket
 import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
 import httpcore
 import msgspec
 import trio
@@ -86,6 +92,13 @@ class Scenario:
     recover_at: float | None = None  # fraction of the run after which armed faults clear
     flap_every: int = 0  # toggle the armed faults every N requests
     expect: str = ""  # what the scenario must additionally show (checked in ``extra``)
+    # the front door: every Nth client stops reading after the response head (its stream
+    # must end at the request deadline), or opens an HTTP/2 connection first (refused with
+    # GOAWAY); the journal written to a failing disk or pipe
+    stall_every: int = 0
+    stall_tokens: int = 30_000
+    http2_every: int = 0
+    journal: str = ""  # "" | "/dev/full" | "broken pipe"
 
 
 def _on(engine: str, *faults: Fault) -> dict[str, tuple[Fault, ...]]:
@@ -163,6 +176,10 @@ SCENARIOS: list[Scenario] = [
         max_tokens=32,
     ),
     Scenario("slow reader", read_pause_s=0.01, max_tokens=64),
+    Scenario("stalled reader past the deadline", stall_every=4, expect="stalled cut"),
+    Scenario("HTTP/2 clients beside HTTP/1.1", http2_every=2, expect="h2 refused"),
+    Scenario("journal on a full disk", journal="/dev/full", expect="journal drops"),
+    Scenario("journal on a broken pipe", journal="broken pipe", expect="journal drops"),
     Scenario(
         "one of three consumers failing 100%",
         armed=_on("d0", _always(kind="status", status=500, leg="decode")),
@@ -205,12 +222,18 @@ class ClientResult:
     outcome: str = ""  # ok | http-NNN | terminal-error | truncated | disconnected | hung | wrong
     tokens: int = 0
     disconnected_at: float | None = None
+    h2_refused: bool | None = None  # None: this client made no HTTP/2 connection
+
+
+def _stalls(sc: Scenario, i: int) -> bool:
+    return bool(sc.stall_every) and i % sc.stall_every == 0
 
 
 def _body(sc: Scenario, i: int, tag: str) -> tuple[str, dict[str, Any], bool, bool]:
     stream, chat = i % 2 == 0, i % 4 in (1, 2)
     text = f"{tag} The quick brown fox jumps over the lazy dog"
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": sc.max_tokens, "stream": stream}
+    max_tokens = sc.stall_tokens if _stalls(sc, i) else sc.max_tokens
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "stream": stream}
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -234,6 +257,10 @@ async def one_request(
     tag = f"{sc.name.replace(' ', '_')}#{i:05d}"
     path, body, stream, chat = _body(sc, i, tag)
     result = ClientResult(i, tag, stream, chat)
+    if sc.http2_every and i % sc.http2_every == 0:
+        result.h2_refused = await _http2_client(url)
+    if _stalls(sc, i):
+        return await _stalled_request(url, path, body, result)
     expected = gen.generate(gen.prompt_of(body, chat)[0], sc.max_tokens)
     headers = [(b"content-type", b"application/json")]
     with trio.move_on_after(CLIENT_LIMIT_S) as limit:
@@ -254,6 +281,85 @@ async def one_request(
     if limit.cancelled_caught:
         result.outcome = "hung"
     return result
+
+
+STALL_S = CLIENT_LIMIT_S  # a stalled client reads nothing for this long
+
+
+async def _stalled_request(
+    url: str, path: str, body: dict[str, Any], result: ClientResult
+) -> ClientResult:
+    """A client that reads the response head, then nothing for ``STALL_S``, then the rest:
+    the router must have ended the stream at the request deadline (invariant 10), with the
+    terminal event when it still fit in the socket buffers, else by closing."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((host, int(port)))
+    payload = msgspec.json.encode(body)
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    ).encode()
+    async with trio.SocketStream(sock) as stream:
+        await stream.send_all(head + payload)
+        first = await stream.receive_some(256)
+        result.status = int(first.split(b" ", 2)[1]) if first.startswith(b"HTTP/1.1 ") else None
+        for line in first.split(b"\r\n"):
+            if line.lower().startswith(b"x-request-id:"):
+                result.rid = line.split(b":", 1)[1].strip().decode()
+        await trio.sleep(STALL_S)  # the stall is the behaviour under test
+        tail = b""
+        with trio.move_on_after(5.0) as limit:
+            while True:
+                try:
+                    chunk = await stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    break
+                if not chunk:
+                    break
+                tail = (tail + chunk)[-8192:]
+                if tail.endswith(b"\r\n0\r\n\r\n"):
+                    break
+    if limit.cancelled_caught:
+        result.outcome = "hung"
+    elif b'data: {"error"' in tail and tail.endswith(b"\r\n0\r\n\r\n"):
+        result.outcome = "terminal-error"
+    else:
+        result.outcome = "stalled-cut"  # the router closed on a client that read nothing
+    return result
+
+
+async def _http2_client(url: str) -> bool:
+    """An HTTP/2 prior-knowledge client whose body is still arriving when it is answered;
+    True when the router refused it with GOAWAY(HTTP_1_1_REQUIRED)."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        (":scheme", "http"),
+        (":authority", "127.0.0.1"),
+        ("content-length", str(10 << 20)),
+    ]
+    conn.send_headers(1, headers)
+    conn.send_data(1, b"x" * 15_000)
+    host, port = url.removeprefix("http://").split(":")
+    raw = b""
+    with trio.move_on_after(5.0):
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            try:
+                await stream.send_all(conn.data_to_send())
+                while chunk := await stream.receive_some(65536):
+                    raw += chunk
+            except trio.BrokenResourceError:
+                pass
+    events = conn.receive_data(raw) if raw else []
+    return any(
+        isinstance(e, h2.events.ConnectionTerminated)
+        and e.error_code == h2.errors.ErrorCodes.HTTP_1_1_REQUIRED
+        for e in events
+    )
 
 
 def _whole(status: int, raw: bytes, chat: bool, expected: str) -> str:
@@ -322,9 +428,20 @@ class Report:
         return not self.problems
 
 
+def _journal(sc: Scenario, keep: int) -> Journal:
+    """The scenario's journal: in memory, or also written to a failing disk or pipe."""
+    if sc.journal == "broken pipe":
+        read_end, write_end = os.pipe()
+        journal = Journal(f"/dev/fd/{write_end}", keep=keep)
+        os.close(write_end)
+        os.close(read_end)  # the reader is gone before the first line
+        return journal
+    return Journal(sc.journal or None, keep=keep)
+
+
 async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
     async with trio.open_nursery() as nursery:
-        journal = Journal(keep=requests * 4 + 100)
+        journal = _journal(sc, requests * 4 + 100)
         h = await start_fleet(
             nursery,
             ROLES,
@@ -405,9 +522,13 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
     reserved = router.fleet.reserved() - 2 * probes
     busy = max(0, sum(active for _, active in router.client.connections().values()) - 2 * probes)
     tasks = live_tasks(REQUEST_TASKS)
-    if reserved or busy or tasks:
-        problems.append(f"after {DRAIN_S:g}s: {reserved} reservations, {busy} busy, {tasks} tasks")
-    leaks = f"{reserved}/{busy}/{tasks}"
+    slots = router.admitted  # max_inflight slots still held
+    if reserved or busy or tasks or slots:
+        problems.append(
+            f"after {DRAIN_S:g}s: {reserved} reservations, {busy} busy, {tasks} tasks, "
+            f"{slots} admission slots"
+        )
+    leaks = f"{reserved}/{busy}/{tasks}/{slots}"
 
     outcomes = Counter(r.outcome for r in results)
     lines = router.journal.lines
@@ -452,7 +573,7 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
     ):
         if count:
             problems.append(f"{count} {name}")
-    extra = _expectation(h, sc, problems)
+    extra = _expectation(h, sc, problems) or await _front_door(h, sc, results, problems)
     return Report(
         sc.name,
         len(results),
@@ -531,6 +652,32 @@ def _tag_of(body: dict[str, Any]) -> str:
     return text.split(" ", 1)[0]
 
 
+async def _front_door(
+    h: Harness, sc: Scenario, results: list[ClientResult], problems: list[str]
+) -> str:
+    """What the front-door scenarios must show besides the invariants above."""
+    if sc.expect == "stalled cut":
+        stalled = [r for r in results if _stalls(sc, r.index)]
+        lines = {line.request_id: line for line in h.router.journal.lines}
+        late = [r for r in stalled if r.outcome not in ("stalled-cut", "terminal-error")]
+        ended = Counter(lines[r.rid].outcome for r in stalled if r.rid in lines)
+        if late or ended["completed"]:
+            problems.append(f"stalled readers not ended at the deadline: {len(late)}, {ended}")
+        return f"stalled: {len(stalled)}, journal {dict(ended)}"
+    if sc.expect == "h2 refused":
+        tried = [r.h2_refused for r in results if r.h2_refused is not None]
+        if not all(tried):
+            problems.append(f"{tried.count(False)} HTTP/2 clients not refused with GOAWAY")
+        return f"HTTP/2 refused: {sum(tried)}/{len(tried)}"
+    if sc.expect == "journal drops":
+        journal = h.router.journal
+        await trio.to_thread.run_sync(journal.flush)
+        if journal.dropped < journal.written:
+            problems.append(f"journal dropped {journal.dropped} of {journal.written} lines")
+        return f"journal dropped {journal.dropped}/{journal.written}"
+    return ""
+
+
 def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
     """A failing engine is out of placement at the end (ejected, or being probed)."""
     if not sc.expect.endswith("ejected"):
@@ -550,7 +697,7 @@ def table(reports: list[Report]) -> str:
     head = (
         "| scenario | requests | client outcomes | journal = client | attempts: journal / "
         "reached a producer (limit) | hung | retries after output | descriptor misuse "
-        "| leaks res/conn/tasks | cancel lag max | cut w/o terminal | verdict |"
+        "| leaks res/conn/tasks/slots | cancel lag max | cut w/o terminal | verdict |"
     )
     rows = [head, "|" + "---|" * 12]
     for r in reports:

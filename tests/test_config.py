@@ -43,6 +43,7 @@ def test_every_default() -> None:
         "max_inflight": 1024,
         "max_request_bytes": 4194304,
         "api_keys_env": "",
+        "admin_keys_env": "",
         "graceful_timeout_s": 30.0,
         "client_idle_timeout_s": 20.0,
         "client_body_timeout_s": 30.0,
@@ -172,7 +173,8 @@ def test_several_problems_are_reported_together() -> None:
     assert problems == [
         "model: required key is missing",
         "engines: required, at least one [[engines]] entry",
-        "serving.bogus: unknown key in [serving] (known: api_keys_env, client_body_timeout_s, "
+        "serving.bogus: unknown key in [serving] (known: admin_keys_env, api_keys_env, "
+        "client_body_timeout_s, "
         "client_idle_timeout_s, graceful_timeout_s, handoff_timeout_s, max_attempts, "
         "max_inflight, max_request_bytes, prefill_timeout_s, request_timeout_s, "
         "retry_backoff_s, retry_budget, retry_replenish)",

@@ -120,7 +120,8 @@ async def test_reload_adds_and_removes_engines(nursery: trio.Nursery, tmp_path: 
     reply = await harness.post("/narwhal/reload", b"")
     assert reply.status == 400
     assert reply.json()["error"]["problems"] == [
-        "serving.bogus: unknown key in [serving] (known: api_keys_env, client_body_timeout_s, "
+        "serving.bogus: unknown key in [serving] (known: admin_keys_env, api_keys_env, "
+        "client_body_timeout_s, "
         "client_idle_timeout_s, graceful_timeout_s, handoff_timeout_s, max_attempts, "
         "max_inflight, max_request_bytes, prefill_timeout_s, request_timeout_s, "
         "retry_backoff_s, retry_budget, retry_replenish)",

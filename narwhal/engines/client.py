@@ -147,7 +147,9 @@ class EngineClient:
             data = await _read(response, engine, Phase.PREFILL, MAX_PREFILL_RESPONSE_BYTES)
         if response.status != 200:
             message, kind = error_message(data, response.status)
-            raise EngineStatusError(response.status, message, phase=Phase.PREFILL, kind=kind)
+            raise EngineStatusError(
+                response.status, message, phase=Phase.PREFILL, engine_url=url, kind=kind
+            )
         return self.connector.extract(
             data, producer_url=url, endpoint=endpoint, request_id=request_id
         )
@@ -239,7 +241,13 @@ class DecodeStream:
             finally:
                 await self.aclose()
             message, kind = error_message(data, response.status)
-            raise EngineStatusError(response.status, message, phase=Phase.DECODE, kind=kind)
+            raise EngineStatusError(
+                response.status,
+                message,
+                phase=Phase.DECODE,
+                engine_url=engine.base_url,
+                kind=kind,
+            )
 
     def __aiter__(self) -> Self:
         return self
@@ -294,16 +302,25 @@ async def _read(
         if truncate and "larger than" in str(exc):
             return b""
         raise StreamBroken(
-            f"connection to engine {engine.base_url} broke: {exc}", phase=phase
+            f"connection to engine {engine.base_url} broke: {exc}",
+            phase=phase,
+            engine_url=engine.base_url,
         ) from None
 
 
 def translate(exc: BaseException, phase: Phase, url: str, broken: str = "") -> EngineFault | None:
-    """The engine fault for a transport error (None: not a transport error, re-raise it)."""
+    """The engine fault for a transport error (None: not a transport error, re-raise it).
+
+    The message names the engine by its URL, for logs and the journal; the fault carries
+    the URL too, so the client's copy names the engine by id instead (SPEC 3)."""
     if isinstance(exc, ConnectFailed):
         if exc.timed_out:
-            return ConnectTimeout(f"connect to engine {url} timed out", phase=phase)
-        return EngineUnreachable(f"cannot connect to engine {url}: {exc}", phase=phase)
+            return ConnectTimeout(f"connect to engine {url} timed out", phase=phase, engine_url=url)
+        return EngineUnreachable(
+            f"cannot connect to engine {url}: {exc}", phase=phase, engine_url=url
+        )
     if isinstance(exc, TransportError):
-        return StreamBroken(f"{broken}connection to engine {url} broke: {exc}", phase=phase)
+        return StreamBroken(
+            f"{broken}connection to engine {url} broke: {exc}", phase=phase, engine_url=url
+        )
     return None

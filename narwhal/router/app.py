@@ -6,6 +6,7 @@ request does with engines lives in ``Router.handle`` and ``RequestRun``.
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -51,6 +52,15 @@ MAX_HEADERS = 100
 MAX_HEADER_BYTES = 32 * 1024
 DISCARD_LIMIT = 64 * 1024  # the most of an unused body read to keep its connection
 DISCARD_TIMEOUT_S = 1.0
+# Lingering close (nginx's lingering_time / lingering_timeout): after an early answer with
+# `connection: close`, the rest of the body is read and dropped, so the client's pending
+# writes do not turn into a reset that destroys the answer before it is read.
+LINGER_TIME_S = 10.0
+LINGER_READ_TIMEOUT_S = 2.0
+LINGER_MAX_BYTES = 64 * 1024 * 1024
+# SPEC 3: a client x-request-id is adopted when it is 1-128 of these characters
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+_LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 
 class Disconnected(Exception):
@@ -86,14 +96,62 @@ class AsgiSink:
         await respond(self._send, status, body, self.rid)
 
 
-async def respond(send: Send, status: int, body: bytes, rid: bytes | None = None) -> None:
-    headers = [_JSON, (b"content-length", b"%d" % len(body))]
+def _json_headers(
+    status: int, body: bytes, rid: bytes | None, extra: tuple[tuple[bytes, bytes], ...] = ()
+) -> list[tuple[bytes, bytes]]:
+    headers = [_JSON, (b"content-length", b"%d" % len(body)), *extra]
     if rid is not None:
         headers.append((b"x-request-id", rid))
     if status in (429, 503):
         headers.append((b"retry-after", RETRY_AFTER_S))
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    return headers
+
+
+async def respond(send: Send, status: int, body: bytes, rid: bytes | None = None) -> None:
+    headers = _json_headers(status, body, rid)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def respond_and_close(
+    receive: Receive,
+    send: Send,
+    status: int,
+    body: bytes,
+    rid: bytes | None = None,
+    *,
+    linger: bool = True,
+) -> None:
+    """Answer with ``connection: close`` while the body may still be arriving, then linger.
+
+    The whole answer goes out at once; the end of the response, which makes hypercorn close
+    the connection, waits until the client's body is read and dropped (bounded by
+    ``LINGER_*``). Closing with unread bytes in the socket would send a reset, and a client
+    still writing its body then loses the answer unread (httpx's async client, aiohttp).
+    After a framing error h11 never parses a byte of this connection as a new request.
+    A body that trickles in too slowly (408) is not waited for again: ``linger=False``.
+    """
+    headers = _json_headers(status, body, rid, ((b"connection", b"close"),))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": linger})
+    if linger:
+        await _linger(receive)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _linger(receive: Receive) -> None:
+    dropped = 0
+    with trio.move_on_after(LINGER_TIME_S):
+        while dropped <= LINGER_MAX_BYTES:
+            with trio.move_on_after(LINGER_READ_TIMEOUT_S) as idle:
+                message = await receive()
+            if idle.cancelled_caught or message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 def error_json(fault: RequestFault) -> bytes:
@@ -108,8 +166,15 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             await self._http(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await _refuse_websocket(receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+
+    def connection_failed(self) -> None:
+        """A client connection failed inside the server and was closed (its error boundary,
+        ``narwhal.client_connection``, calls this)."""
+        self.router.metrics.connection_errors.inc()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         """Startup opens the server-owned background nursery (probes); shutdown ends it."""
@@ -126,31 +191,49 @@ class RouterApp:
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path, method = scope["path"], scope["method"]
-        too_large = _headers_problem(scope["headers"])
-        if too_large is not None:
-            await respond(send, too_large.status, error_json(too_large))
+        path, method, headers = scope["path"], scope["method"], scope["headers"]
+        completion = path in _COMPLETION_PATHS
+        rid = request_id(headers) if completion else None
+        problem = _headers_problem(headers) or _framing_problem(headers)
+        if problem is not None:
+            self._journal_refusal(completion, rid, path, problem.status, problem.message)
+            await respond_and_close(receive, send, problem.status, error_json(problem), rid)
             return
-        if path not in _OPEN_PATHS and not self.router.api_keys.allows(scope["headers"]):
-            if path in _COMPLETION_PATHS:
-                self.router.received += 1
-                self.router.journal_unadmitted(
-                    secrets.token_hex(8), path, "rejected", 401, "missing or invalid API key"
-                )
-            await _finish_reading(scope, receive)
-            await _error(send, 401, "authentication_error", "missing or invalid API key")
+        if path.startswith("/narwhal/"):
+            refusal = self._admin_refusal(scope)
+            if refusal is not None:
+                await _answer_unread(scope, receive, send, 403, _error_body(403, refusal))
+                return
+        elif path not in _OPEN_PATHS and not self.router.api_keys.allows(headers):
+            message = "missing or invalid API key"
+            self._journal_refusal(completion, rid, path, 401, message)
+            body = _error_body(401, message, "authentication_error")
+            await _answer_unread(scope, receive, send, 401, body, rid)
             return
-        if path in _COMPLETION_PATHS and method == "POST":
-            await self._completion(path, scope, receive, send)
+        if completion and method == "POST":
+            assert rid is not None
+            await self._completion(path, scope, receive, send, rid)
             return
-        router = self.router
         if (method, path) == ("POST", "/narwhal/lifecycle/readmit"):
             await self._readmit_wave(receive, send)
             return
-        await _finish_reading(scope, receive)  # nothing below reads a body
+        complete = await _finish_reading(scope, receive)  # nothing below reads a body
+        status, body, content_type = self._answer(method, path)
+        headers_out = _json_headers(status, body, rid)
+        headers_out[0] = (b"content-type", content_type)
+        if not complete:
+            headers_out.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers_out})
+        await send({"type": "http.response.body", "body": body, "more_body": not complete})
+        if not complete:
+            await _linger(receive)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _answer(self, method: str, path: str) -> tuple[int, bytes, bytes]:
+        """Every endpoint that reads no body: (status, body, content type)."""
+        router = self.router
         if path in _COMPLETION_PATHS:
-            await _error(send, 405, "method_not_allowed", f"{path} takes POST")
-            return
+            return 405, _error_body(405, f"{path} takes POST", "method_not_allowed"), _JSON[1]
         if (method, path) == ("POST", "/narwhal/reload"):
             try:
                 change = router.reload_file()
@@ -164,54 +247,61 @@ class RouterApp:
                         "problems": exc.problems,
                     }
                 }
-                await respond(send, 400, msgspec.json.encode(error))
-                return
-            await respond(send, 200, msgspec.json.encode(change))
-            return
-        if method != "GET":
-            await _error(send, 404, "not_found_error", f"no such endpoint: {method} {path}")
-            return
+                return 400, msgspec.json.encode(error), _JSON[1]
+            return 200, msgspec.json.encode(change), _JSON[1]
+        if method not in ("GET", "HEAD"):  # HEAD: hypercorn sends the head of the GET answer
+            return 404, _not_found(method, path), _JSON[1]
         maintenance = router.health.maintenance
         if path == "/health":
             status = b"maintenance" if maintenance else b"ok"
-            await respond(send, 200, b'{"status":"%s"}' % status)
-        elif path == "/ready":
+            return 200, b'{"status":"%s"}' % status, _JSON[1]
+        if path == "/ready":
             if router.draining:
-                await respond(send, 503, b'{"status":"draining"}')
-            elif not maintenance and router.fleet.ready(trio.current_time()):
-                await respond(send, 200, b'{"status":"ready"}')
-            else:
-                state = b"maintenance" if maintenance else b"no healthy producer or consumer"
-                await respond(send, 503, b'{"status":"%s"}' % state)
-        elif path == "/v1/models":
+                return 503, b'{"status":"draining"}', _JSON[1]
+            if not maintenance and router.fleet.ready(trio.current_time()):
+                return 200, b'{"status":"ready"}', _JSON[1]
+            state = b"maintenance" if maintenance else b"no healthy producer or consumer"
+            return 503, b'{"status":"%s"}' % state, _JSON[1]
+        if path == "/v1/models":
             card = {
                 "id": router.config.model,
                 "object": "model",
                 "created": self.started,
                 "owned_by": "narwhal",
             }
-            await respond(send, 200, msgspec.json.encode({"object": "list", "data": [card]}))
-        elif path == "/metrics":
+            return 200, msgspec.json.encode({"object": "list", "data": [card]}), _JSON[1]
+        if path == "/metrics":
             router.health.refresh_gauges()
-            body = router.metrics.render()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-        elif path == "/narwhal/engines":
-            await respond(send, 200, router.engines_view())
-        else:
-            await _error(send, 404, "not_found_error", f"no such endpoint: {method} {path}")
+            return 200, router.metrics.render(), CONTENT_TYPE_LATEST.encode()
+        if path == "/narwhal/engines":
+            return 200, router.engines_view(), _JSON[1]
+        return 404, _not_found(method, path), _JSON[1]
 
-    async def _completion(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+    def _admin_refusal(self, scope: Scope) -> str | None:
+        """SPEC 3: admin keys alone open ``/narwhal/*``; without them, loopback peers only."""
+        admin = self.router.admin_keys
+        if admin.required:
+            if admin.allows(scope["headers"]):
+                return None
+            return "admin endpoint: needs an admin key (serving.admin_keys_env)"
+        client = scope.get("client")
+        if client and str(client[0]).startswith(_LOOPBACK):
+            return None
+        return "admin endpoint: loopback only when serving.admin_keys_env is not set"
+
+    def _journal_refusal(
+        self, completion: bool, rid: bytes | None, path: str, status: int, message: str
+    ) -> None:
+        if completion and rid is not None:
+            self.router.received += 1
+            self.router.journal_unadmitted(rid.decode(), path, "rejected", status, message)
+
+    async def _completion(
+        self, path: str, scope: Scope, receive: Receive, send: Send, rid: bytes
+    ) -> None:
         router = self.router
         router.received += 1
-        rid_text = secrets.token_hex(8)
-        rid = rid_text.encode()
+        rid_text = rid.decode()
         serving = router.config.serving
         try:
             raw = await _read_body_within(scope, receive, serving)
@@ -236,7 +326,12 @@ class RouterApp:
             return
         except RequestFault as fault:
             router.journal_unadmitted(rid_text, path, "rejected", fault.status, fault.message)
-            await respond(send, fault.status, error_json(fault), rid)
+            if isinstance(fault, TooLarge | BodyTimeout):  # the body is still arriving
+                slow = isinstance(fault, BodyTimeout)
+                body = error_json(fault)
+                await respond_and_close(receive, send, fault.status, body, rid, linger=not slow)
+            else:
+                await respond(send, fault.status, error_json(fault), rid)
             return
 
         async def wait_disconnect() -> None:
@@ -272,6 +367,43 @@ class RouterApp:
         await respond(send, 409 if health.maintenance else 200, msgspec.json.encode(body))
 
 
+def request_id(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The client's ``x-request-id`` when well formed (SPEC 3), else a fresh one."""
+    for name, value in headers:
+        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
+            return bytes(value)
+    return secrets.token_hex(8).encode()
+
+
+async def _refuse_websocket(receive: Receive, send: Send) -> None:
+    """A WebSocket upgrade gets a plain 400 (hypercorn's ``websocket.http.response``)."""
+    await receive()  # websocket.connect
+    body = _error_body(400, "websocket: not served here; the API is plain HTTP")
+    headers = _json_headers(400, body, None, ((b"connection", b"close"),))
+    await send({"type": "websocket.http.response.start", "status": 400, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body})
+
+
+async def _answer_unread(
+    scope: Scope, receive: Receive, send: Send, status: int, body: bytes, rid: bytes | None = None
+) -> None:
+    """An answer that uses no body: a small one is read first so the connection is kept."""
+    if await _finish_reading(scope, receive):
+        await respond(send, status, body, rid)
+    else:
+        await respond_and_close(receive, send, status, body, rid)
+
+
+def _not_found(method: str, path: str) -> bytes:
+    return _error_body(404, f"no such endpoint: {method} {path}", "not_found_error")
+
+
+def _error_body(status: int, message: str, kind: str = "invalid_request_error") -> bytes:
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    )
+
+
 class _WaveRequest(msgspec.Struct):
     engines: list[str]
 
@@ -279,8 +411,7 @@ class _WaveRequest(msgspec.Struct):
 async def _error(
     send: Send, status: int, kind: str, message: str, rid: bytes | None = None
 ) -> None:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    await respond(send, status, msgspec.json.encode(body), rid)
+    await respond(send, status, _error_body(status, message, kind), rid)
 
 
 def _headers_problem(headers: list[tuple[bytes, bytes]]) -> HeadersTooLarge | None:
@@ -294,13 +425,27 @@ def _headers_problem(headers: list[tuple[bytes, bytes]]) -> HeadersTooLarge | No
     return None
 
 
-async def _finish_reading(scope: Scope, receive: Receive) -> None:
+async def _finish_reading(scope: Scope, receive: Receive) -> bool:
     """Read (and drop) a small body we answer without using, so the client's kept-alive
     connection can carry its next request: hypercorn closes a connection whose request was
     not read to its end when the answer is, and our writes do not wait for its read loop
-    to catch up. A bigger or slower body is left unread (hypercorn then closes)."""
+    to catch up. False when a bigger or slower body is still arriving (the answer then
+    closes the connection, lingering)."""
     with trio.move_on_after(DISCARD_TIMEOUT_S), suppress(Disconnected, RequestFault):
         await _read_body(scope, receive, DISCARD_LIMIT)
+        return True
+    return False
+
+
+def _framing_problem(headers: list[tuple[bytes, bytes]]) -> BadRequest | None:
+    """RFC 9112 6.1: a request with both lengths is a smuggling shape; refuse it rather than
+    pick a framing, and close the connection (``respond_and_close``)."""
+    names = {name for name, _ in headers}
+    if b"transfer-encoding" in names and b"content-length" in names:
+        return BadRequest(
+            "transfer-encoding: not allowed together with content-length", "transfer-encoding"
+        )
+    return None
 
 
 async def _read_body_within(scope: Scope, receive: Receive, serving: ServingConfig) -> bytes:
@@ -316,12 +461,6 @@ async def _read_body_within(scope: Scope, receive: Receive, serving: ServingConf
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """At most ``limit`` bytes plus one received chunk are read before a 413."""
-    names = [name for name, _ in scope["headers"]]
-    if b"transfer-encoding" in names and b"content-length" in names:
-        # RFC 9112 6.3: a request smuggling shape; refuse it rather than pick a framing
-        raise BadRequest(
-            "transfer-encoding: not allowed together with content-length", "transfer-encoding"
-        )
     for name, value in scope["headers"]:
         if name == b"content-length":
             if not value.isdigit():

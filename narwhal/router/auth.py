@@ -1,4 +1,5 @@
-"""Client API keys (``serving.api_keys_env``): ``Authorization: Bearer <key>``.
+"""API keys: client keys (``serving.api_keys_env``) and admin keys
+(``serving.admin_keys_env``), each sent as ``Authorization: Bearer <key>``.
 
 Keys come from the named environment variable (comma-separated), never from the fleet
 file, and are never logged. Every configured key is compared, in constant time, so the
@@ -14,7 +15,7 @@ from narwhal.config import ConfigError
 
 
 class ApiKeys:
-    def __init__(self, env_var: str) -> None:
+    def __init__(self, env_var: str, key: str = "serving.api_keys_env") -> None:
         self.env_var = env_var
         self.keys: tuple[bytes, ...] = ()
         if not env_var:
@@ -25,7 +26,7 @@ class ApiKeys:
             # fail closed and loudly: an operator who asked for keys must not run open
             raise ConfigError(
                 "<environment>",
-                [f"serving.api_keys_env: environment variable {env_var} is unset or empty"],
+                [f"{key}: environment variable {env_var} is unset or empty"],
             )
         self.keys = keys
 

@@ -239,6 +239,7 @@ class RequestRun:
                     )
                 except RequestFault as fault:
                     fault.engine_id = producer.id
+                    fault.engine_url = fault.engine_url or producer.url
                     raise
         assert prefill_clock.cancelled_caught
         raise PrefillTimeout(
@@ -277,6 +278,7 @@ class RequestRun:
                     return
             except RequestFault as fault:
                 fault.engine_id = consumer.id
+                fault.engine_url = fault.engine_url or consumer.url
                 raise
         if self.first_byte_s is None:
             raise FirstTokenTimeout(

@@ -1,18 +1,40 @@
 """The request journal: exactly one JSON line per finished request (SPEC 5, invariant 1),
 and one line per engine event (ejection, probe and its outcome, readmission).
 
-Lines are written with one unbuffered ``write`` each, so a crash loses at most the line
-being written and concurrent workers appending to one file do not interleave.
+The file is written off the request path (SPEC 8, invariant 9): ``write`` and ``event``
+encode the line and put it on a bounded queue, and one writer thread empties the queue
+with one unbuffered ``write`` per line, so concurrent workers appending to one file do not
+interleave. Neither ever blocks or raises: a line that finds the queue full, or that the
+writer cannot write (a full disk, a pipe whose reader left, any ``OSError``), is dropped
+and counted (``dropped``, and ``narwhal_journal_dropped_total`` once ``count_drops`` is
+wired). A full disk or a stalled pipe therefore costs journal lines, never a request, an
+admission slot or the event loop. ``reopen`` makes the writer open the path again before
+its next line (logrotate's move, then SIGHUP).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import Any, Literal
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final, Literal
 
 import msgspec
 
+from narwhal.logs import json_line
+
 Outcome = Literal["completed", "failed", "expired", "cancelled", "rejected"]
+
+log = logging.getLogger("narwhal.journal")
+QUEUE_LINES = 4096  # lines waiting for the writer; past this they are dropped and counted
+CLOSE_BOUND_S = 2.0  # close() flushes what it can within this, then gives up
+WARN_EVERY_S = 60.0  # a failing journal logs its first failure, then at most this often
+_OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+_STOP: Final = b""  # never a line: every line ends with a newline
 
 
 class AttemptLine(msgspec.Struct, omit_defaults=True):
@@ -40,33 +62,203 @@ class JournalLine(msgspec.Struct):
 
 
 class Journal:
-    """Append-only; ``path`` None keeps the lines in memory only (``lines``, bounded)."""
+    """Append-only; ``path`` None keeps the lines in memory only (``lines``, bounded).
 
-    def __init__(self, path: str | None = None, *, keep: int = 0) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
+    ``keep``, ``lines``, ``events`` and ``written`` are updated synchronously by the
+    caller; only the file is written by the writer thread. Opening ``path`` happens here,
+    so a path that cannot be opened fails at start with the ``OSError``.
+    """
+
+    def __init__(
+        self, path: str | None = None, *, keep: int = 0, queue_lines: int = QUEUE_LINES
+    ) -> None:
+        self.path = path
         self.keep = keep
         self.lines: list[JournalLine] = []
         self.events: list[dict[str, Any]] = []
         self.written = 0  # request lines (one per finished request); events are apart
+        self.dropped = 0  # lines (requests and events) that never reached the file
         self._encode = msgspec.json.Encoder().encode
+        self._lock = threading.Lock()  # dropped, the drop counter, warnings, reopen requests
+        self._on_drop: Callable[[int], object] | None = None
+        self._last_warning: float | None = None
+        self._queued = 0  # lines put on the queue so far
+        self._reopen_after: int | None = None  # reopen before the line after this many
+        self._done = 0  # lines the writer has written or dropped (the writer's count)
+        self._progress = threading.Condition()  # the writer moved _done on
+        self._closed = False
+        self._abandoned = False  # close() ran out of time: the writer drops what is left
+        self._queue: queue.Queue[bytes] = queue.Queue(maxsize=max(1, queue_lines))
+        self._thread: threading.Thread | None = None
+        if path:
+            fd = os.open(path, _OPEN_FLAGS, 0o644)
+            self._thread = threading.Thread(
+                target=self._run, args=(fd,), name="narwhal-journal", daemon=True
+            )
+            self._thread.start()
 
     def write(self, line: JournalLine) -> None:
         self.written += 1
         if self.keep:
             self.lines.append(line)
             del self.lines[: -self.keep]
-        if self._fd is not None:
-            os.write(self._fd, self._encode(line) + b"\n")
+        if self.path:
+            self._put(line)
 
     def event(self, line: dict[str, Any]) -> None:
         """An engine event (ejection, probe, readmission): its own line, ``"event"`` first."""
         if self.keep:
             self.events.append(line)
             del self.events[: -self.keep]
-        if self._fd is not None:
-            os.write(self._fd, self._encode(line) + b"\n")
+        if self.path:
+            self._put(line)
 
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+    def reopen(self) -> None:
+        """Open the path again before the next line (after logrotate moved the file).
+
+        Lines queued before this call still go to the file open now. If the path cannot be
+        opened, the writer logs it, keeps the file it has and tries again at the next line.
+        """
+        with self._lock:
+            self._reopen_after = self._queued
+
+    def count_drops(self, counter: Callable[[int], object]) -> None:
+        """Call ``counter(n)`` for every ``n`` lines dropped, those so far included (a
+        Prometheus ``Counter.inc``; it may be called from the writer thread)."""
+        with self._lock:
+            self._on_drop = counter
+            if self.dropped:
+                with contextlib.suppress(Exception):
+                    counter(self.dropped)
+
+    def flush(self, timeout_s: float = CLOSE_BOUND_S) -> bool:
+        """Wait (blocking: from a thread, or a test) until every line queued so far is
+        written or dropped; False if that did not happen within ``timeout_s``."""
+        target = self._queued
+        deadline = time.monotonic() + timeout_s
+        with self._progress:
+            while self._done < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._progress.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = CLOSE_BOUND_S) -> None:
+        """Write what is queued within ``timeout_s``, then stop the writer and close the
+        file. Lines the writer cannot reach by then (a pipe nobody reads) are dropped."""
+        thread = self._thread
+        self._closed = True
+        if thread is None:
+            return
+        self._thread = None
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(queue.Full):
+            self._queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            # stuck in a write: it drops whatever it finds when (if ever) the write returns
+            self._abandoned = True
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(_STOP)
+            log.warning(
+                "journal %s: not flushed within %gs at close; what is left is dropped",
+                self.path,
+                timeout_s,
+            )
+
+    # the caller's side
+
+    def _put(self, line: object) -> None:
+        if self._closed:
+            self._drop(1)
+            return
+        try:
+            data = json_line(self._encode(line)) + b"\n"  # one line, whatever a client sent
+            self._queue.put_nowait(data)
+        except queue.Full:
+            self._drop(1, "the writer is behind (queue full)")
+            return
+        except Exception as exc:  # a line that cannot be encoded is ours to fix, not fatal
+            self._drop(1, f"cannot encode a line: {exc!r}")
+            return
+        self._queued += 1
+
+    def _drop(self, n: int, why: str | None = None) -> None:
+        with self._lock:
+            self.dropped += n
+            if self._on_drop is not None:
+                with contextlib.suppress(Exception):
+                    self._on_drop(n)
+        if why is not None:
+            self._warn(f"{why}; lines are dropped and counted")
+
+    def _warn(self, what: str) -> None:
+        """Log the first failure, then at most one line per ``WARN_EVERY_S``."""
+        with self._lock:
+            now = time.monotonic()
+            if self._last_warning is not None and now - self._last_warning < WARN_EVERY_S:
+                return
+            self._last_warning = now
+            dropped = self.dropped
+        log.warning("journal %s: %s (%d dropped so far)", self.path, what, dropped)
+
+    # the writer thread
+
+    def _run(self, fd: int) -> None:
+        taken = 0  # lines taken off the queue, in the order they were put
+        torn = False  # a line was written in part: start the next one on a fresh line
+        try:
+            while True:
+                data = self._queue.get()
+                if not data:  # _STOP
+                    break
+                if self._abandoned:
+                    self._drop(1)
+                    break
+                taken += 1
+                opened = self._reopen_if_asked(fd, taken)
+                if opened != fd:
+                    fd, torn = opened, False
+                full = b"\n" + data if torn else data
+                done = 0
+                try:
+                    while done < len(full):
+                        done += os.write(fd, full[done:])
+                except OSError as exc:
+                    self._drop(1, f"cannot write ({exc})")
+                if done:  # a short write leaves the file mid-line: the next line starts afresh
+                    torn = full[done - 1] != 0x0A
+                with self._progress:
+                    self._done = taken
+                    self._progress.notify_all()
+        finally:
+            left = 0
+            while True:
+                try:
+                    left += bool(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if left:
+                self._drop(left)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _reopen_if_asked(self, fd: int, taken: int) -> int:
+        with self._lock:
+            after = self._reopen_after
+            if after is None or taken <= after:
+                return fd
+            self._reopen_after = None
+        assert self.path is not None
+        try:
+            new = os.open(self.path, _OPEN_FLAGS, 0o644)
+        except OSError as exc:
+            with self._lock:
+                if self._reopen_after is None:
+                    self._reopen_after = taken  # try again before the next line
+            self._warn(f"cannot reopen ({exc}); still writing the file open before")
+            return fd
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        return new

@@ -3,16 +3,33 @@
 Everything else in the body passes through to the engines unchanged, except the reserved
 fields: a top-level ``kv_transfer_params`` is dropped (only a producer may hand out a
 descriptor) and ``vllm_xargs.kv_transfer_params`` is refused outright.
+
+Out-of-range values are refused here, before any engine leg, with vLLM's own limits. The
+prefill leg's body replaces or drops the output fields (SPEC 4.1: ``max_tokens`` 1, no
+``max_completion_tokens``, ``min_tokens``, ``n``, ``best_of`` or ``stream_options``), so a
+bad value there would pass the producer and be refused only by the consumer, after the
+producer had computed the prompt and pinned its KV blocks for a decode that never comes.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from narwhal.faults import Phase, RequestFault
+
+MAX_INT32 = 2**31 - 1  # beyond any context length, and fits an engine's int32 counters
+
+TokenCount = Annotated[int, Meta(ge=1, le=MAX_INT32)]
+MinTokens = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+Choices = Annotated[int, Meta(ge=1)]
+# no upper bound: the engine's --max-logprobs sets it, and the producer checks it first
+Logprobs = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+Temperature = Annotated[float, Meta(ge=0)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -23,19 +40,34 @@ class _Common(msgspec.Struct, kw_only=True):
     model: str
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    best_of: int | None = None
-    max_tokens: int | None = None
+    n: Choices | None = None
+    best_of: Choices | None = None
+    max_tokens: TokenCount | None = None
+    min_tokens: MinTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     vllm_xargs: dict[str, Any] | None = None
+
+    def output_limit(self) -> tuple[str, int] | None:
+        """The field that caps the output and its value, as vLLM reads it."""
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
 
 
 class CompletionFields(_Common, kw_only=True):
     prompt: str | list[str | int | list[int]]
+    logprobs: Logprobs | None = None
 
 
 class ChatFields(_Common, kw_only=True):
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs | None = None
+
+    def output_limit(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:  # vLLM prefers it over max_tokens
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().output_limit()
 
 
 class BadRequest(RequestFault):
@@ -94,6 +126,7 @@ def parse_request(raw: bytes, *, endpoint: str, model: str) -> ClientRequest:
                 "completions; send one request per completion",
                 name,
             )
+    _check_combinations(fields, body)
     if fields.vllm_xargs is not None and "kv_transfer_params" in fields.vllm_xargs:
         raise BadRequest(
             "vllm_xargs.kv_transfer_params: reserved; the router alone hands descriptors to "
@@ -109,6 +142,21 @@ def parse_request(raw: bytes, *, endpoint: str, model: str) -> ClientRequest:
         stream=bool(fields.stream),
         include_usage=bool(options and options.include_usage),
     )
+
+
+def _check_combinations(fields: _Common, body: dict[str, Any]) -> None:
+    """The rules that involve two fields (each field's own range is in its annotation)."""
+    limit = fields.output_limit()
+    if fields.min_tokens is not None and limit is not None and fields.min_tokens > limit[1]:
+        name, value = limit
+        raise BadRequest(
+            f"min_tokens: must not exceed {name} (min_tokens={fields.min_tokens}, {name}={value})",
+            "min_tokens",
+        )
+    if body.get("stream_options") and not fields.stream:  # vLLM's own test: truthy options
+        raise BadRequest(
+            "stream_options: can only be defined when stream is true", "stream_options"
+        )
 
 
 def _missing_field(message: str) -> str:

@@ -47,11 +47,13 @@ class Router:
     ) -> None:
         self.config = config
         self.api_keys = ApiKeys(config.serving.api_keys_env)
+        self.admin_keys = ApiKeys(config.serving.admin_keys_env, "serving.admin_keys_env")
         self.fleet = Fleet(config.engines, config.recovery)
         self.metrics = Metrics(e.id for e in self.fleet.engines)
         self._bind_gauges()
         self.health = Health(self)
         self.journal = journal or Journal()
+        self.journal.count_drops(self.metrics.journal_dropped.inc)
         self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
         self.rng = rng or random.Random()
         api_key = os.environ.get(config.engine.api_key_env) if config.engine.api_key_env else None
@@ -165,7 +167,10 @@ class Router:
         new legs while their in-flight legs finish; timeouts and limits apply to new
         requests."""
         before = {e.id for e in self.fleet.engines}
-        self.api_keys = ApiKeys(new.serving.api_keys_env)  # an unset variable refuses the file
+        # an unset variable refuses the file
+        api_keys = ApiKeys(new.serving.api_keys_env)
+        admin_keys = ApiKeys(new.serving.admin_keys_env, "serving.admin_keys_env")
+        self.api_keys, self.admin_keys = api_keys, admin_keys
         self.config = new
         self.fleet.reload(new.engines, new.recovery)
         for engine in self.fleet.engines:

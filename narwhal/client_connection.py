@@ -1,0 +1,211 @@
+"""One client connection: hypercorn's trio ``TCPServer`` with the router's front-door rules.
+
+The router faces the open network (SPEC 3, "HTTP hygiene"; invariants 9 and 10). Hypercorn's
+connection handler is kept whole except for four rules, each a method below:
+
+1. **One connection's failure is its own.** An exception escaping a connection's tasks
+   (a protocol bug, a codec bug) reaches hypercorn's server nursery and ends the process.
+   ``run`` is an error boundary: the exception is logged, counted
+   (``narwhal_connection_errors_total``) and closes that connection only. ``Cancelled``
+   passes through.
+2. **HTTP/1.1 only.** Hypercorn's HTTP/2 path crashes the process when it answers a stream
+   whose DATA frames are still arriving (hypercorn issue 329: ``KeyError`` in
+   ``H2Protocol``), and no OpenAI client, load balancer health check or vLLM engine needs
+   HTTP/2 from us. A prior-knowledge HTTP/2 preface is answered with an HTTP/2 ``GOAWAY``
+   (``HTTP_1_1_REQUIRED``, RFC 9113 7) and the connection closes; an ``Upgrade: h2c`` offer is
+   declined by answering in HTTP/1.1 (RFC 9110 7.8); TLS offers only ``http/1.1`` in ALPN.
+3. **Writes to the client are bounded.** Hypercorn shields ``send_all`` with no deadline, so
+   a client that stops reading pins its request past the request deadline and the graceful
+   drain. Here a write is cancelled with the request that makes it; a write cut short
+   leaves half a chunk on the wire, so the connection is closed at once.
+4. **The idle timer stops when reading ends.** Hypercorn closes the socket only when every
+   task of the connection has ended, and nothing stopped the idle timer after the client
+   closed: the socket sat in CLOSE_WAIT, with three tasks, for ``keep_alive_timeout``
+   (found by ``bench/soak.py``).
+
+A write nothing contends for also goes straight to the socket: one non-blocking ``send``,
+which the kernel almost always takes whole, instead of a lock, a shielded scope and two
+scheduler trips per chunk (``bench/results/``: 0.76x router CPU per request at 128 open
+streams).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.errors
+import h11
+import trio
+from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.task_group import TaskGroup
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import parse_socket_addr
+
+log = logging.getLogger("narwhal.connection")
+ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must not flood logs
+
+
+class PriorKnowledgeHTTP2(Exception):
+    """The client opened with the HTTP/2 connection preface."""
+
+
+def _http2_refusal() -> bytes:
+    """A server preface and a GOAWAY saying HTTP/1.1 is required, as HTTP/2 frames."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    conn.initiate_connection()
+    conn.close_connection(
+        error_code=h2.errors.ErrorCodes.HTTP_1_1_REQUIRED,
+        additional_data=b"HTTP/2 is not served here; use HTTP/1.1",
+    )
+    return conn.data_to_send()
+
+
+HTTP2_REFUSAL = _http2_refusal()
+
+
+class Http11Protocol(H11Protocol):
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
+            raise PriorKnowledgeHTTP2
+        # Anything else, ``Upgrade: h2c`` included, is served in HTTP/1.1: hypercorn's own
+        # check would switch the connection to its HTTP/2 protocol.
+
+    async def _send_error_response(self, status_code: int) -> None:
+        # h11 hints 501 for a transfer coding other than chunked; to us, fronting an HTTP
+        # API, that is a malformed request like any other: 4xx, and the connection closes
+        await super()._send_error_response(400 if status_code >= 500 else status_code)
+
+
+class Http11Only:
+    """Takes the place of hypercorn's ``ProtocolWrapper``, which switches to HTTP/2."""
+
+    def __init__(self, protocol: Http11Protocol, send: Callable[[Event], Awaitable[None]]):
+        self.protocol = protocol
+        self.send = send
+
+    async def initiate(self) -> None:
+        pass
+
+    async def handle(self, event: Event) -> None:
+        try:
+            await self.protocol.handle(event)
+        except PriorKnowledgeHTTP2:
+            await self.send(RawData(data=HTTP2_REFUSAL))
+            await self.send(Closed())
+
+
+class ClientConnection(TCPServer):
+    """Hypercorn's connection handler with the rules in this module's docstring."""
+
+    _last_logged = -ERROR_LOG_INTERVAL_S
+
+    async def run(self) -> None:
+        try:
+            await self._serve()
+        except* Exception as group:  # the error boundary; Cancelled is not an Exception
+            self._failed(group)
+        finally:
+            await self._close()
+
+    async def _serve(self) -> None:
+        """``TCPServer.run`` with ``Http11Only`` in place of hypercorn's ``ProtocolWrapper``."""
+        stream = self.stream
+        try:
+            try:
+                with trio.fail_after(self.config.ssl_handshake_timeout):
+                    await stream.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError):
+                return
+            socket = stream.transport_stream.socket
+            ssl = True
+        except AttributeError:  # not TLS
+            socket = stream.socket
+            ssl = False
+        try:
+            client = parse_socket_addr(socket.family, socket.getpeername())
+            server = parse_socket_addr(socket.family, socket.getsockname())
+            async with TaskGroup() as task_group:
+                self._task_group = task_group
+                h11_protocol = Http11Protocol(
+                    self.app,
+                    self.config,
+                    self.context,
+                    task_group,
+                    ConnectionState(self.state),
+                    ssl,
+                    client,
+                    server,
+                    self.protocol_send,
+                )
+                # hypercorn's ProtocolWrapper would switch to HTTP/2; ours has its interface
+                self.protocol = Http11Only(h11_protocol, self.protocol_send)  # type: ignore[assignment]
+                await self.idle_task.restart(task_group, self._idle_timeout)
+                await self._read_data()
+        except OSError:
+            pass
+
+    def _failed(self, group: BaseExceptionGroup[Exception]) -> None:
+        report = getattr(getattr(self.app, "app", None), "connection_failed", None)
+        if callable(report):
+            report()
+        now = trio.current_time()
+        if now - ClientConnection._last_logged >= ERROR_LOG_INTERVAL_S:
+            ClientConnection._last_logged = now
+            log.error("client connection failed; closed it", exc_info=group)
+        self._abort()
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            await self.idle_task.stop()  # reading is over: nothing is left to time out
+
+    async def protocol_send(self, event: Event) -> None:
+        if type(event) is not RawData:
+            await super().protocol_send(event)
+            return
+        try:
+            await self._write(event.data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await self.protocol.handle(Closed())
+
+    async def _write(self, data: bytes) -> None:
+        lock: trio.Lock = self.send_lock
+        socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
+        if socket is None or lock.locked():
+            async with lock:
+                await self._send_all(data)
+            return
+        lock.acquire_nowait()  # the send that nothing contends for: no scheduler trip
+        try:
+            try:
+                sent = os.write(socket.fileno(), data)  # a closed socket (fd -1): OSError
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                await self._send_all(memoryview(data)[sent:])
+        finally:
+            lock.release()
+
+    async def _send_all(self, data: bytes | memoryview) -> None:
+        try:
+            await self.stream.send_all(data)
+        except trio.Cancelled:
+            # the request that wrote gave up (deadline, drain, its client gone): half a
+            # chunk may be on the wire, so nothing more may follow it
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        """Close the socket now (a trio socket closes synchronously, waking its waiters)."""
+        transport: Any = getattr(self.stream, "transport_stream", self.stream)  # TLS: beneath
+        socket = getattr(transport, "socket", None)
+        if socket is not None:
+            socket.close()

@@ -70,9 +70,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(exc.render(), file=sys.stderr)
         return 2
     if args.journal:
+        from narwhal.router.journal import OPEN_FLAGS
+
         # every worker opens it again; a missing directory is one line here, not a traceback
         try:
-            os.close(os.open(args.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+            os.close(os.open(args.journal, OPEN_FLAGS, 0o644))
         except OSError as exc:
             print(
                 f"narwhal: cannot open the journal {args.journal}: {exc.strerror}", file=sys.stderr

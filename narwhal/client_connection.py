@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
+import re
+import secrets
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import h2.config
@@ -50,6 +52,23 @@ from hypercorn.utils import parse_socket_addr
 
 log = logging.getLogger("narwhal.connection")
 ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must not flood logs
+
+
+# scope keys shared with the app (narwhal.router.app): the request id it gave the request,
+# and the framing error that ended the request's body
+REQUEST_ID = "narwhal.request_id"
+FRAMING_ERROR = "narwhal.framing_error"
+
+
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(scope: MutableMapping[str, Any]) -> bytes:
+    """The client's ``x-request-id`` when well formed (SPEC 3), else a fresh one."""
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
+            return bytes(value)
+    return secrets.token_hex(8).encode()
 
 
 class PriorKnowledgeHTTP2(Exception):
@@ -78,9 +97,31 @@ class Http11Protocol(H11Protocol):
         # check would switch the connection to its HTTP/2 protocol.
 
     async def _send_error_response(self, status_code: int) -> None:
-        # h11 hints 501 for a transfer coding other than chunked; to us, fronting an HTTP
-        # API, that is a malformed request like any other: 4xx, and the connection closes
-        await super()._send_error_response(400 if status_code >= 500 else status_code)
+        """h11 found the request malformed: answer it, then hypercorn closes the connection.
+
+        h11 hints 501 for a transfer coding other than chunked; to us, fronting an HTTP API,
+        that is a malformed request like any other: 4xx. When the request's head was good
+        and its body is what broke (a bad chunk), the app is reading that body: the answer
+        carries the request id the app gave it, and the app is told (``FRAMING_ERROR`` in
+        its scope) so its journal says rejected, not a client that left.
+        """
+        status = 400 if status_code >= 500 else status_code
+        message = f"request framing: malformed HTTP/1.1 ({status})"
+        body = b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":%d}}'
+        payload = body % (message.encode(), status)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(payload)),
+            (b"connection", b"close"),
+        ]
+        scope = getattr(self.stream, "scope", None)
+        if isinstance(scope, dict):  # its app may not have run yet: the id is given here
+            scope[FRAMING_ERROR] = message
+            headers.append((b"x-request-id", scope.setdefault(REQUEST_ID, request_id(scope))))
+        headers += self.config.response_headers("h11")
+        await self._send_h11_event(h11.Response(status_code=status, headers=headers))
+        await self._send_h11_event(h11.Data(data=payload))
+        await self._send_h11_event(h11.EndOfMessage())
 
 
 class Http11Only:

@@ -30,6 +30,7 @@ import msgspec
 import openai
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -231,6 +232,28 @@ async def test_framing_errors_are_400_and_close_the_connection(door: Harness, sh
     raw = await exchange(door, shape)
     assert statuses(raw) == [400], raw[:400]
     assert b"connection: close" in raw.lower()
+    assert engine_legs(door) == 0
+    await finish(door)
+
+
+async def test_a_body_that_breaks_its_framing_gets_a_400_with_its_request_id(
+    door: Harness,
+) -> None:
+    """The head was good, the chunked body is not: the server's 400 carries the id the
+    request was given, and the journal says rejected (not a client that left)."""
+    shape = request(
+        b"10\r\n" + COMPLETION[:16] + b"\r\nzz\r\n" + SMUGGLED,
+        b"transfer-encoding: chunked",
+        b"x-request-id: broken-body-1",
+    )
+    raw = await exchange(door, shape)
+    assert statuses(raw) == [400]
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"x-request-id: broken-body-1" in head.lower()
+    assert msgspec.json.decode(body)["error"]["code"] == 400
+    await trio.testing.wait_all_tasks_blocked()  # the app reads on to the end of the body
+    [line] = door.router.journal.lines
+    assert (line.request_id, line.outcome, line.status) == ("broken-body-1", "rejected", 400)
     assert engine_legs(door) == 0
     await finish(door)
 

@@ -7,6 +7,8 @@ import contextlib
 import logging
 import os
 import select
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -104,9 +106,8 @@ def test_a_pipe_nobody_reads_never_blocks_write_and_close_is_bounded(
     started = time.monotonic()
     journal.close(timeout_s=0.5)
     assert time.monotonic() - started < 2.0
-    assert writer.is_alive()  # stuck in a write nobody reads: abandoned, not waited for
-    # a reader comes back: the writer ends (end of file once it closed the pipe), and every
-    # line is either in the pipe or counted as dropped
+    # the journal opens with O_NONBLOCK: a full pipe is a dropped line, never a stuck writer;
+    # what the pipe holds is still readable, and every line is in it or counted as dropped
     received = b""
     deadline = time.monotonic() + 10.0
     while True:
@@ -209,3 +210,43 @@ async def test_a_router_on_a_full_disk_serves_every_request(nursery: trio.Nurser
     counted = _dropped_total((await harness.get("/metrics")).body)
     assert counted == router.journal.dropped >= 20 + 10  # every request line hit the full disk
     await finish(harness)
+
+
+def test_a_fifo_nobody_has_open_fails_at_start_instead_of_hanging(tmp_path: Path) -> None:
+    """A blocking open of a FIFO waits for a reader forever: ``narwhal serve`` hung at start
+    with no word. The journal opens without blocking: no reader is an error at once."""
+    path = str(tmp_path / "nobody.fifo")
+    os.mkfifo(path)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="No such device or address"):
+        Journal(path)
+    assert time.monotonic() - started < 1.0
+
+
+def test_serve_names_a_journal_it_cannot_open(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('model = "m"\n[[engines]]\nid = "e0"\nurl = "http://127.0.0.1:9"\n')
+    path = tmp_path / "nobody.fifo"
+    os.mkfifo(path)
+    for journal in (str(path), str(tmp_path / "no-such-dir" / "journal.jsonl")):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "narwhal",
+                "serve",
+                "--config",
+                str(fleet),
+                "--port",
+                "0",
+                "--journal",
+                journal,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.returncode == 2
+        assert done.stderr.strip().splitlines()[-1].startswith("narwhal: cannot open the journal")
+        assert "Traceback" not in done.stderr

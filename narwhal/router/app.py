@@ -6,8 +6,6 @@ request does with engines lives in ``Router.handle`` and ``RequestRun``.
 
 from __future__ import annotations
 
-import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import suppress
@@ -17,6 +15,7 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from narwhal.client_connection import FRAMING_ERROR, REQUEST_ID, request_id
 from narwhal.config import ConfigError, ServingConfig
 from narwhal.faults import (
     BodyTimeout,
@@ -58,8 +57,6 @@ DISCARD_TIMEOUT_S = 1.0
 LINGER_TIME_S = 10.0
 LINGER_READ_TIMEOUT_S = 2.0
 LINGER_MAX_BYTES = 64 * 1024 * 1024
-# SPEC 3: a client x-request-id is adopted when it is 1-128 of these characters
-_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 
@@ -193,7 +190,8 @@ class RouterApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method, headers = scope["path"], scope["method"], scope["headers"]
         completion = path in _COMPLETION_PATHS
-        rid = request_id(headers) if completion else None
+        # the id may be given already: by the server, answering a body it cannot frame
+        rid = scope.setdefault(REQUEST_ID, request_id(scope)) if completion else None
         problem = _headers_problem(headers) or _framing_problem(headers)
         if problem is not None:
             self._journal_refusal(completion, rid, path, problem.status, problem.message)
@@ -322,7 +320,11 @@ class RouterApp:
                 )
             req = parse_request(raw, endpoint=path, model=router.config.model)
         except Disconnected:
-            router.journal_unadmitted(rid_text, path, "cancelled", None, "client left mid-body")
+            framing = scope.get(FRAMING_ERROR)
+            if framing:  # the server answered 400 to a malformed body and closed
+                router.journal_unadmitted(rid_text, path, "rejected", 400, framing)
+            else:
+                router.journal_unadmitted(rid_text, path, "cancelled", None, "client left mid-body")
             return
         except RequestFault as fault:
             router.journal_unadmitted(rid_text, path, "rejected", fault.status, fault.message)
@@ -365,14 +367,6 @@ class RouterApp:
         outcomes = await health.readmit_wave()
         body = {"maintenance": health.maintenance, "engines": outcomes}
         await respond(send, 409 if health.maintenance else 200, msgspec.json.encode(body))
-
-
-def request_id(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The client's ``x-request-id`` when well formed (SPEC 3), else a fresh one."""
-    for name, value in headers:
-        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
-            return bytes(value)
-    return secrets.token_hex(8).encode()
 
 
 async def _refuse_websocket(receive: Receive, send: Send) -> None:

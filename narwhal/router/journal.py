@@ -33,7 +33,9 @@ log = logging.getLogger("narwhal.journal")
 QUEUE_LINES = 4096  # lines waiting for the writer; past this they are dropped and counted
 CLOSE_BOUND_S = 2.0  # close() flushes what it can within this, then gives up
 WARN_EVERY_S = 60.0  # a failing journal logs its first failure, then at most this often
-_OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+# O_NONBLOCK: a FIFO with no reader fails at once (ENXIO) instead of hanging the open, and
+# a full pipe drops lines instead of stalling the writer; on a regular file it changes nothing
+OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
 _STOP: Final = b""  # never a line: every line ends with a newline
 
 
@@ -91,7 +93,7 @@ class Journal:
         self._queue: queue.Queue[bytes] = queue.Queue(maxsize=max(1, queue_lines))
         self._thread: threading.Thread | None = None
         if path:
-            fd = os.open(path, _OPEN_FLAGS, 0o644)
+            fd = os.open(path, OPEN_FLAGS, 0o644)
             self._thread = threading.Thread(
                 target=self._run, args=(fd,), name="narwhal-journal", daemon=True
             )
@@ -252,7 +254,7 @@ class Journal:
             self._reopen_after = None
         assert self.path is not None
         try:
-            new = os.open(self.path, _OPEN_FLAGS, 0o644)
+            new = os.open(self.path, OPEN_FLAGS, 0o644)
         except OSError as exc:
             with self._lock:
                 if self._reopen_after is None:

@@ -49,7 +49,7 @@ def escape_text(text: str) -> str:
 
 def json_line(encoded: bytes) -> bytes:
     """msgspec's JSON with DEL, C1 and U+2028/U+2029 escaped too (only strings hold them)."""
-    if encoded.isascii():
+    if encoded.isascii() and b"\x7f" not in encoded:  # DEL is ASCII, and unsafe
         return encoded
     return _JSON_UNSAFE.sub(_json_escape, encoded.decode()).encode()
 

@@ -65,18 +65,15 @@ class Disconnected(Exception):
 
 
 class AsgiSink:
-    """Client output for one request; ``committed`` flips when 200 headers go out."""
+    """Client output for one request (where the response stands is the request's lifecycle)."""
 
-    __slots__ = ("_send", "committed", "finished", "rid")
+    __slots__ = ("_send", "rid")
 
     def __init__(self, send: Send, rid: bytes) -> None:
         self._send = send
         self.rid = rid
-        self.committed = False
-        self.finished = False
 
     async def commit(self, data: bytes) -> None:
-        self.committed = True
         headers = [*_SSE_HEADERS, (b"x-request-id", self.rid)]
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
@@ -85,11 +82,9 @@ class AsgiSink:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end(self, data: bytes = b"") -> None:
-        self.finished = True
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def respond_json(self, status: int, body: bytes) -> None:
-        self.committed = self.finished = True
         await respond(self._send, status, body, self.rid)
 
 

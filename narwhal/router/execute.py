@@ -22,7 +22,7 @@ import trio
 from narwhal.config import FleetConfig
 from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.engines.connector import PrefillResult
-from narwhal.engines.stream import Kind, classify, parse_payload
+from narwhal.engines.relay import Commit, Fault, Finish, Hold, Send, StreamRelay
 from narwhal.faults import (
     BreakerClass,
     DeadlineExpired,
@@ -33,7 +33,6 @@ from narwhal.faults import (
     PrefillTimeout,
     RequestFault,
     SilenceTimeout,
-    StreamBroken,
 )
 from narwhal.metrics import Metrics
 from narwhal.router.assemble import Assembler
@@ -44,25 +43,22 @@ from narwhal.router.lifecycle import Input, Lifecycle, State
 from narwhal.router.placement import pick
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget, RetryDecision, decide
-from narwhal.sse import SSEError, SSEParser
 
-_DONE_FRAME = b"data: [DONE]\n\n"
 _PHASE_OF = {
     State.ADMITTED: Phase.ADMISSION,
     State.PREFILLING: Phase.PREFILL,
     State.HANDOFF: Phase.HANDOFF,
     State.DECODING: Phase.DECODE,
-    State.STREAMING: Phase.STREAM,
+    State.GENERATING: Phase.STREAM,
+    State.COMMITTED: Phase.STREAM,
     State.FINISHED: Phase.STREAM,
 }
 _encode = msgspec.json.encode
 
 
 class ClientSink(Protocol):
-    """Where the client's bytes go (the ASGI layer implements it)."""
-
-    committed: bool  # 200 headers are out: no retry, failures become a terminal event
-    finished: bool  # the last byte of the response is handed over
+    """Where the client's bytes go (the ASGI layer implements it). It keeps no state: where
+    the response stands is the request's lifecycle."""
 
     async def commit(self, data: bytes) -> None: ...  # 200 + SSE headers + first bytes
     async def send(self, data: bytes) -> None: ...
@@ -73,7 +69,6 @@ class ClientSink(Protocol):
 class RouterState(Protocol):
     """What an attempt needs from the router (see ``narwhal.router.service.Router``)."""
 
-    config: FleetConfig
     client: EngineClient
     fleet: Fleet
     health: Health
@@ -85,8 +80,16 @@ class RouterState(Protocol):
 class RequestRun:
     """The state one client request owns: lifecycle, attempts, clocks, measurements."""
 
-    def __init__(self, router: RouterState, req: ClientRequest, rid: str, sink: ClientSink) -> None:
+    def __init__(
+        self,
+        router: RouterState,
+        config: FleetConfig,
+        req: ClientRequest,
+        rid: str,
+        sink: ClientSink,
+    ) -> None:
         self.router = router
+        self.config = config  # taken once, at admission: a reload applies to new requests
         self.req = req
         self.rid = rid
         self.sink = sink
@@ -112,7 +115,7 @@ class RequestRun:
 
     @property
     def deadline(self) -> float:
-        return self.arrival + self.router.config.serving.request_timeout_s
+        return self.arrival + self.config.serving.request_timeout_s
 
     async def execute(self) -> None:
         """Run attempts until one succeeds or a fault may not be retried (then it is raised)."""
@@ -142,12 +145,12 @@ class RequestRun:
     def _retry_decision(self, fault: RequestFault) -> RetryDecision:
         if fault.engine_id is not None and fault.breaker is not BreakerClass.NONE:
             self.failed_engines.add(fault.engine_id)
-        serving = self.router.config.serving
+        serving = self.config.serving
         return decide(
             fault,
             attempt=len(self.attempts),
             max_attempts=serving.max_attempts,
-            output_seen=self.first_byte_s is not None,
+            output_seen=self.lifecycle.output_seen,
             remaining_s=self.deadline - trio.current_time(),
             backoff_base_s=serving.retry_backoff_s,
             budget=self.router.retry_budget,
@@ -217,7 +220,7 @@ class RequestRun:
             metrics.handoff_held.observe(trio.current_time() - produced_at)
 
     def _check_handoff_age(self, started: float) -> None:
-        limit = self.router.config.serving.handoff_timeout_s
+        limit = self.config.serving.handoff_timeout_s
         age = trio.current_time() - started
         if limit > 0 and age > limit:
             raise HandoffExpired(
@@ -227,7 +230,7 @@ class RequestRun:
 
     async def _prefill(self, producer: EngineState, number: int) -> PrefillResult:
         router = self.router
-        budget = router.config.serving.prefill_timeout_s
+        budget = self.config.serving.prefill_timeout_s
         with trio.move_on_after(budget) as prefill_clock:
             async with router.fleet.reserve(producer, "prefill"):
                 try:
@@ -259,7 +262,7 @@ class RequestRun:
         self, consumer: EngineState, result: PrefillResult | None, number: int
     ) -> None:
         router = self.router
-        engine_cfg = router.config.engine
+        engine_cfg = self.config.engine
         stream = router.client.decode(
             consumer.url,
             self.req.endpoint,
@@ -280,7 +283,7 @@ class RequestRun:
                 fault.engine_id = consumer.id
                 fault.engine_url = fault.engine_url or consumer.url
                 raise
-        if self.first_byte_s is None:
+        if not self.lifecycle.output_seen:
             raise FirstTokenTimeout(
                 f"no first token within {engine_cfg.first_token_timeout_s:g}s from engine "
                 f"{consumer.id}",
@@ -295,85 +298,63 @@ class RequestRun:
         )
 
     async def _relay(self, stream: DecodeStream, clock: trio.CancelScope) -> None:
-        """Move the engine's stream to the client until ``[DONE]``; the hot path."""
-        silence = self.router.config.engine.decode_read_timeout_s
-        streaming = self.req.stream
-        assembler = (
-            None if streaming else Assembler(chat=self.req.chat, model=self.router.config.model)
+        """Move the engine's stream to the client until ``[DONE]``; the hot path. The rules
+        are ``StreamRelay``'s; this shell moves bytes and owns the clocks."""
+        silence = self.config.engine.decode_read_timeout_s
+        collector = (
+            None if self.req.stream else Assembler(chat=self.req.chat, model=self.config.model)
         )
-        parser = SSEParser()
-        pending: list[bytes] = []  # framed metadata held back until the commit point
+        relay = StreamRelay(collector)
         token_gap = self.router.metrics.token_gap
         last_output_at: float | None = None
         async for data in stream:
-            tokens_before = self.tokens
-            out: list[bytes] = pending
-            done = False
-            try:
-                for payload in _feed(parser, data):
-                    chunk = parse_payload(payload)
-                    if chunk is None:
-                        if self.first_byte_s is None:
-                            raise StreamBroken(
-                                "stream ended with [DONE] before any token arrived",
-                                phase=Phase.DECODE,
-                            )
-                        done = True
-                        break
-                    if classify(chunk) is Kind.TOKEN:
-                        self.tokens += 1
-                        if self.first_byte_s is None:
-                            self.first_byte_s = self.elapsed
-                            self.lifecycle.advance(Input.FIRST_TOKEN)
-                    if assembler is not None:
-                        assembler.add(chunk)
-                    else:
-                        out.append(b"data: " + payload + b"\n\n")
-            except RequestFault:
-                # what came before the fault in this read still goes out (and commits, if it
-                # holds the first token), so the outcome does not depend on how the engine's
-                # bytes were split into reads
-                if streaming and out and self.first_byte_s is not None:
-                    await self._send(b"".join(out))
-                raise
-            if done:
-                await self._finish(out, assembler)
+            tokens_before = relay.tokens
+            action = relay.feed(data)
+            self.tokens = relay.tokens
+            if relay.tokens and not tokens_before:
+                self._first_token()
+            if isinstance(action, Fault):
+                if action.flush is not None:
+                    await self._output(action.flush)
+                raise action.fault
+            if isinstance(action, Finish):
+                await self._finish(action.data)
                 await stream.drain()
                 return
-            if self.first_byte_s is None:
-                pending = out
-                continue
-            pending = []
+            if not self.lifecycle.output_seen:
+                continue  # metadata before the first token is held; the first-token clock runs
             if self.tokens != tokens_before:
                 now = trio.current_time()
                 if last_output_at is not None:
                     token_gap.observe(now - last_output_at)
                 last_output_at = now
-            clock.deadline = math.inf  # a slow client is not a silent engine
-            if streaming and out:
-                await self._send(b"".join(out))
+            if not isinstance(action, Hold):
+                clock.deadline = math.inf  # a slow client is not a silent engine
+                await self._output(action)
             clock.deadline = trio.current_time() + silence if silence > 0 else math.inf
-        raise StreamBroken(
-            "stream ended before [DONE]",
-            phase=Phase.STREAM if self.first_byte_s is not None else Phase.DECODE,
-        )
+        raise relay.end_of_stream().fault
 
-    async def _send(self, data: bytes) -> None:
-        """Relay bytes to a streaming client; the first send commits (200 + headers)."""
-        if self.sink.committed:
-            await self.sink.send(data)
+    def _first_token(self) -> None:
+        self.first_byte_s = self.elapsed
+        self.lifecycle.advance(Input.FIRST_TOKEN)
+
+    async def _output(self, action: Commit | Send) -> None:
+        """Relay bytes to a streaming client; a Commit sends the 200 headers first."""
+        if type(action) is Commit:
+            self.lifecycle.advance(Input.COMMIT)
+            await self.sink.commit(action.data)
         else:
-            await self.sink.commit(data)
+            await self.sink.send(action.data)
 
-    async def _finish(self, out: list[bytes], assembler: Assembler | None) -> None:
-        self.lifecycle.advance(Input.DONE)
+    async def _finish(self, data: bytes) -> None:
         self.outcome, self.status = "completed", 200
-        if assembler is not None:
-            await self.sink.respond_json(200, assembler.body())
-            return
-        out.append(_DONE_FRAME)
-        data = b"".join(out)
-        if self.sink.committed:
+        committed = self.lifecycle.committed
+        if not committed:  # a JSON answer, or the first output and [DONE] in one read
+            self.lifecycle.advance(Input.COMMIT)
+        self.lifecycle.advance(Input.DONE)
+        if not self.req.stream:
+            await self.sink.respond_json(200, data)
+        elif committed:
             await self.sink.end(data)
         else:
             await self.sink.commit(data)
@@ -403,21 +384,14 @@ class RequestRun:
 
     async def fail(self, fault: RequestFault) -> None:
         """Tell the client: JSON before the commit point, one terminal event after it."""
-        if self.lifecycle.state is State.FINISHED:
+        if self.lifecycle.finished:
             return
+        committed = self.lifecycle.committed
         self.lifecycle.advance(Input.FAIL)
         self.fault, self.status = fault, fault.status
         self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
         error = _encode({"error": fault.error_body()})
-        if self.sink.committed:
+        if committed:
             await self.sink.end(b"data: " + error + b"\n\n")
         else:
             await self.sink.respond_json(fault.status, error)
-
-
-def _feed(parser: SSEParser, data: bytes) -> list[bytes]:
-    """The SSE payloads in ``data``; an engine's unframeable bytes are its fault (502)."""
-    try:
-        return parser.feed(data)
-    except SSEError as exc:
-        raise StreamBroken(f"engine sent a malformed stream: {exc}", phase=Phase.DECODE) from None

@@ -1,10 +1,16 @@
-"""One request's life as a transition table (the h11 ``_state.py`` way).
+"""One request's life as a transition table (the h11 ``_state.py`` way): the only record of
+where a request is. Retries, the answer to a fault (JSON or a terminal event) and the
+disconnect watcher all read it.
 
 Rules the table encodes:
 * an attempt is prefill, then a held descriptor (handoff), then a decode leg;
-* the commit point is the first generated token: STREAMING is only reached through it;
-* a retry restarts from ADMITTED and exists only before the commit point;
-* every state can finish (success only from STREAMING) and a finished request stays so.
+* the first generated token moves DECODING to GENERATING: from here no retry is possible
+  (SPEC 6.1: no retry after output, and bytes of two attempts are never mixed);
+* the commit point is the 200 headers going out (SPEC 1): COMMIT moves GENERATING to
+  COMMITTED. A streaming client is committed at its first token; a non-streaming client's
+  JSON at its end, with the whole answer;
+* a retry restarts from ADMITTED and exists only before the first token;
+* every state can finish (success only once output exists) and a finished request stays so.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ class State(StrEnum):
     PREFILLING = "prefilling"
     HANDOFF = "handoff"
     DECODING = "decoding"
-    STREAMING = "streaming"
+    GENERATING = "generating"  # output seen, nothing committed (a JSON being assembled)
+    COMMITTED = "committed"  # 200 headers out
     FINISHED = "finished"
 
 
@@ -25,20 +32,24 @@ class Input(StrEnum):
     PREFILL = "prefill"  # producer leg dispatched
     DESCRIPTOR = "descriptor"  # valid descriptor in hand
     DISPATCH = "dispatch"  # consumer leg dispatched
-    FIRST_TOKEN = "first_token"  # commit point
-    DONE = "done"  # [DONE] after output
+    FIRST_TOKEN = "first_token"  # the decode leg produced output
+    COMMIT = "commit"  # 200 headers out (the commit point)
+    DONE = "done"  # [DONE] after output: the response is complete
     FAIL = "fail"  # a fault ends the request
     RETRY = "retry"  # a fresh attempt, before any output
     CANCEL = "cancel"  # client gone or deadline
 
 
+_BEFORE_OUTPUT = (State.PREFILLING, State.HANDOFF, State.DECODING)
+
 TRANSITIONS: dict[tuple[State, Input], State] = {
     (State.ADMITTED, Input.PREFILL): State.PREFILLING,
     (State.PREFILLING, Input.DESCRIPTOR): State.HANDOFF,
     (State.HANDOFF, Input.DISPATCH): State.DECODING,
-    (State.DECODING, Input.FIRST_TOKEN): State.STREAMING,
-    (State.STREAMING, Input.DONE): State.FINISHED,
-    **{(s, Input.RETRY): State.ADMITTED for s in (State.PREFILLING, State.HANDOFF, State.DECODING)},
+    (State.DECODING, Input.FIRST_TOKEN): State.GENERATING,
+    (State.GENERATING, Input.COMMIT): State.COMMITTED,
+    (State.COMMITTED, Input.DONE): State.FINISHED,
+    **{(s, Input.RETRY): State.ADMITTED for s in _BEFORE_OUTPUT},
     **{(s, Input.FAIL): State.FINISHED for s in State if s is not State.FINISHED},
     **{(s, Input.CANCEL): State.FINISHED for s in State if s is not State.FINISHED},
 }
@@ -64,6 +75,15 @@ class Lifecycle:
         return nxt
 
     @property
+    def output_seen(self) -> bool:
+        """The decode leg produced output: no retry from here."""
+        return State.GENERATING in self.history
+
+    @property
     def committed(self) -> bool:
-        """True once visible output went out (no retry is possible from here)."""
-        return State.STREAMING in self.history
+        """200 headers went out: a failure can only end the stream with a terminal event."""
+        return State.COMMITTED in self.history
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED

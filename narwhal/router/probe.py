@@ -16,9 +16,9 @@ import msgspec
 import trio
 
 from narwhal.engines.client import DecodeStream, EngineClient
-from narwhal.engines.stream import Kind, classify, parse_payload
-from narwhal.faults import Phase, RequestFault, StreamBroken
-from narwhal.sse import SSEError, SSEParser
+from narwhal.engines.relay import Fault, Finish, StreamRelay
+from narwhal.engines.stream import Chunk
+from narwhal.faults import RequestFault
 
 Side = Literal["producer", "consumer"]
 _counter = itertools.count(1)
@@ -95,29 +95,29 @@ async def crossed_handoff(
 
 
 async def count_tokens(stream: DecodeStream, on_first: Callable[[], None] | None = None) -> int:
-    """Read a decode stream to ``[DONE]``; the number of generated tokens (at least one)."""
-    parser = SSEParser()
-    tokens = 0
+    """Read a decode stream to ``[DONE]`` by the client path's rules (``StreamRelay``); the
+    number of generated tokens (at least one). A broken stream raises its fault."""
+    relay = StreamRelay(_Discard())
     async for data in stream:
-        try:
-            payloads = parser.feed(data)
-        except SSEError as exc:
-            raise StreamBroken(
-                f"engine sent a malformed stream: {exc}", phase=Phase.DECODE
-            ) from None
-        for payload in payloads:
-            chunk = parse_payload(payload)
-            if chunk is None:
-                if not tokens:
-                    raise StreamBroken(
-                        "stream ended with [DONE] before any token arrived", phase=Phase.DECODE
-                    )
-                return tokens
-            if classify(chunk) is Kind.TOKEN:
-                if not tokens and on_first is not None:
-                    on_first()
-                tokens += 1
-    raise StreamBroken("stream ended before [DONE]", phase=Phase.DECODE)
+        before = relay.tokens
+        action = relay.feed(data)
+        if relay.tokens and not before and on_first is not None:
+            on_first()
+        if isinstance(action, Fault):
+            raise action.fault
+        if isinstance(action, Finish):
+            return relay.tokens
+    raise relay.end_of_stream().fault
+
+
+class _Discard:
+    """A probe keeps no output: only the relay's token count and verdict matter."""
+
+    def add(self, chunk: Chunk) -> None:
+        pass
+
+    def body(self) -> bytes:
+        return b""
 
 
 class _Version(msgspec.Struct):

@@ -27,7 +27,6 @@ from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fleet import Fleet
 from narwhal.router.health import Health
 from narwhal.router.journal import Journal, JournalLine, Outcome
-from narwhal.router.lifecycle import State
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget
 
@@ -92,13 +91,13 @@ class Router:
         wait_disconnect: Callable[[], Awaitable[None]],
     ) -> RequestRun:
         """Serve one admitted request to its single terminal outcome."""
-        run = RequestRun(self, req, rid, sink)
+        run = RequestRun(self, self.config, req, rid, sink)
         if not self.admitted:
             self._drained = trio.Event()
         self.admitted += 1
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, sink)
+                nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, run)
                 # drain_scope: cancelled when a graceful shutdown runs out of patience
                 with trio.CancelScope() as drain_scope:
                     self._running.add(drain_scope)
@@ -117,7 +116,7 @@ class Router:
                         )
                 nursery.cancel_scope.cancel()
         finally:
-            if run.lifecycle.state is not State.FINISHED:
+            if not run.lifecycle.finished:
                 run.cancel()  # the client is gone (or so is the notice of its failure)
             if run.outcome == "completed":
                 self.retry_budget.earn()
@@ -131,7 +130,7 @@ class Router:
         return run
 
     async def _run_until_deadline(self, run: RequestRun) -> None:
-        timeout = self.config.serving.request_timeout_s
+        timeout = run.config.serving.request_timeout_s
         with trio.move_on_at(run.arrival + timeout) as deadline:
             try:
                 await run.execute()
@@ -247,10 +246,10 @@ class Router:
         self,
         wait_disconnect: Callable[[], Awaitable[None]],
         scope: trio.CancelScope,
-        sink: ClientSink,
+        run: RequestRun,
     ) -> None:
         await wait_disconnect()
-        if sink.finished:
+        if run.lifecycle.finished:
             # hypercorn reports the end of a completed response as a disconnect too; what
             # is left (reading the engine's end of body) must not be cancelled for it
             return

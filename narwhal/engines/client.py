@@ -17,6 +17,7 @@ import trio
 
 from narwhal.engines.connector import NixlConnector, PrefillResult
 from narwhal.engines.transport import (
+    IDLE_EXPIRY_S,
     Connect,
     ConnectFailed,
     Pool,
@@ -196,6 +197,13 @@ class EngineClient:
     async def sweep_idle(self) -> None:
         for engine in list(self._engines.values()):
             await engine.pool.sweep()
+
+    async def sweep_forever(self) -> None:
+        """Close pooled connections idle past ``IDLE_EXPIRY_S`` even when no request comes
+        to find them (a server-owned background task)."""
+        while True:
+            await trio.sleep(IDLE_EXPIRY_S)
+            await self.sweep_idle()
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(5):

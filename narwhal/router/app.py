@@ -175,6 +175,7 @@ class RouterApp:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
                     await background.start(self.router.health.run)
+                    background.start_soon(self.router.client.sweep_forever)
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     background.cancel_scope.cancel()

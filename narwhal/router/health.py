@@ -22,26 +22,40 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
-from narwhal.engines.transport import IDLE_EXPIRY_S
+from narwhal.config import FleetConfig
+from narwhal.engines.client import EngineClient
 from narwhal.faults import BreakerClass, RequestFault
 from narwhal.logs import log_event
+from narwhal.metrics import Metrics
 from narwhal.router.breaker import BreakerState, ProbeOutcome
-from narwhal.router.fleet import EngineState, LegPhase
+from narwhal.router.fleet import EngineState, Fleet, LegPhase
+from narwhal.router.journal import Journal
 from narwhal.router.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
-
-if TYPE_CHECKING:
-    from narwhal.router.service import Router
 
 log = logging.getLogger("narwhal.health")
 _ROUTINE = frozenset({"probe", "readmitted", "held_in_ended"})
 
 
+class HealthHost(Protocol):
+    """What engine health needs from the router (``narwhal.router.service.Router``)."""
+
+    config: FleetConfig
+    client: EngineClient
+    fleet: Fleet
+    metrics: Metrics
+    journal: Journal
+
+
+class BackgroundUnavailable(RuntimeError):
+    """Background work was asked for while the server's nursery is not running."""
+
+
 class Health:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: HealthHost) -> None:
         self.router = router
         self.nursery: trio.Nursery | None = None
         self.maintenance = False
@@ -95,13 +109,15 @@ class Health:
             self.start_background(self._readmission_loop, engine)
 
     def start_background(self, fn: Any, *args: Any) -> None:
-        """Run ``fn`` in the server-owned nursery (never in a request's)."""
-        try:
-            if self.nursery is None:
-                raise RuntimeError("no background nursery")
-            self.nursery.start_soon(fn, *args)
-        except RuntimeError as exc:  # not started yet, or the server is already closing
-            log.warning("%s cannot run: %s", getattr(fn, "__name__", fn), exc)
+        """Run ``fn`` in the server-owned nursery (never in a request's); raise
+        ``BackgroundUnavailable`` when that nursery is not running: a probe or a drain
+        that silently never starts would leave an engine ejected, or a drain unbounded."""
+        if self.nursery is None:
+            raise BackgroundUnavailable(
+                f"{getattr(fn, '__name__', fn)} cannot start: the server's background nursery "
+                "is not running (serve the router, or run Health.run)"
+            )
+        self.nursery.start_soon(fn, *args)
 
     def event(self, kind: str, engine: EngineState | None, **fields: Any) -> None:
         """Journal, log and announce an engine event (ejection, probe, readmission...)."""
@@ -159,14 +175,9 @@ class Health:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 task_status.started()
-                await self._sweep_idle_connections()
+                await trio.sleep_forever()
         finally:
             self.nursery = None
-
-    async def _sweep_idle_connections(self) -> None:
-        while True:
-            await trio.sleep(IDLE_EXPIRY_S)
-            await self.router.client.sweep_idle()
 
     async def _readmission_loop(self, engine: EngineState) -> None:
         interval = self.router.config.recovery.readmit_interval_s

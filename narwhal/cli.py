@@ -69,6 +69,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc.render(), file=sys.stderr)
         return 2
+    from narwhal.server import install_server_fixes
+    from narwhal.shapes import ShapeMismatch
+
+    try:
+        install_server_fixes()
+    except ShapeMismatch as exc:
+        print(f"narwhal: cannot start: {exc}", file=sys.stderr)
+        return 2
     if args.journal:
         from narwhal.router.journal import OPEN_FLAGS
 

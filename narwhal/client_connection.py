@@ -25,8 +25,9 @@ connection handler is kept whole except for four rules, each a method below:
 
 A write nothing contends for also goes straight to the socket: one non-blocking ``send``,
 which the kernel almost always takes whole, instead of a lock, a shielded scope and two
-scheduler trips per chunk (``bench/results/``: 0.76x router CPU per request at 128 open
-streams).
+scheduler trips per chunk. Every change is checked at start against the hypercorn it was
+written for (``SHAPES``, ``narwhal.shapes``); ``docs/upstream.md`` writes each up as an
+upstream bug report; ``bench/results/server-fixes.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
 log = logging.getLogger("narwhal.connection")
+# what ClientConnection copies, overrides or relies on (narwhal.shapes checks it at start)
+SHAPES = {
+    "hypercorn.trio.tcp_server:TCPServer.run": "30e3a0c602fd1a3e",  # copied as _serve
+    "hypercorn.trio.tcp_server:TCPServer.protocol_send": "22b51ba714d07580",
+    "hypercorn.trio.tcp_server:TCPServer._read_data": "73588ef2e57091d4",
+    "hypercorn.trio.tcp_server:TCPServer._close": "544a46e0eb9f7c16",
+    "hypercorn.protocol.h11:H11Protocol._check_protocol": "aeddfcf3da9e5d85",
+    "hypercorn.protocol.h11:H11Protocol._send_error_response": "41dc5295e47f10cd",
+    "hypercorn.protocol:ProtocolWrapper.handle": "4cb5ff14d1842513",  # Http11Only's place
+    "hypercorn.trio.run:worker_serve": "8dc8347a9fc357ca",  # builds TCPServer by name
+}
 ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must not flood logs
 
 

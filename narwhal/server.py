@@ -12,33 +12,35 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from narwhal import client_connection, hypercorn_fixes, trio_accept
 from narwhal.client_connection import ClientConnection
 from narwhal.config import FleetConfig, load_config
-from narwhal.hypercorn_fixes import accept_in_bursts, frame_body_chunks_directly
 from narwhal.logs import configure as configure_logs
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
 from narwhal.router.service import FAIL_SEND_BOUND_S, Router
+from narwhal.shapes import verify
 
-frame_body_chunks_directly()
-accept_in_bursts()
+_installed = False
 
 
-def use_client_connection() -> None:
-    """Hypercorn's trio worker serves each connection with ``ClientConnection``."""
+def install_server_fixes() -> None:
+    """Verify, then apply, every change narwhal makes to hypercorn, h11 and trio: the
+    connection handler (``narwhal.client_connection``), the chunk framing
+    (``narwhal.hypercorn_fixes``) and the accept burst (``narwhal.trio_accept``). Raises
+    ``narwhal.shapes.ShapeMismatch``, changing nothing, when any replaced or copied
+    function is not the one it was written against. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    verify({**client_connection.SHAPES, **hypercorn_fixes.SHAPES, **trio_accept.SHAPES})
     import hypercorn.trio.run as worker
-    from hypercorn.trio.tcp_server import TCPServer
 
-    current = getattr(worker, "TCPServer", None)
-    if current not in (TCPServer, ClientConnection):
-        raise RuntimeError(
-            f"hypercorn's connection handler is {current!r}, not the one "
-            "narwhal.client_connection extends; check the pinned hypercorn version"
-        )
     setattr(worker, "TCPServer", ClientConnection)  # noqa: B010 - hypercorn does not export it
+    hypercorn_fixes.frame_body_chunks_directly()
+    trio_accept.accept_in_bursts()
+    _installed = True
 
-
-use_client_connection()
 
 CONFIG_ENV = "NARWHAL_CONFIG_PATH"
 JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"
@@ -77,6 +79,7 @@ async def serve(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until ``shutdown_trigger`` returns; report the base URL through ``nursery.start``."""
+    install_server_fixes()
     router = router or Router(fleet)
     app: Any = RouterApp(router)  # hypercorn's ASGI types are structural
     hc = hypercorn_config(fleet, host, port)
@@ -97,6 +100,7 @@ async def serve(
 
 def app_from_environment() -> RouterApp:
     """The app each worker process builds (``--workers N``): config path from the env."""
+    install_server_fixes()  # hypercorn calls this before its worker serves
     configure_logs(
         os.environ.get(LOG_FORMAT_ENV, "text"),  # type: ignore[arg-type]
         os.environ.get(LOG_LEVEL_ENV, "info"),

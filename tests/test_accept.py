@@ -1,4 +1,4 @@
-"""The accept loop's bursts (``narwhal.hypercorn_fixes.accept_in_bursts``): every queued
+"""The accept loop's bursts (``narwhal.trio_accept.accept_in_bursts``): every queued
 client is handed out once, in order of arrival, and none is left open when the listener
 closes first."""
 
@@ -9,7 +9,9 @@ import socket
 import trio
 import trio.testing
 
-import narwhal.server  # noqa: F401  (applies the patches, as serving does)
+from narwhal.server import install_server_fixes
+
+install_server_fixes()  # as serving does
 
 
 async def connected_clients(port: int, count: int) -> list[socket.socket]:

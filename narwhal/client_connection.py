@@ -51,6 +51,8 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
+from narwhal.faults import error_json
+
 log = logging.getLogger("narwhal.connection")
 # what ClientConnection copies, overrides or relies on (narwhal.shapes checks it at start)
 SHAPES = {
@@ -119,8 +121,7 @@ class Http11Protocol(H11Protocol):
         """
         status = 400 if status_code >= 500 else status_code
         message = f"request framing: malformed HTTP/1.1 ({status})"
-        body = b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":%d}}'
-        payload = body % (message.encode(), status)
+        payload = error_json(status, message)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(payload)),

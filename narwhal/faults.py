@@ -15,7 +15,25 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from functools import lru_cache
+from typing import Any
 from urllib.parse import urlsplit
+
+import msgspec
+
+_encode = msgspec.json.Encoder().encode
+
+
+def error_json(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    **extra: Any,
+) -> bytes:
+    """The one error body of SPEC 3: ``{"error": {"message", "type", "param", "code"}}``
+    (``extra`` adds fields, such as a fleet file's ``problems``)."""
+    error = {"message": message, "type": kind, "param": param, "code": status, **extra}
+    return _encode({"error": error})
 
 
 class Phase(StrEnum):
@@ -61,13 +79,19 @@ class RequestFault(Exception):
             return self.message
         return name_engine(self.message, self.engine_url, self.engine_id)
 
+    param: str | None = None  # the request field at fault, when one is
+
     def error_body(self) -> dict[str, object]:
         return {
             "message": self.client_message(),
             "type": self.kind,
-            "param": None,
+            "param": self.param,
             "code": self.status,
         }
+
+    def error_json(self) -> bytes:
+        """The JSON answer before the commit point, or the terminal event's payload."""
+        return _encode({"error": self.error_body()})
 
 
 def name_engine(message: str, url: str, engine_id: str | None) -> str:
@@ -262,3 +286,19 @@ class NoCapacity(RequestFault):
 
     status = 503
     kind = "service_unavailable"
+
+
+class BadRequest(RequestFault):
+    """The client's request is malformed or out of range: 400 naming the field."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, phase=Phase.ADMISSION)
+        self.param = param
+
+
+class ModelNotServed(RequestFault):
+    status = 404
+    kind = "not_found_error"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import get_args
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +24,10 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+
+from narwhal.faults import BreakerClass, Phase
+from narwhal.router.breaker import ProbeOutcome
+from narwhal.router.retry import Denial
 
 # Buckets for LLM serving: handoffs are milliseconds to tens of seconds (KV stalls of
 # 15-30 s are real), inter-token gaps milliseconds to seconds, requests up to minutes.
@@ -47,10 +52,11 @@ GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-PHASES = ("admission", "prefill", "handoff", "decode", "stream")
-BREAKER_CLASSES = ("stream", "unreachable", "descriptor")
-PROBE_OUTCOMES = ("pass", "fail", "inconclusive")
-DENIALS = ("not_transient", "after_output", "attempts", "deadline", "budget")
+# label sets come from the enums that the code records, so a new value is never unexported
+PHASES = tuple(p.value for p in Phase)
+BREAKER_CLASSES = tuple(c.value for c in BreakerClass if c is not BreakerClass.NONE)
+PROBE_OUTCOMES = get_args(ProbeOutcome)
+DENIALS = tuple(d.value for d in Denial)
 
 
 def multiprocess_dir() -> str | None:

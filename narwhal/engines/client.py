@@ -18,6 +18,7 @@ import trio
 from narwhal.engines.connector import NixlConnector, PrefillResult
 from narwhal.engines.transport import (
     IDLE_EXPIRY_S,
+    BodyTooLarge,
     Connect,
     ConnectFailed,
     Pool,
@@ -307,17 +308,22 @@ async def _read(
     try:
         return await response.read_all(limit)
     except TransportError as exc:
-        if truncate and "larger than" in str(exc):
+        if truncate and isinstance(exc, BodyTooLarge):
             return b""
-        raise StreamBroken(
-            f"connection to engine {engine.base_url} broke: {exc}",
-            phase=phase,
-            engine_url=engine.base_url,
-        ) from None
+        raise engine_fault(exc, phase, engine.base_url) from None
 
 
 def translate(exc: BaseException, phase: Phase, url: str, broken: str = "") -> EngineFault | None:
-    """The engine fault for a transport error (None: not a transport error, re-raise it).
+    """The engine fault for a transport error (None: not a transport error, re-raise it)."""
+    if isinstance(exc, ConnectFailed | TransportError):
+        return engine_fault(exc, phase, url, broken)
+    return None
+
+
+def engine_fault(
+    exc: ConnectFailed | TransportError, phase: Phase, url: str, broken: str = ""
+) -> EngineFault:
+    """The one translation of the transport's errors into engine faults (SPEC 6).
 
     The message names the engine by its URL, for logs and the journal; the fault carries
     the URL too, so the client's copy names the engine by id instead (SPEC 3)."""
@@ -327,8 +333,6 @@ def translate(exc: BaseException, phase: Phase, url: str, broken: str = "") -> E
         return EngineUnreachable(
             f"cannot connect to engine {url}: {exc}", phase=phase, engine_url=url
         )
-    if isinstance(exc, TransportError):
-        return StreamBroken(
-            f"{broken}connection to engine {url} broke: {exc}", phase=phase, engine_url=url
-        )
-    return None
+    return StreamBroken(
+        f"{broken}connection to engine {url} broke: {exc}", phase=phase, engine_url=url
+    )

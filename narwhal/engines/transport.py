@@ -40,6 +40,10 @@ class TransportError(Exception):
         self.before_response = before_response
 
 
+class BodyTooLarge(TransportError):
+    """The engine's body is longer than the caller's limit."""
+
+
 class ConnectFailed(Exception):
     """The engine could not be reached (refused, unresolvable, or the connect timed out)."""
 
@@ -311,7 +315,7 @@ class Response:
             parts.append(part)
             size += len(part)
             if size > limit:
-                raise TransportError(f"engine response larger than {limit} bytes")
+                raise BodyTooLarge(f"engine response larger than {limit} bytes")
         return b"".join(parts)
 
     async def drop_connection(self) -> None:

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from narwhal.client_connection import FRAMING_ERROR, REQUEST_ID, request_id
 from narwhal.config import ConfigError, ServingConfig
 from narwhal.faults import (
+    BadRequest,
     BodyTimeout,
     HeadersTooLarge,
     Maintenance,
@@ -26,8 +27,9 @@ from narwhal.faults import (
     RequestFault,
     ShuttingDown,
     TooLarge,
+    error_json,
 )
-from narwhal.router.requests import BadRequest, parse_request
+from narwhal.router.requests import parse_request
 from narwhal.router.service import Router
 
 Scope = MutableMapping[str, Any]
@@ -146,10 +148,6 @@ async def _linger(receive: Receive) -> None:
                 return
 
 
-def error_json(fault: RequestFault) -> bytes:
-    return msgspec.json.encode({"error": fault.error_body()})
-
-
 class RouterApp:
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -191,17 +189,18 @@ class RouterApp:
         problem = _headers_problem(headers) or _framing_problem(headers)
         if problem is not None:
             self._journal_refusal(completion, rid, path, problem.status, problem.message)
-            await respond_and_close(receive, send, problem.status, error_json(problem), rid)
+            await respond_and_close(receive, send, problem.status, problem.error_json(), rid)
             return
         if path.startswith("/narwhal/"):
             refusal = self._admin_refusal(scope)
             if refusal is not None:
-                await _answer_unread(scope, receive, send, 403, _error_body(403, refusal))
+                body = error_json(403, refusal, "permission_error")
+                await _answer_unread(scope, receive, send, 403, body)
                 return
         elif path not in _OPEN_PATHS and not self.router.api_keys.allows(headers):
             message = "missing or invalid API key"
             self._journal_refusal(completion, rid, path, 401, message)
-            body = _error_body(401, message, "authentication_error")
+            body = error_json(401, message, "authentication_error")
             await _answer_unread(scope, receive, send, 401, body, rid)
             return
         if completion and method == "POST":
@@ -227,21 +226,13 @@ class RouterApp:
         """Every endpoint that reads no body: (status, body, content type)."""
         router = self.router
         if path in _COMPLETION_PATHS:
-            return 405, _error_body(405, f"{path} takes POST", "method_not_allowed"), _JSON[1]
+            return 405, error_json(405, f"{path} takes POST", "method_not_allowed"), _JSON[1]
         if (method, path) == ("POST", "/narwhal/reload"):
             try:
                 change = router.reload_file()
             except ConfigError as exc:
-                error = {
-                    "error": {
-                        "message": exc.render(),
-                        "type": "invalid_fleet_file",
-                        "param": None,
-                        "code": 400,
-                        "problems": exc.problems,
-                    }
-                }
-                return 400, msgspec.json.encode(error), _JSON[1]
+                body = error_json(400, exc.render(), "invalid_fleet_file", problems=exc.problems)
+                return 400, body, _JSON[1]
             return 200, msgspec.json.encode(change), _JSON[1]
         if method not in ("GET", "HEAD"):  # HEAD: hypercorn sends the head of the GET answer
             return 404, _not_found(method, path), _JSON[1]
@@ -326,10 +317,10 @@ class RouterApp:
             router.journal_unadmitted(rid_text, path, "rejected", fault.status, fault.message)
             if isinstance(fault, TooLarge | BodyTimeout):  # the body is still arriving
                 slow = isinstance(fault, BodyTimeout)
-                body = error_json(fault)
+                body = fault.error_json()
                 await respond_and_close(receive, send, fault.status, body, rid, linger=not slow)
             else:
-                await respond(send, fault.status, error_json(fault), rid)
+                await respond(send, fault.status, fault.error_json(), rid)
             return
 
         async def wait_disconnect() -> None:
@@ -368,7 +359,7 @@ class RouterApp:
 async def _refuse_websocket(receive: Receive, send: Send) -> None:
     """A WebSocket upgrade gets a plain 400 (hypercorn's ``websocket.http.response``)."""
     await receive()  # websocket.connect
-    body = _error_body(400, "websocket: not served here; the API is plain HTTP")
+    body = error_json(400, "websocket: not served here; the API is plain HTTP")
     headers = _json_headers(400, body, None, ((b"connection", b"close"),))
     await send({"type": "websocket.http.response.start", "status": 400, "headers": headers})
     await send({"type": "websocket.http.response.body", "body": body})
@@ -385,13 +376,7 @@ async def _answer_unread(
 
 
 def _not_found(method: str, path: str) -> bytes:
-    return _error_body(404, f"no such endpoint: {method} {path}", "not_found_error")
-
-
-def _error_body(status: int, message: str, kind: str = "invalid_request_error") -> bytes:
-    return msgspec.json.encode(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    )
+    return error_json(404, f"no such endpoint: {method} {path}", "not_found_error")
 
 
 class _WaveRequest(msgspec.Struct):
@@ -401,7 +386,7 @@ class _WaveRequest(msgspec.Struct):
 async def _error(
     send: Send, status: int, kind: str, message: str, rid: bytes | None = None
 ) -> None:
-    await respond(send, status, _error_body(status, message, kind), rid)
+    await respond(send, status, error_json(status, message, kind), rid)
 
 
 def _headers_problem(headers: list[tuple[bytes, bytes]]) -> HeadersTooLarge | None:

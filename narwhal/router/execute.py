@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-import msgspec
 import trio
 
 from narwhal.config import FleetConfig
@@ -53,7 +52,6 @@ _PHASE_OF = {
     State.COMMITTED: Phase.STREAM,
     State.FINISHED: Phase.STREAM,
 }
-_encode = msgspec.json.encode
 
 
 class ClientSink(Protocol):
@@ -390,7 +388,7 @@ class RequestRun:
         self.lifecycle.advance(Input.FAIL)
         self.fault, self.status = fault, fault.status
         self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
-        error = _encode({"error": fault.error_body()})
+        error = fault.error_json()
         if committed:
             await self.sink.end(b"data: " + error + b"\n\n")
         else:

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from narwhal.faults import Phase, RequestFault
+from narwhal.faults import BadRequest, ModelNotServed, Phase
 
 MAX_INT32 = 2**31 - 1  # beyond any context length, and fits an engine's int32 counters
 
@@ -68,23 +68,6 @@ class ChatFields(_Common, kw_only=True):
         if self.max_completion_tokens is not None:  # vLLM prefers it over max_tokens
             return "max_completion_tokens", self.max_completion_tokens
         return super().output_limit()
-
-
-class BadRequest(RequestFault):
-    status = 400
-    kind = "invalid_request_error"
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message, phase=Phase.ADMISSION)
-        self.param = param
-
-    def error_body(self) -> dict[str, object]:
-        return {**super().error_body(), "param": self.param}
-
-
-class ModelNotServed(RequestFault):
-    status = 404
-    kind = "not_found_error"
 
 
 class ClientRequest(msgspec.Struct):

@@ -15,6 +15,7 @@ that refuses names the reason, which the journal records):
 from __future__ import annotations
 
 import random
+from enum import StrEnum
 
 import msgspec
 
@@ -41,9 +42,19 @@ class RetryBudget:
         self.credits = min(self.cap, self.credits + self.replenish)
 
 
+class Denial(StrEnum):
+    """Why a transient fault gets no fresh attempt (a metric label and a journal field)."""
+
+    NOT_TRANSIENT = "not_transient"
+    AFTER_OUTPUT = "after_output"
+    ATTEMPTS = "attempts"
+    DEADLINE = "deadline"
+    BUDGET = "budget"
+
+
 class RetryDecision(msgspec.Struct, frozen=True):
     retry: bool
-    reason: str  # "retry", or why not: not_transient, after_output, attempts, deadline, budget
+    reason: str  # "retry", or a Denial
     delay_s: float = 0.0
 
 
@@ -65,14 +76,14 @@ def decide(
 ) -> RetryDecision:
     """Whether attempt ``attempt`` (1-based), which failed with ``fault``, gets a successor."""
     if not fault.transient:
-        return RetryDecision(False, "not_transient")
+        return RetryDecision(False, Denial.NOT_TRANSIENT)
     if output_seen:
-        return RetryDecision(False, "after_output")
+        return RetryDecision(False, Denial.AFTER_OUTPUT)
     if attempt >= max_attempts:
-        return RetryDecision(False, "attempts")
+        return RetryDecision(False, Denial.ATTEMPTS)
     delay = backoff(backoff_base_s, attempt, rng)
     if remaining_s <= delay:
-        return RetryDecision(False, "deadline")
+        return RetryDecision(False, Denial.DEADLINE)
     if not budget.spend():
-        return RetryDecision(False, "budget")
+        return RetryDecision(False, Denial.BUDGET)
     return RetryDecision(True, "retry", delay)

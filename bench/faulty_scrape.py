@@ -16,10 +16,10 @@ import msgspec
 import trio
 
 from narwhal.config import EngineConfig, EngineSpec, FleetConfig, RecoveryConfig, ServingConfig
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.faults import Fault
 from narwhal.router.service import Router
 from narwhal.server import serve
-from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
-from narwhal.testing.faults import Fault
 
 MODEL = "fake-model"
 

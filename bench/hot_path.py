@@ -17,8 +17,8 @@ import msgspec
 
 from narwhal.engines.chunked import ChunkedDecoder
 from narwhal.engines.stream import classify, parse_payload
+from narwhal.fake_engine.generation import VOCAB
 from narwhal.sse import SSEParser, frame
-from narwhal.testing.generation import VOCAB
 
 TEMPLATE = (
     b'{"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764450000,'

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from fuzz import examples, split
 from narwhal.config import EngineConfig, ServingConfig
+from narwhal.fake_engine.faults import Fault
 from narwhal.sse import SSEParser
-from narwhal.testing.faults import Fault
 from tests.conftest import MODEL
 from tests.memory_fleet import RecordingSink, memory_fleet
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from narwhal.config import FleetConfig
 from narwhal.engines.client import EngineClient
-from narwhal.router.probe import crossed_handoff, identity_problem, probe_prompt
+from narwhal.engines.probe import crossed_handoff, identity_problem, probe_prompt
 
 
 async def check_fleet(

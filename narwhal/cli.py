@@ -169,7 +169,7 @@ async def _signalled() -> None:
 
 
 def _fake_engine(args: argparse.Namespace) -> int:
-    from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
+    from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 
     engine = FakeEngine(
         FakeEngineConfig(

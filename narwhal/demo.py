@@ -12,10 +12,10 @@ import trio
 import trio.lowlevel
 
 from narwhal.config import EngineSpec, FleetConfig
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.logs import configure as configure_logs
 from narwhal.router.service import Router
 from narwhal.server import serve
-from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
 
 MODEL = "fake-model"
 

@@ -12,11 +12,11 @@ import pytest
 import trio
 
 from narwhal.config import EngineConfig, EngineSpec, FleetConfig, ServingConfig
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
 from narwhal.server import serve
 from narwhal.sse import SSEParser
-from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
 
 MODEL = "fake-model"
 

@@ -31,11 +31,11 @@ import msgspec
 import trio
 
 from narwhal.config import EngineConfig, RecoveryConfig, ServingConfig
+from narwhal.fake_engine import generation as gen
+from narwhal.fake_engine.faults import Fault
 from narwhal.router.health import live_tasks
 from narwhal.router.journal import Journal
 from narwhal.sse import SSEParser
-from narwhal.testing import generation as gen
-from narwhal.testing.faults import Fault
 from tests.conftest import MODEL, Harness, start_fleet
 
 ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode", "d2": "decode"}

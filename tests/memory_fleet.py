@@ -1,4 +1,4 @@
-"""A router over fake engines on an in-memory network (``narwhal.testing.memory``): with
+"""A router over fake engines on an in-memory network (``tests.memory_network``): with
 trio's MockClock and autojump, virtual time only moves when everything waits, so timeouts
 fire at exactly their budgets. The timing tests and the stream models use it."""
 
@@ -10,13 +10,13 @@ from typing import Any
 import msgspec
 import trio
 
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.router.journal import Journal
 from narwhal.router.requests import parse_request
 from narwhal.router.service import Router
 from narwhal.sse import SSEParser
-from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
-from narwhal.testing.memory import MemoryNetwork
 from tests.conftest import MODEL, fleet_config
+from tests.memory_network import MemoryNetwork
 
 
 @dataclass

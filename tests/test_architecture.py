@@ -49,9 +49,16 @@ def imports_of(path: Path) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found |= {f"{base}.{alias.name}" for alias in node.names}
+            # ``from package import module`` imports the module; anything else, the base
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if _is_module(submodule) else base)
     return found
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def graph() -> dict[str, set[str]]:

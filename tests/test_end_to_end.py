@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import trio
 
-from narwhal.testing.generation import generate
+from narwhal.fake_engine.generation import generate
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"

@@ -13,8 +13,8 @@ import trio
 
 from narwhal.engines.client import translate
 from narwhal.engines.transport import ConnectFailed, TransportError
+from narwhal.fake_engine.faults import Fault
 from narwhal.faults import EngineStatusError, EngineUnreachable, Phase, name_engine
-from narwhal.testing.faults import Fault
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
 URL = "http://10.0.0.5:8000"

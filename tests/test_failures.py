@@ -17,9 +17,9 @@ import pytest
 import trio
 
 from narwhal.config import EngineConfig, ServingConfig
-from narwhal.testing.faults import Fault
-from narwhal.testing.scenarios import FAULTS
+from narwhal.fake_engine.faults import Fault
 from tests.conftest import MODEL, Harness, finish, start_fleet
+from tests.fault_scenarios import FAULTS
 
 TIMEOUTS = {
     "serving": ServingConfig(request_timeout_s=5.0, prefill_timeout_s=0.5, graceful_timeout_s=0.5),

@@ -13,9 +13,9 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.kv_channel import KVStore, PullRequest
 from narwhal.sse import SSEParser
-from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
-from narwhal.testing.kv_channel import KVStore, PullRequest
 
 CAPTURES = Path(__file__).parent / "captures"
 MODEL = "tiny"

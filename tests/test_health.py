@@ -8,9 +8,9 @@ import trio
 
 from narwhal.check import check_fleet
 from narwhal.config import EngineConfig, EngineContract, RecoveryConfig, ServingConfig
+from narwhal.fake_engine.faults import Fault
 from narwhal.faults import BreakerClass
 from narwhal.router.breaker import BreakerState
-from narwhal.testing.faults import Fault
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True}

@@ -15,9 +15,9 @@ import trio
 import trio.testing
 
 from narwhal.config import ServingConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.router.app import _read_body
 from narwhal.router.health import live_tasks
-from narwhal.testing.fake_engine import FakeEngine
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"

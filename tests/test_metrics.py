@@ -8,7 +8,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.config import EngineConfig, RecoveryConfig, ServingConfig
-from narwhal.testing.faults import Fault
+from narwhal.fake_engine.faults import Fault
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True}

@@ -6,7 +6,7 @@ import openai
 import pytest
 import trio
 
-from narwhal.testing.generation import generate
+from narwhal.fake_engine.generation import generate
 from tests.conftest import MODEL, Harness
 
 PROMPT = "A narwhal swims north under the ice"

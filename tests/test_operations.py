@@ -15,8 +15,8 @@ import msgspec
 import trio
 
 from narwhal.config import ServingConfig
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.sse import SSEParser
-from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
 from tests.conftest import MODEL, finish, start_fleet
 from tests.test_cli import _process
 

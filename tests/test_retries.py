@@ -9,9 +9,9 @@ import pytest
 import trio
 
 from narwhal.config import EngineConfig, ServingConfig
+from narwhal.fake_engine.faults import Fault
 from narwhal.faults import EngineStatusError, FirstTokenTimeout, Phase
 from narwhal.router.retry import RetryBudget, decide
-from narwhal.testing.faults import Fault
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 4, "stream": True}

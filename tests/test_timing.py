@@ -1,6 +1,6 @@
 """Timeouts to the tick, on trio's MockClock over in-memory streams (no real sleeps).
 
-Router, engine client and fake engines all run on ``narwhal.testing.memory``; with
+Router, engine client and fake engines all run on ``tests.memory_network``; with
 autojump, virtual time only moves when everything waits, so each timeout fires at exactly
 its budget.
 """
@@ -13,7 +13,7 @@ import msgspec
 import trio
 
 from narwhal.config import EngineConfig, RecoveryConfig, ServingConfig
-from narwhal.testing.faults import Fault
+from narwhal.fake_engine.faults import Fault
 from tests.conftest import MODEL
 from tests.memory_fleet import memory_fleet
 

@@ -9,8 +9,8 @@ import pytest
 import trio
 
 from narwhal.engines.client import EngineClient
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.faults import RequestFault
-from narwhal.testing.fake_engine import FakeEngine, FakeEngineConfig
 
 MODEL = "fake-model"
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 20}

@@ -68,8 +68,9 @@ def error_message(body: bytes, status: int) -> tuple[str, str | None]:
     return f"engine answered HTTP {status}", None
 
 
-class _Engine:
-    """One engine: its pool (with the capacity limiter) and its precomputed headers."""
+class _EnginePool:
+    """The engine client's side of one engine: its connection pool (with the capacity limiter)
+    and its precomputed headers."""
 
     def __init__(self, base_url: str, client: EngineClient) -> None:
         self.base_url = base_url.rstrip("/")
@@ -129,12 +130,12 @@ class EngineClient:
         self.connect_timeout_s = connect_timeout_s
         self.api_key = api_key
         self.connect: Connect = connect or tcp_connect  # tests pass an in-memory network
-        self._engines: dict[str, _Engine] = {}
+        self._engines: dict[str, _EnginePool] = {}
 
-    def _engine(self, url: str) -> _Engine:
+    def _engine(self, url: str) -> _EnginePool:
         engine = self._engines.get(url)
         if engine is None:
-            engine = self._engines[url] = _Engine(url, self)
+            engine = self._engines[url] = _EnginePool(url, self)
         return engine
 
     async def prefill(
@@ -215,7 +216,7 @@ class EngineClient:
 class DecodeStream:
     """An open decode response; iterating yields what each socket read brought."""
 
-    def __init__(self, engine: _Engine, endpoint: str, payload: bytes, request_id: str) -> None:
+    def __init__(self, engine: _EnginePool, endpoint: str, payload: bytes, request_id: str) -> None:
         self._engine = engine
         self._endpoint = endpoint
         self._payload = payload
@@ -303,7 +304,7 @@ class DecodeStream:
 
 
 async def _read(
-    response: Response, engine: _Engine, phase: Phase, limit: int, *, truncate: bool = False
+    response: Response, engine: _EnginePool, phase: Phase, limit: int, *, truncate: bool = False
 ) -> bytes:
     try:
         return await response.read_all(limit)

@@ -35,7 +35,7 @@ from narwhal.faults import (
 )
 from narwhal.metrics import Metrics
 from narwhal.router.assemble import Assembler
-from narwhal.router.fleet import EngineState, Fleet, LegPhase
+from narwhal.router.fleet import EngineState, Fleet, Leg
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, JournalLine, Outcome
 from narwhal.router.lifecycle import Input, Lifecycle, State
@@ -155,14 +155,14 @@ class RequestRun:
             rng=self.router.rng,
         )
 
-    def _place(self, role: LegPhase, prefer_not: str | None = None) -> EngineState:
+    def _place(self, leg: Leg, prefer_not: str | None = None) -> EngineState:
         fleet, health = self.router.fleet, self.router.health
-        candidates, held_in = fleet.placeable(role, trio.current_time())
-        health.note_placement(role, held_in)
+        candidates, held_in = fleet.placeable(leg, trio.current_time())
+        health.note_placement(leg, held_in)
         engine = pick(candidates, turn=fleet.turn, avoid=self.failed_engines, prefer_not=prefer_not)
         if engine is None:
             raise NoCapacity(
-                f"no placeable {'producer' if role == 'prefill' else 'consumer'} engine",
+                f"no placeable {'producer' if leg == 'prefill' else 'consumer'} engine",
                 phase=Phase.ADMISSION,
             )
         return engine

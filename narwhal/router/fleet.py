@@ -13,7 +13,7 @@ from typing import Any, Literal
 from narwhal.config import EngineSpec, RecoveryConfig
 from narwhal.router.breaker import Breaker
 
-LegPhase = Literal["prefill", "decode"]
+Leg = Literal["prefill", "decode"]  # the two legs of an attempt; an engine serves one as it
 
 
 class EngineState:
@@ -30,12 +30,12 @@ class EngineState:
     def __init__(self, spec: EngineSpec, index: int, recovery: RecoveryConfig) -> None:
         self.spec = spec
         self.index = index
-        self.inflight: dict[LegPhase, int] = {"prefill": 0, "decode": 0}
-        self.inflight_gauges: dict[LegPhase, Any] = {}  # Prometheus children, when exported
+        self.inflight: dict[Leg, int] = {"prefill": 0, "decode": 0}
+        self.inflight_gauges: dict[Leg, Any] = {}  # Prometheus children, when exported
         self.breaker = Breaker(recovery.eject_after, recovery.failure_quarantine_s)
         # the leg of its last counted failure, and the peer of that attempt: a consumer
         # that failed a crossed decode is probed with a handoff from that same producer
-        self.failed_as: LegPhase | None = None
+        self.failed_as: Leg | None = None
         self.failed_with: str | None = None
 
     @property
@@ -80,15 +80,15 @@ class EngineState:
 class Reservation:
     """One in-flight leg on one engine, held for the leg's whole life."""
 
-    __slots__ = ("engine", "phase")
+    __slots__ = ("engine", "leg")
 
-    def __init__(self, engine: EngineState, phase: LegPhase) -> None:
+    def __init__(self, engine: EngineState, leg: Leg) -> None:
         self.engine = engine
-        self.phase = phase
+        self.leg = leg
 
     async def __aenter__(self) -> EngineState:
-        self.engine.inflight[self.phase] += 1
-        gauge = self.engine.inflight_gauges.get(self.phase)
+        self.engine.inflight[self.leg] += 1
+        gauge = self.engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.inc()
         return self.engine
@@ -99,8 +99,8 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.engine.inflight[self.phase] -= 1
-        gauge = self.engine.inflight_gauges.get(self.phase)
+        self.engine.inflight[self.leg] -= 1
+        gauge = self.engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.dec()
 
@@ -132,29 +132,29 @@ class Fleet:
         self.producers = [e for e in engines if e.spec.can_prefill]
         self.consumers = [e for e in engines if e.spec.can_decode]
 
-    def reserve(self, engine: EngineState, phase: LegPhase) -> Reservation:
-        return Reservation(engine, phase)
+    def reserve(self, engine: EngineState, leg: Leg) -> Reservation:
+        return Reservation(engine, leg)
 
     def reserved(self) -> int:
         """Legs in flight across the fleet (0 after a drain)."""
         return sum(e.load for e in self.engines)
 
-    def placeable(self, role: LegPhase, now: float) -> tuple[list[EngineState], bool]:
-        """The engines placement may use for ``role``, and whether they are held in.
+    def placeable(self, leg: Leg, now: float) -> tuple[list[EngineState], bool]:
+        """The engines placement may use for ``leg``, and whether they are held in.
 
         Healthy engines (closed breaker, not quarantined) when there are any; otherwise
         every engine of the role is held in: the last engine able to serve a role is never
         quarantined or probe-held out, since refusing all traffic helps nobody.
         """
-        engines = self.producers if role == "prefill" else self.consumers
+        engines = self.producers if leg == "prefill" else self.consumers
         healthy = [e for e in engines if e.breaker.healthy(now)]
         return (healthy, False) if healthy else (engines, True)
 
     def held_in(self, now: float) -> set[str]:
         """Ids of unhealthy engines that stay placeable as the last of a role."""
         held: set[str] = set()
-        for role in ("prefill", "decode"):
-            engines, is_held = self.placeable(role, now)
+        for leg in ("prefill", "decode"):
+            engines, is_held = self.placeable(leg, now)
             if is_held:
                 held.update(e.id for e in engines)
         return held

@@ -28,13 +28,13 @@ import trio
 
 from narwhal.config import FleetConfig
 from narwhal.engines.client import EngineClient
+from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
 from narwhal.faults import BreakerClass, RequestFault
 from narwhal.logs import log_event
 from narwhal.metrics import Metrics
 from narwhal.router.breaker import BreakerState, ProbeOutcome
-from narwhal.router.fleet import EngineState, Fleet, LegPhase
+from narwhal.router.fleet import EngineState, Fleet, Leg
 from narwhal.router.journal import Journal
-from narwhal.router.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
 
 log = logging.getLogger("narwhal.health")
 _ROUTINE = frozenset({"probe", "readmitted", "held_in_ended"})
@@ -60,7 +60,7 @@ class Health:
         self.nursery: trio.Nursery | None = None
         self.maintenance = False
         self.wave_lock = trio.Lock()
-        self.held_in: dict[LegPhase, bool] = {"prefill": False, "decode": False}
+        self.held_in: dict[Leg, bool] = {"prefill": False, "decode": False}
         self.events: list[dict[str, Any]] = []  # recent engine events, newest last
         self._changed = trio.Event()
         # crossed handoffs of probes in flight: each holds a producer and a consumer leg, so
@@ -76,7 +76,7 @@ class Health:
             self.router.metrics.streak.labels(engine.id).set(engine.breaker.streak)
 
     def failure(
-        self, engine: EngineState, fault: RequestFault, leg: LegPhase, peer: EngineState | None
+        self, engine: EngineState, fault: RequestFault, leg: Leg, peer: EngineState | None
     ) -> None:
         if fault.breaker is BreakerClass.NONE:
             return
@@ -110,14 +110,19 @@ class Health:
 
     def start_background(self, fn: Any, *args: Any) -> None:
         """Run ``fn`` in the server-owned nursery (never in a request's); raise
-        ``BackgroundUnavailable`` when that nursery is not running: a probe or a drain
-        that silently never starts would leave an engine ejected, or a drain unbounded."""
+        ``BackgroundUnavailable`` when that nursery was never started: a probe that silently
+        never starts would leave an engine ejected for good. Once the server is shutting
+        down, nothing new starts (said in the log)."""
+        name = getattr(fn, "__name__", fn)
         if self.nursery is None:
             raise BackgroundUnavailable(
-                f"{getattr(fn, '__name__', fn)} cannot start: the server's background nursery "
-                "is not running (serve the router, or run Health.run)"
+                f"{name} cannot start: the server's background nursery is not running "
+                "(serve the router, or run Health.run)"
             )
-        self.nursery.start_soon(fn, *args)
+        try:
+            self.nursery.start_soon(fn, *args)
+        except RuntimeError:  # closed to new arrivals: the server is shutting down
+            log.warning("%s not started: the server is shutting down", name)
 
     def event(self, kind: str, engine: EngineState | None, **fields: Any) -> None:
         """Journal, log and announce an engine event (ejection, probe, readmission...)."""
@@ -160,12 +165,12 @@ class Health:
             metrics.ejected.labels(engine.id).set(int(b.state is not BreakerState.CLOSED))
             metrics.held_in.labels(engine.id).set(int(engine.id in held))
 
-    def note_placement(self, role: LegPhase, held_in: bool) -> None:
+    def note_placement(self, leg: Leg, held_in: bool) -> None:
         """Log once when a role starts or stops running on held-in (unhealthy) engines."""
-        if held_in != self.held_in[role]:
-            self.held_in[role] = held_in
+        if held_in != self.held_in[leg]:
+            self.held_in[leg] = held_in
             # held in: no healthy engine of the role is left; the last ones stay placeable
-            self.event("held_in" if held_in else "held_in_ended", None, role=role)
+            self.event("held_in" if held_in else "held_in_ended", None, role=leg)
 
     # ---- background ----------------------------------------------------------------------
 
@@ -208,7 +213,7 @@ class Health:
             return await self.validate(engine)
         if engine.breaker.ejection_cause is BreakerClass.UNREACHABLE:
             return await self._health_check(engine)
-        leg: LegPhase = engine.failed_as or ("decode" if engine.spec.can_decode else "prefill")
+        leg: Leg = engine.failed_as or ("decode" if engine.spec.can_decode else "prefill")
         return await self._inference_probe(engine, leg)
 
     async def _health_check(self, engine: EngineState) -> ProbeOutcome:
@@ -221,13 +226,13 @@ class Health:
         return "fail"
 
     def _peer(
-        self, engine: EngineState, role: LegPhase, preferred: str | None, *, wave: bool = False
+        self, engine: EngineState, leg: Leg, preferred: str | None, *, wave: bool = False
     ) -> EngineState | None:
         """A healthy engine to cross with: the preferred one when it is still healthy. In a
         whole wave every engine is under validation together, so any of them will do."""
         now = trio.current_time()
         fleet = self.router.fleet
-        pool = fleet.producers if role == "prefill" else fleet.consumers
+        pool = fleet.producers if leg == "prefill" else fleet.consumers
         healthy = [e for e in pool if (wave or e.breaker.healthy(now)) and e is not engine]
         if preferred is not None:
             for e in healthy:
@@ -238,11 +243,11 @@ class Health:
         return engine if engine in pool else None  # a lone engine crosses with itself
 
     async def _inference_probe(
-        self, engine: EngineState, leg: LegPhase, *, wave: bool = False
+        self, engine: EngineState, leg: Leg, *, wave: bool = False
     ) -> ProbeOutcome:
-        role: LegPhase = "prefill" if leg == "decode" else "decode"
+        peer_leg: Leg = "prefill" if leg == "decode" else "decode"
         preferred = engine.failed_with if leg == "decode" else None
-        peer = self._peer(engine, role, preferred, wave=wave)
+        peer = self._peer(engine, peer_leg, preferred, wave=wave)
         if peer is None:
             return "inconclusive"  # no peer to cross with
         if self.router.client.limiter(peer.url).available_tokens == 0:

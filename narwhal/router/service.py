@@ -9,6 +9,7 @@ the ``finally``/``async with`` blocks below it on every exit path.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 from collections.abc import Awaitable, Callable
@@ -64,6 +65,7 @@ class Router:
         )
         self.config_path = config_path
         self.draining = False
+        self.drain_deadline = math.inf
         self._running: set[trio.CancelScope] = set()
         self.received = 0  # requests to a completion endpoint, admitted or not
         self.admitted = 0
@@ -98,8 +100,8 @@ class Router:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, run)
-                # drain_scope: cancelled when a graceful shutdown runs out of patience
-                with trio.CancelScope() as drain_scope:
+                # drain_scope: its deadline is set when a graceful shutdown begins
+                with trio.CancelScope(deadline=self.drain_deadline) as drain_scope:
                     self._running.add(drain_scope)
                     try:
                         await self._run_until_deadline(run)
@@ -154,12 +156,11 @@ class Router:
         self.draining = True
         grace = self.config.serving.graceful_timeout_s
         log_event(log, logging.WARNING, "draining", {"in_flight": self.admitted, "grace_s": grace})
-        self.health.start_background(self._end_stragglers, grace)
-
-    async def _end_stragglers(self, grace: float) -> None:
-        await trio.sleep(grace)
-        for scope in list(self._running):
-            scope.cancel()
+        # no timer task: every running request's drain scope gets the deadline (and so does
+        # one admitted a moment later), so the drain is bounded whatever else is shutting down
+        self.drain_deadline = trio.current_time() + grace
+        for scope in self._running:
+            scope.deadline = self.drain_deadline
 
     def reload(self, new: FleetConfig) -> dict[str, list[str]]:
         """Apply a new fleet file: added engines take traffic at once, removed ones get no

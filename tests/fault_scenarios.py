@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from narwhal.testing.faults import Fault
+from narwhal.fake_engine.faults import Fault
 
 Side = Literal["producer", "consumer"]
 

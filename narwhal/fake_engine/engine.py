@@ -13,19 +13,31 @@ import time
 import uuid
 import zlib
 from collections import Counter, deque
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol
 
 import msgspec
 import trio
 
-from narwhal.testing import generation as gen
-from narwhal.testing.faults import Fault, FaultQueue
-from narwhal.testing.http import Exchange, Request, serve_connection
-from narwhal.testing.kv_channel import KVPuller, KVStore, PullRequest
-from narwhal.testing.memory import MemoryNetwork
+from narwhal.fake_engine import generation as gen
+from narwhal.fake_engine.faults import Fault, FaultQueue
+from narwhal.fake_engine.http import Exchange, Request, serve_connection
+from narwhal.fake_engine.kv_channel import KVPuller, KVStore, PullRequest
 
 VERSION = "0.32.0"
 _FAULT_LIST = msgspec.json.Decoder(list[Fault])
+
+
+StreamHandler = Callable[[trio.abc.Stream], Awaitable[None]]
+
+
+class Network(Protocol):
+    """Where an engine listens instead of sockets: the tests' in-memory network
+    (``tests/memory_network.py``), so timing tests run under trio's MockClock."""
+
+    def listen(self, host: str, port: int, handler: StreamHandler) -> None: ...
+    def unlisten(self, host: str, port: int) -> None: ...
+    async def open_stream(self, host: str, port: int) -> trio.abc.Stream: ...
 
 
 class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,7 +58,7 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class FakeEngine:
     def __init__(
-        self, config: FakeEngineConfig | None = None, *, network: MemoryNetwork | None = None
+        self, config: FakeEngineConfig | None = None, *, network: Network | None = None
     ) -> None:
         self.config = cfg = config or FakeEngineConfig()
         self.engine_id = cfg.engine_id or str(uuid.uuid4())

@@ -62,7 +62,6 @@ SHAPES = {
     "hypercorn.trio.tcp_server:TCPServer._close": "544a46e0eb9f7c16",
     "hypercorn.protocol.h11:H11Protocol._check_protocol": "aeddfcf3da9e5d85",
     "hypercorn.protocol.h11:H11Protocol._send_error_response": "41dc5295e47f10cd",
-    "hypercorn.protocol.h11:H11Protocol._maybe_recycle": "dba7c077157520be",
     "hypercorn.protocol:ProtocolWrapper.handle": "4cb5ff14d1842513",  # Http11Only's place
     "hypercorn.trio.run:worker_serve": "8dc8347a9fc357ca",  # builds TCPServer by name
 }
@@ -73,7 +72,6 @@ ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must
 # and the framing error that ended the request's body
 REQUEST_ID = "narwhal.request_id"
 FRAMING_ERROR = "narwhal.framing_error"
-CLOSE_AFTER_RESPONSE = "narwhal.close_after_response"  # a stream that ended in a fault
 
 
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
@@ -111,17 +109,6 @@ class Http11Protocol(H11Protocol):
             raise PriorKnowledgeHTTP2
         # Anything else, ``Upgrade: h2c`` included, is served in HTTP/1.1: hypercorn's own
         # check would switch the connection to its HTTP/2 protocol.
-
-    async def _maybe_recycle(self) -> None:
-        # a stream ended by a terminal error event is not followed by another request on
-        # its connection (SPEC 6): close, as hypercorn does for a response it cannot reuse
-        scope = getattr(self.stream, "scope", None)
-        if isinstance(scope, dict) and scope.get(CLOSE_AFTER_RESPONSE):
-            await self._close_stream()
-            await self.can_read.set()
-            await self.send(Closed())
-            return
-        await super()._maybe_recycle()
 
     async def _send_error_response(self, status_code: int) -> None:
         """h11 found the request malformed: answer it, then hypercorn closes the connection.

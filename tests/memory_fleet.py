@@ -41,9 +41,6 @@ class RecordingSink:
         self.finished = True
         self._log("end", data)
 
-    async def end_with_error(self, event: bytes) -> None:
-        await self.end(event)
-
     async def respond_json(self, status: int, body: bytes) -> None:
         self.committed = self.finished = True
         self._log("json", (status, msgspec.json.decode(body)))

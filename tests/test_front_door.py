@@ -37,7 +37,6 @@ from hypothesis import strategies as st
 from fuzz import examples
 from narwhal.client_connection import Http11Protocol
 from narwhal.config import EngineConfig, ServingConfig
-from narwhal.fake_engine.faults import Fault
 from narwhal.router.app import RouterApp
 from tests.conftest import MODEL, Harness, finish, start_fleet
 from tests.test_hostile import _receive
@@ -324,24 +323,6 @@ async def test_a_stalled_reader_does_not_hold_the_drain(nursery: trio.Nursery) -
     assert h.router.fleet.reserved() == 0
     assert [line.outcome for line in h.router.journal.lines] == ["failed"]
     await h.http.aclose()
-
-
-async def test_a_terminal_error_event_closes_the_connection(nursery: trio.Nursery) -> None:
-    """SPEC 6: after the commit point a failure ends the stream with one terminal event and
-    the connection closes (it was kept alive for the client's next request)."""
-    h = await start_fleet(
-        nursery,
-        {"p0": "prefill", "d0": "decode"},
-        serving=DOOR,
-        engine_config={"itl_s": 0.01},
-    )
-    h.engines["d0"].faults.push(Fault(kind="tokens_then_close", tokens=2))
-    body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "stream": True})
-    raw = await exchange(h, request(body, b"content-length: %d" % len(body)))
-    assert statuses(raw) == [200]
-    assert raw.endswith(b"\r\n0\r\n\r\n")  # a complete chunked body, then the close
-    assert b'data: {"error"' in raw
-    await finish(h)
 
 
 # ---- 5. early answers to a body still arriving: lingering close -----------------------------

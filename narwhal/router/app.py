@@ -15,12 +15,7 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from narwhal.client_connection import (
-    CLOSE_AFTER_RESPONSE,
-    FRAMING_ERROR,
-    REQUEST_ID,
-    request_id,
-)
+from narwhal.client_connection import FRAMING_ERROR, REQUEST_ID, request_id
 from narwhal.config import ConfigError, ServingConfig
 from narwhal.faults import (
     BadRequest,
@@ -74,12 +69,11 @@ class Disconnected(Exception):
 class AsgiSink:
     """Client output for one request (where the response stands is the request's lifecycle)."""
 
-    __slots__ = ("_send", "rid", "scope")
+    __slots__ = ("_send", "rid")
 
-    def __init__(self, send: Send, rid: bytes, scope: Scope) -> None:
+    def __init__(self, send: Send, rid: bytes) -> None:
         self._send = send
         self.rid = rid
-        self.scope = scope
 
     async def commit(self, data: bytes) -> None:
         headers = [*_SSE_HEADERS, (b"x-request-id", self.rid)]
@@ -91,11 +85,6 @@ class AsgiSink:
 
     async def end(self, data: bytes = b"") -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
-
-    async def end_with_error(self, event: bytes) -> None:
-        """The terminal event after the commit point; then the connection closes (SPEC 6)."""
-        self.scope[CLOSE_AFTER_RESPONSE] = True
-        await self.end(event)
 
     async def respond_json(self, status: int, body: bytes) -> None:
         await respond(self._send, status, body, self.rid)
@@ -338,7 +327,7 @@ class RouterApp:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        await router.handle(req, rid_text, AsgiSink(send, rid, scope), wait_disconnect)
+        await router.handle(req, rid_text, AsgiSink(send, rid), wait_disconnect)
 
     async def _readmit_wave(self, receive: Receive, send: Send) -> None:
         """Validate the whole engine set together (whole-wave policy's way back)."""

@@ -61,7 +61,6 @@ class ClientSink(Protocol):
     async def commit(self, data: bytes) -> None: ...  # 200 + SSE headers + first bytes
     async def send(self, data: bytes) -> None: ...
     async def end(self, data: bytes = b"") -> None: ...
-    async def end_with_error(self, event: bytes) -> None: ...  # terminal event, then close
     async def respond_json(self, status: int, body: bytes) -> None: ...
 
 
@@ -391,6 +390,6 @@ class RequestRun:
         self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
         error = fault.error_json()
         if committed:
-            await self.sink.end_with_error(b"data: " + error + b"\n\n")
+            await self.sink.end(b"data: " + error + b"\n\n")
         else:
             await self.sink.respond_json(fault.status, error)

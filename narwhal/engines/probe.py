@@ -113,7 +113,7 @@ async def count_tokens(stream: DecodeStream, on_first: Callable[[], None] | None
 class _Discard:
     """A probe keeps no output: only the relay's token count and verdict matter."""
 
-    def add(self, chunk: Chunk) -> None:
+    def add(self, chunk: Chunk, payload: bytes) -> None:
         pass
 
     def body(self) -> bytes:

@@ -66,7 +66,7 @@ Action = Hold | Commit | Send | Finish | Fault
 class Collector(Protocol):
     """What assembles a non-streaming client's JSON (``narwhal.router.assemble``)."""
 
-    def add(self, chunk: Chunk) -> None: ...
+    def add(self, chunk: Chunk, payload: bytes) -> None: ...
     def body(self) -> bytes: ...
 
 
@@ -103,7 +103,7 @@ class StreamRelay:
                 if classify(chunk) is Kind.TOKEN:
                     self.tokens += 1
                 if self._collector is not None:
-                    self._collector.add(chunk)
+                    self._collector.add(chunk, payload)
                 else:
                     out.append(b"data: " + payload + b"\n\n")
         except RequestFault as fault:

@@ -1,4 +1,18 @@
-"""Non-streaming clients are served from a streamed decode: fold its chunks into one JSON."""
+"""Non-streaming clients are served from a streamed decode: fold its chunks into the JSON a
+non-streaming vLLM response has (SPEC 3, "Completeness"). Pure.
+
+Per choice index:
+* chat: ``content``, ``reasoning_content`` and ``refusal`` concatenated; ``tool_calls``
+  merged by their ``index`` (``id``, ``type`` and ``function.name`` from the first delta
+  that carries them, ``function.arguments`` concatenated); ``logprobs.content`` and
+  ``logprobs.refusal`` concatenated;
+* completions: ``text`` concatenated; ``logprobs`` ``tokens``, ``token_logprobs``,
+  ``top_logprobs`` and ``text_offset`` concatenated (vLLM streams offsets already counted
+  from the start of the text);
+* ``finish_reason`` and ``stop_reason`` from the chunk that finished the choice, ``token_ids``
+  concatenated; any other field of a choice or of the response passes through from the last
+  chunk that carried it. ``usage`` is the last one seen.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +22,70 @@ import msgspec
 
 from narwhal.engines.stream import Chunk
 
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+# fields folded here, never passed through as they came
+_RESPONSE_OWN = frozenset({"id", "object", "created", "model", "choices", "usage"})
+_CHAT_DELTA_OWN = frozenset({"role", "content", "reasoning_content", "reasoning", "refusal"})
+_CHOICE_OWN = frozenset(
+    {"index", "delta", "text", "logprobs", "finish_reason", "stop_reason", "token_ids"}
+)
+_COMPLETION_LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+class _ChoiceFold:
+    __slots__ = (
+        "content",
+        "extra",
+        "finish_reason",
+        "logprobs",
+        "logprobs_seen",
+        "message_extra",
+        "reasoning",
+        "refusal",
+        "stop_reason",
+        "token_ids",
+        "tool_calls",
+    )
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.refusal: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: dict[str, list[Any]] = {}
+        self.logprobs_seen = False
+        self.token_ids: list[Any] | None = None
+        self.finish_reason: Any = None
+        self.stop_reason: Any = None
+        self.extra: dict[str, Any] = {}  # choice fields the router does not know
+        self.message_extra: dict[str, Any] = {}  # delta fields the router does not know
+
+    def add_logprobs(self, logprobs: Any, keys: tuple[str, ...]) -> None:
+        if not isinstance(logprobs, dict):
+            return
+        self.logprobs_seen = True
+        for key in keys:
+            part = logprobs.get(key)
+            if isinstance(part, list):
+                self.logprobs.setdefault(key, []).extend(part)
+
+    def add_tool_call(self, delta: dict[str, Any]) -> None:
+        index = delta.get("index", len(self.tool_calls))
+        call = self.tool_calls.setdefault(
+            index if isinstance(index, int) else len(self.tool_calls),
+            {"id": None, "type": None, "function": {"name": None, "arguments": ""}},
+        )
+        for key in ("id", "type"):
+            if delta.get(key) and not call[key]:
+                call[key] = delta[key]
+        function = delta.get("function")
+        if isinstance(function, dict):
+            if function.get("name") and not call["function"]["name"]:
+                call["function"]["name"] = function["name"]
+            if isinstance(function.get("arguments"), str):
+                call["function"]["arguments"] += function["arguments"]
+
 
 class Assembler:
     def __init__(self, *, chat: bool, model: str) -> None:
@@ -15,49 +93,98 @@ class Assembler:
         self.model = model
         self.id = ""
         self.created = 0
-        self.parts: list[str] = []
-        self.reasoning: list[str] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: Any = None
+        self.extra: dict[str, Any] = {}  # response fields the router does not know
+        self.choices: dict[int, _ChoiceFold] = {}
 
-    def add(self, chunk: Chunk) -> None:
+    def add(self, chunk: Chunk, payload: bytes) -> None:
+        """One decoded chunk (``chunk``, already checked) and its raw ``payload``."""
         if chunk.id and not self.id:
             self.id, self.created = chunk.id, chunk.created or 0
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-        for choice in chunk.choices:
-            if choice.text:
-                self.parts.append(choice.text)
-            delta = choice.delta
-            if delta is not None:
-                if delta.content:
-                    self.parts.append(delta.content)
-                if delta.reasoning_content or delta.reasoning:
-                    self.reasoning.append(delta.reasoning_content or delta.reasoning or "")
-            if choice.finish_reason is not None:
-                self.finish_reason = choice.finish_reason
-                self.stop_reason = choice.stop_reason
+        data = _decode(payload)
+        if not isinstance(data, dict):
+            return
+        if data.get("usage") is not None:
+            self.usage = data["usage"]
+        for key, value in data.items():
+            if key not in _RESPONSE_OWN:
+                self.extra[key] = value
+        for choice in data.get("choices") or ():
+            if isinstance(choice, dict):
+                self._add_choice(choice)
+
+    def _add_choice(self, choice: dict[str, Any]) -> None:
+        index = choice.get("index", 0)
+        fold = self.choices.setdefault(index if isinstance(index, int) else 0, _ChoiceFold())
+        if self.chat:
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self._add_delta(fold, delta)
+            fold.add_logprobs(choice.get("logprobs"), ("content", "refusal"))
+        else:
+            if isinstance(choice.get("text"), str):
+                fold.content.append(choice["text"])
+            fold.add_logprobs(choice.get("logprobs"), _COMPLETION_LOGPROB_LISTS)
+        if isinstance(choice.get("token_ids"), list):
+            fold.token_ids = (fold.token_ids or []) + choice["token_ids"]
+        if choice.get("finish_reason") is not None:
+            fold.finish_reason = choice["finish_reason"]
+            fold.stop_reason = choice.get("stop_reason")
+        for key, value in choice.items():
+            if key not in _CHOICE_OWN:
+                fold.extra[key] = value
+
+    @staticmethod
+    def _add_delta(fold: _ChoiceFold, delta: dict[str, Any]) -> None:
+        if isinstance(delta.get("content"), str):
+            fold.content.append(delta["content"])
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str):
+            fold.reasoning.append(reasoning)
+        if isinstance(delta.get("refusal"), str):
+            fold.refusal.append(delta["refusal"])
+        for call in delta.get("tool_calls") or ():
+            if isinstance(call, dict):
+                fold.add_tool_call(call)
+        for key, value in delta.items():
+            if key not in _CHAT_DELTA_OWN and key != "tool_calls":
+                fold.message_extra[key] = value
 
     def body(self) -> bytes:
-        text = "".join(self.parts)
-        choice: dict[str, Any]
+        choices = [self._choice(i, fold) for i, fold in sorted(self.choices.items())]
+        if not choices:
+            choices = [self._choice(0, _ChoiceFold())]
+        response: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **self.extra,
+            "usage": self.usage,
+        }
+        return _encode(response)
+
+    def _choice(self, index: int, fold: _ChoiceFold) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.reasoning:
-                message["reasoning_content"] = "".join(self.reasoning)
-            choice = {"index": 0, "message": message, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = self.finish_reason
-        choice["stop_reason"] = self.stop_reason
-        return msgspec.json.encode(
-            {
-                "id": self.id,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-                "usage": self.usage,
+            message: dict[str, Any] = {
+                "role": "assistant",
+                # a stream that carried content, even "" (vLLM's opening delta), has content
+                "content": "".join(fold.content) if fold.content else None,
+                "refusal": "".join(fold.refusal) if fold.refusal else None,
+                "tool_calls": [fold.tool_calls[k] for k in sorted(fold.tool_calls)],
+                **fold.message_extra,
             }
-        )
+            if fold.reasoning:
+                message["reasoning_content"] = "".join(fold.reasoning)
+            choice["message"] = message
+        else:
+            choice["text"] = "".join(fold.content)
+        choice["logprobs"] = dict(fold.logprobs) if fold.logprobs_seen else None
+        choice["finish_reason"] = fold.finish_reason
+        choice["stop_reason"] = fold.stop_reason
+        if fold.token_ids is not None:
+            choice["token_ids"] = fold.token_ids
+        choice.update(fold.extra)
+        return choice

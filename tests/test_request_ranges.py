@@ -252,3 +252,33 @@ async def test_out_of_range_requests_never_reach_an_engine(nursery: trio.Nursery
     assert ok.status == 200, ok.body
     assert len(harness.engines["p0"].log) == len(harness.engines["d0"].log) == 1
     await finish(harness)
+
+
+NOT_SERVED: list[tuple[str, str, dict[str, Any]]] = [
+    (COMPLETIONS, "prompt", {"prompt": ["one", "two"]}),
+    (COMPLETIONS, "prompt", {"prompt": [[1, 2], [3, 4]]}),
+    (COMPLETIONS, "prompt", {"prompt": []}),
+    (COMPLETIONS, "echo", {"echo": True}),
+    (CHAT, "echo", {"echo": True}),
+    (COMPLETIONS, "prompt_logprobs", {"prompt_logprobs": 1}),
+    (CHAT, "prompt_logprobs", {"prompt_logprobs": 0}),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "field", "fields"), NOT_SERVED)
+def test_what_is_not_served_is_a_400_never_a_silent_drop(
+    endpoint: str, field: str, fields: dict[str, Any]
+) -> None:
+    """SPEC 3: several prompts would be answered as one, echo and prompt logprobs would be
+    lost with the prefill output: until they are served, the client is told."""
+    with pytest.raises(BadRequest) as caught:
+        _parse(endpoint, fields)
+    assert caught.value.param == field
+    assert caught.value.message.startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(
+    "prompt", ["text", ["one prompt"], [1, 2, 3], [[1, 2, 3]]], ids=["str", "1str", "ids", "1ids"]
+)
+def test_one_prompt_in_any_shape_is_served(prompt: Any) -> None:
+    assert _parse(COMPLETIONS, {"prompt": prompt, "echo": False}).body["prompt"] == prompt

@@ -110,6 +110,7 @@ def parse_request(raw: bytes, *, endpoint: str, model: str) -> ClientRequest:
                 name,
             )
     _check_combinations(fields, body)
+    _refuse_what_is_not_served(fields, body)
     if fields.vllm_xargs is not None and "kv_transfer_params" in fields.vllm_xargs:
         raise BadRequest(
             "vllm_xargs.kv_transfer_params: reserved; the router alone hands descriptors to "
@@ -125,6 +126,35 @@ def parse_request(raw: bytes, *, endpoint: str, model: str) -> ClientRequest:
         stream=bool(fields.stream),
         include_usage=bool(options and options.include_usage),
     )
+
+
+def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
+    """SPEC 3: a requested field is never silently dropped. Until the router serves them
+    (fan-out of prompt lists; echo and prompt logprobs from the prefill leg), these are a
+    400 naming the field, never an answer that lacks what was asked for."""
+    prompt = getattr(fields, "prompt", None)
+    if isinstance(prompt, list):
+        if not prompt:
+            raise BadRequest("prompt: an empty list holds no prompt", "prompt")
+        several = not all(type(p) is int for p in prompt) and len(prompt) > 1
+        if several:
+            raise BadRequest(
+                f"prompt: a list of {len(prompt)} prompts is not served through prefill and "
+                "decode yet; send one request per prompt",
+                "prompt",
+            )
+    if body.get("echo"):
+        raise BadRequest(
+            "echo: not served through prefill and decode yet (the prompt is computed on "
+            "another engine); ask without echo",
+            "echo",
+        )
+    if body.get("prompt_logprobs") is not None:
+        raise BadRequest(
+            "prompt_logprobs: not served through prefill and decode yet (the prompt is "
+            "computed on another engine); ask without prompt_logprobs",
+            "prompt_logprobs",
+        )
 
 
 def _check_combinations(fields: _Common, body: dict[str, Any]) -> None:

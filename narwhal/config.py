@@ -53,6 +53,7 @@ class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
     api_keys_env: str = ""
     admin_keys_env: str = ""  # admin keys for /narwhal/*; "" = loopback peers only
     graceful_timeout_s: NonNegativeFloat = 30.0
+    max_fanout: PositiveInt = 16  # most engine requests one client request fans out to
     client_idle_timeout_s: PositiveFloat = 20.0  # above aiohttp's 15 s and httpx's 5 s idle expiry
     client_body_timeout_s: PositiveFloat = 30.0
 

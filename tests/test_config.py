@@ -44,6 +44,7 @@ def test_every_default() -> None:
         "max_request_bytes": 4194304,
         "api_keys_env": "",
         "admin_keys_env": "",
+        "max_fanout": 16,
         "graceful_timeout_s": 30.0,
         "client_idle_timeout_s": 20.0,
         "client_body_timeout_s": 30.0,
@@ -176,7 +177,7 @@ def test_several_problems_are_reported_together() -> None:
         "serving.bogus: unknown key in [serving] (known: admin_keys_env, api_keys_env, "
         "client_body_timeout_s, "
         "client_idle_timeout_s, graceful_timeout_s, handoff_timeout_s, max_attempts, "
-        "max_inflight, max_request_bytes, prefill_timeout_s, request_timeout_s, "
+        "max_fanout, max_inflight, max_request_bytes, prefill_timeout_s, request_timeout_s, "
         "retry_backoff_s, retry_budget, retry_replenish)",
         "serving.max_inflight: must be an integer >= 1 (got 0)",
         "engine.connect_timeout_s: must be a number > 0 (got 'x')",

@@ -249,8 +249,8 @@ async def test_models_health_ready_engines(pd: Harness) -> None:
         ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens:"),
         ({"model": MODEL}, 400, "prompt:"),
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream:"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "cannot be split across prefill and decode"),
-        ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "cannot be split across"),
+        ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n: 17 completions"),
+        ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of: 3 is not served"),
         (
             {"model": MODEL, "prompt": "x", "vllm_xargs": {"kv_transfer_params": {}}},
             400,

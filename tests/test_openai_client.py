@@ -82,7 +82,7 @@ async def test_openai_client_sees_status_errors(pd: Harness) -> None:
     try:
         with pytest.raises(openai.NotFoundError, match="is not served here"):
             await client.completions.create(model="nope", prompt=PROMPT, max_tokens=4)
-        with pytest.raises(openai.BadRequestError, match="cannot be split across prefill"):
-            await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2)
+        with pytest.raises(openai.BadRequestError, match="best_of: 2 is not served"):
+            await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, best_of=2)
     finally:
         await client.close()

@@ -123,7 +123,7 @@ async def test_reload_adds_and_removes_engines(nursery: trio.Nursery, tmp_path: 
         "serving.bogus: unknown key in [serving] (known: admin_keys_env, api_keys_env, "
         "client_body_timeout_s, "
         "client_idle_timeout_s, graceful_timeout_s, handoff_timeout_s, max_attempts, "
-        "max_inflight, max_request_bytes, prefill_timeout_s, request_timeout_s, "
+        "max_fanout, max_inflight, max_request_bytes, prefill_timeout_s, request_timeout_s, "
         "retry_backoff_s, retry_budget, retry_replenish)",
         "serving.max_inflight: must be an integer >= 1 (got 0)",
     ]

@@ -305,7 +305,9 @@ class RouterApp:
                     f"router is at max_inflight={serving.max_inflight}; retry later",
                     phase=Phase.ADMISSION,
                 )
-            req = parse_request(raw, endpoint=path, model=router.config.model)
+            req = parse_request(
+                raw, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
+            )
         except Disconnected:
             framing = scope.get(FRAMING_ERROR)
             if framing:  # the server answered 400 to a malformed body and closed

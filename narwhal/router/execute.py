@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -43,7 +43,7 @@ from narwhal.router.placement import pick
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget, RetryDecision, decide
 
-_PHASE_OF = {
+PHASE_OF = {
     State.ADMITTED: Phase.ADMISSION,
     State.PREFILLING: Phase.PREFILL,
     State.HANDOFF: Phase.HANDOFF,
@@ -85,14 +85,19 @@ class RequestRun:
         req: ClientRequest,
         rid: str,
         sink: ClientSink,
+        *,
+        arrival: float | None = None,
+        choice: int | None = None,
+        progress: Callable[[State], None] | None = None,
     ) -> None:
         self.router = router
         self.config = config  # taken once, at admission: a reload applies to new requests
         self.req = req
-        self.rid = rid
+        self.rid = rid  # backend ids are <rid>-a<attempt>-prefill|decode
         self.sink = sink
-        self.arrival = trio.current_time()
-        self.lifecycle = Lifecycle()
+        self.arrival = trio.current_time() if arrival is None else arrival
+        self.choice = choice  # a fan-out's sub-request: the choice index it answers
+        self.lifecycle = Lifecycle(progress)
         self.attempts: list[AttemptLine] = []
         self.failed_engines: set[str] = set()
         self.ttft_s: float | None = None
@@ -105,7 +110,7 @@ class RequestRun:
 
     @property
     def phase(self) -> Phase:
-        return _PHASE_OF[self.lifecycle.state]
+        return PHASE_OF[self.lifecycle.state]
 
     @property
     def elapsed(self) -> float:
@@ -171,7 +176,7 @@ class RequestRun:
         """One prefill leg, one handoff, one decode leg; each leg's result feeds its
         engine's breaker (client errors and disconnects never do)."""
         health = self.router.health
-        attempt = AttemptLine(number=len(self.attempts) + 1)
+        attempt = AttemptLine(number=len(self.attempts) + 1, choice=self.choice)
         self.attempts.append(attempt)
         producer = self._place("prefill")
         self.router.fleet.turn += 1

@@ -41,6 +41,7 @@ _STOP: Final = b""  # never a line: every line ends with a newline
 
 class AttemptLine(msgspec.Struct, omit_defaults=True):
     number: int
+    choice: int | None = None  # a fan-out's sub-request: the choice index it answers
     producer: str | None = None
     consumer: str | None = None
     error: str | None = None  # the fault's message

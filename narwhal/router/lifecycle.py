@@ -15,6 +15,7 @@ Rules the table encodes:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 
@@ -60,11 +61,14 @@ class InvalidTransition(RuntimeError):
 
 
 class Lifecycle:
-    __slots__ = ("history", "state")
+    """``listener`` hears every state reached (a fan-out's parent follows its children)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("history", "listener", "state")
+
+    def __init__(self, listener: Callable[[State], None] | None = None) -> None:
         self.state = State.ADMITTED
         self.history: list[State] = [State.ADMITTED]
+        self.listener = listener
 
     def advance(self, event: Input) -> State:
         nxt = TRANSITIONS.get((self.state, event))
@@ -72,6 +76,8 @@ class Lifecycle:
             raise InvalidTransition(f"{event.value} is not allowed in state {self.state.value}")
         self.state = nxt
         self.history.append(nxt)
+        if self.listener is not None:
+            self.listener(nxt)
         return nxt
 
     @property

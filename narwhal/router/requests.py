@@ -76,13 +76,33 @@ class ClientRequest(msgspec.Struct):
     body: dict[str, Any]
     stream: bool
     include_usage: bool
+    n: int = 1  # completions per prompt
+    prompts: list[Any] | None = None  # several prompts (a completions list), else None
+
+    @property
+    def fanout(self) -> int:
+        """How many prefill/decode requests this one runs as (SPEC 3, "Fan-out")."""
+        return len(self.prompts or (None,)) * self.n
+
+    def split(self) -> list[tuple[int, int, ClientRequest]]:
+        """The sub-requests, prompt-major then ``n`` (OpenAI's choice order): (prompt, j,
+        request) with one prompt and ``n`` 1 each."""
+        base = {k: v for k, v in self.body.items() if k not in ("n", "best_of")}
+        prompts = self.prompts if self.prompts is not None else [base.get("prompt")]
+        subs = []
+        for p, prompt in enumerate(prompts):
+            for j in range(self.n):
+                body = {**base, "prompt": prompt} if self.prompts is not None else dict(base)
+                sub = ClientRequest(self.endpoint, self.chat, body, self.stream, self.include_usage)
+                subs.append((p, j, sub))
+        return subs
 
 
 _decode_any = msgspec.json.Decoder().decode
 _PATH = re.compile(r"at `\$\.([^`\[]+)")
 
 
-def parse_request(raw: bytes, *, endpoint: str, model: str) -> ClientRequest:
+def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16) -> ClientRequest:
     """Validate a completion or chat body; raise BadRequest / ModelNotServed."""
     chat = endpoint.endswith("/chat/completions")
     try:
@@ -101,16 +121,24 @@ def parse_request(raw: bytes, *, endpoint: str, model: str) -> ClientRequest:
         raise BadRequest(f"{param}: {exc}", param) from None
     if fields.model != model:
         raise ModelNotServed(f"model '{fields.model}' is not served here", phase=Phase.ADMISSION)
-    for name in ("n", "best_of"):
-        value = getattr(fields, name)
-        if value is not None and value > 1:
-            raise BadRequest(
-                f"cannot be split across prefill and decode: {name}={value} asks for several "
-                "completions; send one request per completion",
-                name,
-            )
+    if fields.best_of is not None and fields.best_of > 1:
+        raise BadRequest(
+            f"best_of: {fields.best_of} is not served: the engines would each rank their own "
+            "candidates; ask for n completions instead",
+            "best_of",
+        )
     _check_combinations(fields, body)
     _refuse_what_is_not_served(fields, body)
+    n = fields.n or 1
+    prompts = _prompts(getattr(fields, "prompt", None))
+    count = len(prompts or (None,)) * n
+    if count > max_fanout:
+        param = "n" if prompts is None else "prompt"
+        raise BadRequest(
+            f"{param}: {count} completions ({len(prompts or (None,))} prompt(s) x n={n}) exceed "
+            f"serving.max_fanout={max_fanout}",
+            param,
+        )
     if fields.vllm_xargs is not None and "kv_transfer_params" in fields.vllm_xargs:
         raise BadRequest(
             "vllm_xargs.kv_transfer_params: reserved; the router alone hands descriptors to "
@@ -125,22 +153,32 @@ def parse_request(raw: bytes, *, endpoint: str, model: str) -> ClientRequest:
         body=body,
         stream=bool(fields.stream),
         include_usage=bool(options and options.include_usage),
+        n=n,
+        prompts=prompts,
     )
+
+
+def _prompts(prompt: Any) -> list[Any] | None:
+    """Several prompts (a list of strings or of token-id lists), else None: one prompt,
+    whatever its shape (a string, token ids, a list holding one of either)."""
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(type(p) is int for p in prompt):
+        return None  # one prompt as token ids
+    return list(prompt)
 
 
 def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
     """SPEC 3: a requested field is never silently dropped. Until the router serves them
-    (fan-out of prompt lists; echo and prompt logprobs from the prefill leg), these are a
-    400 naming the field, never an answer that lacks what was asked for."""
+    (echo and prompt logprobs from the prefill leg), these are a 400 naming the field,
+    never an answer that lacks what was asked for."""
     prompt = getattr(fields, "prompt", None)
     if isinstance(prompt, list):
         if not prompt:
             raise BadRequest("prompt: an empty list holds no prompt", "prompt")
-        several = not all(type(p) is int for p in prompt) and len(prompt) > 1
-        if several:
+        if any(type(p) is int for p in prompt) and not all(type(p) is int for p in prompt):
             raise BadRequest(
-                f"prompt: a list of {len(prompt)} prompts is not served through prefill and "
-                "decode yet; send one request per prompt",
+                "prompt: a list mixes token ids with prompts; send token ids or prompts",
                 "prompt",
             )
     if body.get("echo"):

@@ -25,6 +25,7 @@ from narwhal.logs import log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
 from narwhal.router.auth import ApiKeys
 from narwhal.router.execute import ClientSink, RequestRun
+from narwhal.router.fanout import FanOutRun
 from narwhal.router.fleet import Fleet
 from narwhal.router.health import Health
 from narwhal.router.journal import Journal, JournalLine, Outcome
@@ -32,6 +33,7 @@ from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget
 
 log = logging.getLogger("narwhal.router")
+Run = RequestRun | FanOutRun  # one client request: one prefill/decode chain, or a fan-out
 FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
 
 
@@ -91,9 +93,13 @@ class Router:
         rid: str,
         sink: ClientSink,
         wait_disconnect: Callable[[], Awaitable[None]],
-    ) -> RequestRun:
+    ) -> Run:
         """Serve one admitted request to its single terminal outcome."""
-        run = RequestRun(self, self.config, req, rid, sink)
+        run: Run = (
+            FanOutRun(self, self.config, req, rid, sink)
+            if req.fanout > 1
+            else RequestRun(self, self.config, req, rid, sink)
+        )
         if not self.admitted:
             self._drained = trio.Event()
         self.admitted += 1
@@ -131,7 +137,7 @@ class Router:
                 self._drained.set()
         return run
 
-    async def _run_until_deadline(self, run: RequestRun) -> None:
+    async def _run_until_deadline(self, run: Run) -> None:
         timeout = run.config.serving.request_timeout_s
         with trio.move_on_at(run.arrival + timeout) as deadline:
             try:
@@ -247,7 +253,7 @@ class Router:
         self,
         wait_disconnect: Callable[[], Awaitable[None]],
         scope: trio.CancelScope,
-        run: RequestRun,
+        run: Run,
     ) -> None:
         await wait_disconnect()
         if run.lifecycle.finished:

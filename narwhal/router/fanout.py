@@ -1,0 +1,292 @@
+"""Fan-out (SPEC 3): ``n > 1`` and a list of prompts run as independent prefill/decode
+requests, merged into one response whose choices are indexed as OpenAI does (prompt-major,
+then ``n``).
+
+``FanOutRun`` stands where a ``RequestRun`` stands for ``Router.handle`` (same life cycle,
+same journal line). Each sub-request is a ``RequestRun`` of its own (its attempts, retries,
+reservations, backend ids ``<id>-p<prompt>-n<j>-a<attempt>-prefill|decode``), run as a
+child of this request's nursery: a client disconnect, the deadline or the drain cancels
+them all at once. The children write to a ``_ChildSink``; this class merges:
+
+* streaming: each child's frames go out as they come, their choice ``index`` rewritten;
+  the first output of any child commits the response; the children's ``[DONE]`` and usage
+  chunks are held back, and one usage chunk (summed) and one ``[DONE]`` end the stream;
+* JSON: each child's assembled answer becomes one choice; ``usage`` is summed, the prompt
+  counted once per prompt as vLLM does.
+
+A child that fails fails the whole request: before the commit point with its JSON error,
+after it with the terminal event (SPEC 3), the other children cancelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import trio
+
+from narwhal.config import FleetConfig
+from narwhal.engines.relay import DONE_FRAME
+from narwhal.faults import DeadlineExpired, Phase, RequestFault
+from narwhal.router.execute import PHASE_OF, ClientSink, RequestRun, RouterState
+from narwhal.router.journal import AttemptLine, JournalLine, Outcome
+from narwhal.router.lifecycle import Input, Lifecycle, State
+from narwhal.router.requests import ClientRequest
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+# the parent's record follows the furthest child through these, in order
+_PROGRESS = (State.PREFILLING, State.HANDOFF, State.DECODING, State.GENERATING)
+_INPUT_TO = {
+    State.PREFILLING: Input.PREFILL,
+    State.HANDOFF: Input.DESCRIPTOR,
+    State.DECODING: Input.DISPATCH,
+    State.GENERATING: Input.FIRST_TOKEN,
+}
+
+
+class FanOutRun:
+    """One client request answered by several prefill/decode requests."""
+
+    def __init__(
+        self,
+        router: RouterState,
+        config: FleetConfig,
+        req: ClientRequest,
+        rid: str,
+        sink: ClientSink,
+    ) -> None:
+        self.router = router
+        self.config = config
+        self.req = req
+        self.rid = rid
+        self.sink = sink
+        self.arrival = trio.current_time()
+        self.lifecycle = Lifecycle()
+        self.children: list[RequestRun] = []
+        self.prompt_of: list[int] = []
+        for k, (p, j, sub) in enumerate(req.split()):
+            child = RequestRun(
+                router,
+                config,
+                sub,
+                f"{rid}-p{p}-n{j}",
+                _ChildSink(self, k),
+                arrival=self.arrival,
+                choice=k,
+                progress=self._follow,
+            )
+            self.children.append(child)
+            self.prompt_of.append(p)
+        self._write_lock = trio.Lock()
+        self._usage: dict[int, Any] = {}  # streaming: each child's last usage
+        self._answers: dict[int, dict[str, Any]] = {}  # JSON: each child's answer
+        self._template: dict[str, Any] | None = None  # a chunk to shape the usage chunk on
+        self.outcome: Outcome = "cancelled"
+        self.status: int | None = None
+        self.fault: RequestFault | None = None
+        self.cancelled_in: Phase | None = None
+
+    # ---- what Router.handle reads --------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return PHASE_OF[self.lifecycle.state]
+
+    @property
+    def elapsed(self) -> float:
+        return trio.current_time() - self.arrival
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.tokens for c in self.children)
+
+    async def execute(self) -> None:
+        """Run every child; the first fault cancels the others and is raised."""
+        failed: list[RequestFault] = []
+
+        async def child(run: RequestRun, scope: trio.CancelScope) -> None:
+            try:
+                await run.execute()
+            except RequestFault as fault:
+                failed.append(fault)
+                scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for run in self.children:
+                nursery.start_soon(child, run, nursery.cancel_scope)
+        if failed:
+            raise failed[0]
+        await self._finish()
+
+    async def fail(self, fault: RequestFault) -> None:
+        """Tell the client: JSON before the commit point, one terminal event after it."""
+        if self.lifecycle.finished:
+            return
+        committed = self.lifecycle.committed
+        self.lifecycle.advance(Input.FAIL)
+        self.fault, self.status = fault, fault.status
+        self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
+        if committed:
+            async with self._write_lock:
+                await self.sink.end(b"data: " + fault.error_json() + b"\n\n")
+        else:
+            await self.sink.respond_json(fault.status, fault.error_json())
+
+    def cancel(self) -> None:
+        self.cancelled_in = self.phase
+        self.lifecycle.advance(Input.CANCEL)
+
+    def journal_line(self) -> JournalLine:
+        fault = self.fault
+        ttfts = [c.ttft_s for c in self.children if c.ttft_s is not None]
+        firsts = [c.first_byte_s for c in self.children if c.first_byte_s is not None]
+        attempts: list[AttemptLine] = [a for c in self.children for a in c.attempts]
+        return JournalLine(
+            request_id=self.rid,
+            endpoint=self.req.endpoint,
+            stream=self.req.stream,
+            outcome=self.outcome,
+            status=self.status,
+            phase=fault.phase if fault else self.cancelled_in,
+            message=fault.message if fault else None,
+            attempts=attempts,
+            ttft_s=min(ttfts) if ttfts else None,
+            first_byte_s=min(firsts) if firsts else None,
+            tokens=self.tokens,
+            duration_s=self.elapsed,
+        )
+
+    # ---- following the children ----------------------------------------------------------
+
+    def _follow(self, reached: State) -> None:
+        """The parent's record is the furthest any child has come (retries go back only in
+        the child)."""
+        if reached not in _PROGRESS or self.lifecycle.finished:
+            return
+        while self.lifecycle.state in (State.ADMITTED, *_PROGRESS[:-1]):
+            current = self.lifecycle.state
+            rank = -1 if current is State.ADMITTED else _PROGRESS.index(current)
+            if rank >= _PROGRESS.index(reached):
+                return
+            self.lifecycle.advance(_INPUT_TO[_PROGRESS[rank + 1]])
+
+    async def child_output(self, k: int, data: bytes, *, last: bool) -> None:
+        """Frames from child ``k``'s stream: re-indexed and sent (the first commits)."""
+        frames = []
+        for frame in data.split(b"\n\n"):
+            if not frame.startswith(b"data: ") or frame == DONE_FRAME[:-2]:
+                continue
+            chunk = _decode(frame[6:])
+            if not isinstance(chunk, dict):
+                continue
+            choices = chunk.get("choices") or []
+            if not choices and chunk.get("usage") is not None:
+                self._usage[k] = chunk["usage"]  # summed into one usage chunk at the end
+                self._template = self._template or chunk
+                continue
+            for choice in choices:
+                if isinstance(choice, dict):
+                    choice["index"] = k + (choice.get("index") or 0)
+            if self._template is None:
+                self._template = chunk
+            frames.append(b"data: " + _encode(chunk) + b"\n\n")
+        if not frames:
+            return
+        async with self._write_lock:
+            if self.lifecycle.finished:
+                return
+            if not self.lifecycle.committed:
+                self.lifecycle.advance(Input.COMMIT)
+                await self.sink.commit(b"".join(frames))
+            else:
+                await self.sink.send(b"".join(frames))
+
+    def child_answer(self, k: int, body: bytes) -> None:
+        answer = _decode(body)
+        if isinstance(answer, dict):
+            self._answers[k] = answer
+
+    async def _finish(self) -> None:
+        self.outcome, self.status = "completed", 200
+        if self.lifecycle.state is not State.GENERATING:  # every child answered at once
+            self._follow(State.GENERATING)
+        if not self.req.stream:
+            self.lifecycle.advance(Input.COMMIT)
+            self.lifecycle.advance(Input.DONE)
+            await self.sink.respond_json(200, _encode(self._merged_answer()))
+            return
+        tail = b""
+        if self.req.include_usage and self._usage:
+            usage_chunk = {
+                **(self._template or {}),
+                "choices": [],
+                "usage": self._summed([self._usage.get(k) for k in range(len(self.children))]),
+            }
+            tail = b"data: " + _encode(usage_chunk) + b"\n\n"
+        async with self._write_lock:
+            committed = self.lifecycle.committed
+            if not committed:
+                self.lifecycle.advance(Input.COMMIT)
+            self.lifecycle.advance(Input.DONE)
+            if committed:
+                await self.sink.end(tail + DONE_FRAME)
+            else:
+                await self.sink.commit(tail + DONE_FRAME)
+                await self.sink.end()
+
+    def _merged_answer(self) -> dict[str, Any]:
+        first = self._answers.get(0, {})
+        choices = []
+        for k in range(len(self.children)):
+            answer = self._answers.get(k, {})
+            for choice in answer.get("choices") or []:
+                choices.append({**choice, "index": k + (choice.get("index") or 0)})
+        usages = [self._answers.get(k, {}).get("usage") for k in range(len(self.children))]
+        return {**first, "choices": choices, "usage": self._summed(usages)}
+
+    def _summed(self, usages: list[Any]) -> dict[str, Any] | None:
+        """Completion tokens of every child; the prompt once per prompt (vLLM's count)."""
+        if not any(isinstance(u, dict) for u in usages):
+            return None
+        prompt = completion = 0
+        counted: set[int] = set()
+        first: dict[str, Any] = {}
+        for k, usage in enumerate(usages):
+            if not isinstance(usage, dict):
+                continue
+            first = first or usage
+            completion += int(usage.get("completion_tokens") or 0)
+            if self.prompt_of[k] not in counted:
+                counted.add(self.prompt_of[k])
+                prompt += int(usage.get("prompt_tokens") or 0)
+        return {
+            **first,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+
+class _ChildSink:
+    """Where a child's output goes: to its parent's merge, never to the client directly."""
+
+    __slots__ = ("k", "parent")
+
+    def __init__(self, parent: FanOutRun, k: int) -> None:
+        self.parent = parent
+        self.k = k
+
+    async def commit(self, data: bytes) -> None:
+        await self.parent.child_output(self.k, data, last=False)
+
+    async def send(self, data: bytes) -> None:
+        await self.parent.child_output(self.k, data, last=False)
+
+    async def end(self, data: bytes = b"") -> None:
+        await self.parent.child_output(self.k, data, last=True)
+
+    async def respond_json(self, status: int, body: bytes) -> None:
+        if status == 200:
+            self.parent.child_answer(self.k, body)
+        # a child's failure is raised from its execute(); the parent tells the client

@@ -75,34 +75,27 @@ class RouterState(Protocol):
     rng: random.Random
 
 
-class RequestRun:
-    """The state one client request owns: lifecycle, attempts, clocks, measurements."""
+class RunRecord:
+    """What every run of a client request records for ``Router.handle``: its lifecycle,
+    outcome and journal line, and how a fault is told to the client. ``RequestRun`` is one
+    prefill/decode chain; ``narwhal.router.fanout.FanOutRun`` several."""
 
     def __init__(
         self,
-        router: RouterState,
         config: FleetConfig,
         req: ClientRequest,
         rid: str,
         sink: ClientSink,
         *,
         arrival: float | None = None,
-        choice: int | None = None,
         progress: Callable[[State], None] | None = None,
     ) -> None:
-        self.router = router
         self.config = config  # taken once, at admission: a reload applies to new requests
         self.req = req
-        self.rid = rid  # backend ids are <rid>-a<attempt>-prefill|decode
+        self.rid = rid
         self.sink = sink
         self.arrival = trio.current_time() if arrival is None else arrival
-        self.choice = choice  # a fan-out's sub-request: the choice index it answers
         self.lifecycle = Lifecycle(progress)
-        self.attempts: list[AttemptLine] = []
-        self.failed_engines: set[str] = set()
-        self.ttft_s: float | None = None
-        self.first_byte_s: float | None = None
-        self.tokens = 0
         self.outcome: Outcome = "cancelled"  # until something else is known
         self.status: int | None = None
         self.fault: RequestFault | None = None
@@ -119,6 +112,79 @@ class RequestRun:
     @property
     def deadline(self) -> float:
         return self.arrival + self.config.serving.request_timeout_s
+
+    def cancel(self) -> None:
+        """The client went away (or could not be told of the failure): record where."""
+        self.cancelled_in = self.phase
+        self.lifecycle.advance(Input.CANCEL)
+
+    async def fail(self, fault: RequestFault) -> None:
+        """Tell the client: JSON before the commit point, one terminal event after it."""
+        if self.lifecycle.finished:
+            return
+        committed = self.lifecycle.committed
+        self.lifecycle.advance(Input.FAIL)
+        self.fault, self.status = fault, fault.status
+        self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
+        error = fault.error_json()
+        if committed:
+            await self._end_stream(b"data: " + error + b"\n\n")
+        else:
+            await self.sink.respond_json(fault.status, error)
+
+    async def _end_stream(self, data: bytes) -> None:
+        await self.sink.end(data)
+
+    def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
+        """(attempts, ttft_s, first_byte_s, tokens) for the journal."""
+        raise NotImplementedError
+
+    def journal_line(self) -> JournalLine:
+        fault = self.fault
+        attempts, ttft_s, first_byte_s, tokens = self.measures()
+        return JournalLine(
+            request_id=self.rid,
+            endpoint=self.req.endpoint,
+            stream=self.req.stream,
+            outcome=self.outcome,
+            status=self.status,
+            phase=fault.phase if fault else self.cancelled_in,
+            message=fault.message if fault else None,
+            attempts=attempts,
+            ttft_s=ttft_s,
+            first_byte_s=first_byte_s,
+            tokens=tokens,
+            duration_s=self.elapsed,
+        )
+
+
+class RequestRun(RunRecord):
+    """One prefill/decode chain: attempts, legs, the relay shell, measurements."""
+
+    def __init__(
+        self,
+        router: RouterState,
+        config: FleetConfig,
+        req: ClientRequest,
+        rid: str,
+        sink: ClientSink,
+        *,
+        arrival: float | None = None,
+        choice: int | None = None,
+        progress: Callable[[State], None] | None = None,
+    ) -> None:
+        # backend ids are <rid>-a<attempt>-prefill|decode
+        super().__init__(config, req, rid, sink, arrival=arrival, progress=progress)
+        self.router = router
+        self.choice = choice  # a fan-out's sub-request: the choice index it answers
+        self.attempts: list[AttemptLine] = []
+        self.failed_engines: set[str] = set()
+        self.ttft_s: float | None = None
+        self.first_byte_s: float | None = None
+        self.tokens = 0
+
+    def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
+        return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
 
     async def execute(self) -> None:
         """Run attempts until one succeeds or a fault may not be retried (then it is raised)."""
@@ -362,39 +428,3 @@ class RequestRun:
         else:
             await self.sink.commit(data)
             await self.sink.end()
-
-    def cancel(self) -> None:
-        """The client went away (or could not be told of the failure): record where."""
-        self.cancelled_in = self.phase
-        self.lifecycle.advance(Input.CANCEL)
-
-    def journal_line(self) -> JournalLine:
-        fault = self.fault
-        return JournalLine(
-            request_id=self.rid,
-            endpoint=self.req.endpoint,
-            stream=self.req.stream,
-            outcome=self.outcome,
-            status=self.status,
-            phase=fault.phase if fault else self.cancelled_in,
-            message=fault.message if fault else None,
-            attempts=self.attempts,
-            ttft_s=self.ttft_s,
-            first_byte_s=self.first_byte_s,
-            tokens=self.tokens,
-            duration_s=self.elapsed,
-        )
-
-    async def fail(self, fault: RequestFault) -> None:
-        """Tell the client: JSON before the commit point, one terminal event after it."""
-        if self.lifecycle.finished:
-            return
-        committed = self.lifecycle.committed
-        self.lifecycle.advance(Input.FAIL)
-        self.fault, self.status = fault, fault.status
-        self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
-        error = fault.error_json()
-        if committed:
-            await self.sink.end(b"data: " + error + b"\n\n")
-        else:
-            await self.sink.respond_json(fault.status, error)

@@ -27,10 +27,10 @@ import trio
 
 from narwhal.config import FleetConfig
 from narwhal.engines.relay import DONE_FRAME
-from narwhal.faults import DeadlineExpired, Phase, RequestFault
-from narwhal.router.execute import PHASE_OF, ClientSink, RequestRun, RouterState
-from narwhal.router.journal import AttemptLine, JournalLine, Outcome
-from narwhal.router.lifecycle import Input, Lifecycle, State
+from narwhal.faults import RequestFault
+from narwhal.router.execute import ClientSink, RequestRun, RouterState, RunRecord
+from narwhal.router.journal import AttemptLine
+from narwhal.router.lifecycle import Input, State
 from narwhal.router.requests import ClientRequest
 
 _decode = msgspec.json.Decoder().decode
@@ -45,7 +45,7 @@ _INPUT_TO = {
 }
 
 
-class FanOutRun:
+class FanOutRun(RunRecord):
     """One client request answered by several prefill/decode requests."""
 
     def __init__(
@@ -56,13 +56,7 @@ class FanOutRun:
         rid: str,
         sink: ClientSink,
     ) -> None:
-        self.router = router
-        self.config = config
-        self.req = req
-        self.rid = rid
-        self.sink = sink
-        self.arrival = trio.current_time()
-        self.lifecycle = Lifecycle()
+        super().__init__(config, req, rid, sink)
         self.children: list[RequestRun] = []
         self.prompt_of: list[int] = []
         for k, (p, j, sub) in enumerate(req.split()):
@@ -82,24 +76,18 @@ class FanOutRun:
         self._usage: dict[int, Any] = {}  # streaming: each child's last usage
         self._answers: dict[int, dict[str, Any]] = {}  # JSON: each child's answer
         self._template: dict[str, Any] | None = None  # a chunk to shape the usage chunk on
-        self.outcome: Outcome = "cancelled"
-        self.status: int | None = None
-        self.fault: RequestFault | None = None
-        self.cancelled_in: Phase | None = None
 
-    # ---- what Router.handle reads --------------------------------------------------------
+    # ---- the record, summed over the children --------------------------------------------
 
-    @property
-    def phase(self) -> Phase:
-        return PHASE_OF[self.lifecycle.state]
-
-    @property
-    def elapsed(self) -> float:
-        return trio.current_time() - self.arrival
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.tokens for c in self.children)
+    def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
+        ttfts = [c.ttft_s for c in self.children if c.ttft_s is not None]
+        firsts = [c.first_byte_s for c in self.children if c.first_byte_s is not None]
+        return (
+            [a for c in self.children for a in c.attempts],
+            min(ttfts, default=None),
+            min(firsts, default=None),
+            sum(c.tokens for c in self.children),
+        )
 
     async def execute(self) -> None:
         """Run every child; the first fault cancels the others and is raised."""
@@ -119,43 +107,9 @@ class FanOutRun:
             raise failed[0]
         await self._finish()
 
-    async def fail(self, fault: RequestFault) -> None:
-        """Tell the client: JSON before the commit point, one terminal event after it."""
-        if self.lifecycle.finished:
-            return
-        committed = self.lifecycle.committed
-        self.lifecycle.advance(Input.FAIL)
-        self.fault, self.status = fault, fault.status
-        self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
-        if committed:
-            async with self._write_lock:
-                await self.sink.end(b"data: " + fault.error_json() + b"\n\n")
-        else:
-            await self.sink.respond_json(fault.status, fault.error_json())
-
-    def cancel(self) -> None:
-        self.cancelled_in = self.phase
-        self.lifecycle.advance(Input.CANCEL)
-
-    def journal_line(self) -> JournalLine:
-        fault = self.fault
-        ttfts = [c.ttft_s for c in self.children if c.ttft_s is not None]
-        firsts = [c.first_byte_s for c in self.children if c.first_byte_s is not None]
-        attempts: list[AttemptLine] = [a for c in self.children for a in c.attempts]
-        return JournalLine(
-            request_id=self.rid,
-            endpoint=self.req.endpoint,
-            stream=self.req.stream,
-            outcome=self.outcome,
-            status=self.status,
-            phase=fault.phase if fault else self.cancelled_in,
-            message=fault.message if fault else None,
-            attempts=attempts,
-            ttft_s=min(ttfts) if ttfts else None,
-            first_byte_s=min(firsts) if firsts else None,
-            tokens=self.tokens,
-            duration_s=self.elapsed,
-        )
+    async def _end_stream(self, data: bytes) -> None:
+        async with self._write_lock:  # never between a child's frames
+            await self.sink.end(data)
 
     # ---- following the children ----------------------------------------------------------
 

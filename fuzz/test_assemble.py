@@ -149,7 +149,7 @@ def test_chat_deltas_fold_into_the_whole_message(
     assert message["content"] == answer["content"]  # the opening delta carries content ""
     assert message.get("reasoning_content", "") == answer["reasoning"]
     assert message["refusal"] == answer["refusal"]
-    assert message["tool_calls"] == [
+    assert message.get("tool_calls", []) == [  # vLLM leaves the key out when there are none
         {
             "id": c["id"],
             "type": "function",

@@ -283,3 +283,11 @@ def test_what_is_not_served_is_a_400_never_a_silent_drop(
 )
 def test_one_prompt_in_any_shape_is_served(prompt: Any) -> None:
     assert _parse(COMPLETIONS, {"prompt": prompt, "echo": False}).body["prompt"] == prompt
+
+
+def test_n_with_greedy_sampling_is_refused_as_vllm_refuses_it() -> None:
+    """vLLM 0.32: "n must be 1 when using greedy sampling" (tests/captures/shapes)."""
+    with pytest.raises(BadRequest) as caught:
+        _parse(COMPLETIONS, {"n": 2, "temperature": 0})
+    assert caught.value.param == "n"
+    assert _parse(COMPLETIONS, {"n": 2, "temperature": 0.5}).fanout == 2

@@ -31,6 +31,34 @@ _CHOICE_OWN = frozenset(
     {"index", "delta", "text", "logprobs", "finish_reason", "stop_reason", "token_ids"}
 )
 _COMPLETION_LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+# vLLM 0.32's non-streaming schema (tests/captures/shapes): fields its streamed chunks leave
+# out but a non-streaming client receives, with the values they take there
+_TOP_DEFAULTS: dict[str, Any] = {
+    "service_tier": None,
+    "system_fingerprint": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "metrics": None,
+}
+_CHAT_TOP_DEFAULTS = {
+    **_TOP_DEFAULTS,
+    "prompt_logprobs": None,
+    "prompt_token_ids": None,
+    "prompt_text": None,
+}
+_CHOICE_DEFAULTS: dict[str, Any] = {"token_ids": None, "routed_experts": None}
+_COMPLETION_CHOICE_DEFAULTS = {
+    **_CHOICE_DEFAULTS,
+    "prompt_logprobs": None,
+    "prompt_token_ids": None,
+}
+_MESSAGE_DEFAULTS: dict[str, Any] = {
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+}
+_USAGE_DEFAULTS: dict[str, Any] = {"prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 class _ChoiceFold:
@@ -42,6 +70,7 @@ class _ChoiceFold:
         "logprobs_seen",
         "message_extra",
         "reasoning",
+        "reasoning_keys",
         "refusal",
         "stop_reason",
         "token_ids",
@@ -51,6 +80,7 @@ class _ChoiceFold:
     def __init__(self) -> None:
         self.content: list[str] = []
         self.reasoning: list[str] = []
+        self.reasoning_keys: set[str] = set()  # "reasoning" (vLLM 0.32), "reasoning_content"
         self.refusal: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.logprobs: dict[str, list[Any]] = {}
@@ -138,9 +168,11 @@ class Assembler:
     def _add_delta(fold: _ChoiceFold, delta: dict[str, Any]) -> None:
         if isinstance(delta.get("content"), str):
             fold.content.append(delta["content"])
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-        if isinstance(reasoning, str):
-            fold.reasoning.append(reasoning)
+        for key in ("reasoning", "reasoning_content"):
+            if isinstance(delta.get(key), str):
+                fold.reasoning.append(delta[key])
+                fold.reasoning_keys.add(key)
+                break
         if isinstance(delta.get("refusal"), str):
             fold.refusal.append(delta["refusal"])
         for call in delta.get("tool_calls") or ():
@@ -154,14 +186,18 @@ class Assembler:
         choices = [self._choice(i, fold) for i, fold in sorted(self.choices.items())]
         if not choices:
             choices = [self._choice(0, _ChoiceFold())]
+        usage = self.usage
+        if isinstance(usage, dict):
+            usage = {**_USAGE_DEFAULTS, **usage}
         response: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,
+            **(_CHAT_TOP_DEFAULTS if self.chat else _TOP_DEFAULTS),
             **self.extra,
-            "usage": self.usage,
+            "usage": usage,
         }
         return _encode(response)
 
@@ -172,19 +208,22 @@ class Assembler:
                 "role": "assistant",
                 # a stream that carried content, even "" (vLLM's opening delta), has content
                 "content": "".join(fold.content) if fold.content else None,
+                **_MESSAGE_DEFAULTS,
                 "refusal": "".join(fold.refusal) if fold.refusal else None,
-                "tool_calls": [fold.tool_calls[k] for k in sorted(fold.tool_calls)],
+                "reasoning": None,
                 **fold.message_extra,
             }
-            if fold.reasoning:
-                message["reasoning_content"] = "".join(fold.reasoning)
+            if fold.tool_calls:  # vLLM leaves the key out when there are none
+                message["tool_calls"] = [fold.tool_calls[k] for k in sorted(fold.tool_calls)]
+            for key in fold.reasoning_keys:
+                message[key] = "".join(fold.reasoning)
             choice["message"] = message
         else:
             choice["text"] = "".join(fold.content)
         choice["logprobs"] = dict(fold.logprobs) if fold.logprobs_seen else None
         choice["finish_reason"] = fold.finish_reason
         choice["stop_reason"] = fold.stop_reason
-        if fold.token_ids is not None:
-            choice["token_ids"] = fold.token_ids
+        choice.update(_CHOICE_DEFAULTS if self.chat else _COMPLETION_CHOICE_DEFAULTS)
         choice.update(fold.extra)
+        choice["token_ids"] = fold.token_ids
         return choice

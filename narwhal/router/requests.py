@@ -130,6 +130,8 @@ def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16
     _check_combinations(fields, body)
     _refuse_what_is_not_served(fields, body)
     n = fields.n or 1
+    if n > 1 and fields.temperature == 0:  # vLLM's own rule: greedy sampling gives one answer
+        raise BadRequest(f"n: must be 1 when using greedy sampling, got {n}", "n")
     prompts = _prompts(getattr(fields, "prompt", None))
     count = len(prompts or (None,)) * n
     if count > max_fanout:

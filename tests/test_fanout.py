@@ -188,3 +188,11 @@ async def test_the_openai_client_reads_n_choices(pd: Harness) -> None:
             seen |= {c.index for c in chunk.choices}
         assert seen == {0, 1, 2}
     await finish(pd)
+
+
+def test_n_seeded_samples_are_n_different_seeds() -> None:
+    from narwhal.router.requests import parse_request
+
+    raw = msgspec.json.encode({"model": MODEL, "prompt": "x", "n": 3, "seed": 7})
+    subs = parse_request(raw, endpoint="/v1/completions", model=MODEL).split()
+    assert [sub.body["seed"] for _, _, sub in subs] == [7, 8, 9]

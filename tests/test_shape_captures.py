@@ -57,9 +57,14 @@ def tool_calls(calls: Any) -> Any:
 def compare(name: str) -> list[tuple[str, bool, str]]:
     """(field, equal, detail) for every field of both answers."""
     real = msgspec.json.decode((SHAPES / f"{name}.json").read_bytes())
-    ours = assembled(name)
-    if "error" in real or ours is None:
-        return [("answer", ("error" in real) == (ours is None), "an error either way")]
+    return diff_answers(real, assembled(name))
+
+
+def diff_answers(real: dict[str, Any], ours: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
+    """(field, equal, detail) for every field of vLLM's answer and ours (None: an error)."""
+    if "error" in real or ours is None or "error" in ours:
+        both = ("error" in real) == (ours is None or "error" in ours)
+        return [("answer", both, "an error either way" if both else "one side is an error")]
     rows: list[tuple[str, bool, str]] = []
     for key in sorted(set(real) | set(ours)):
         if key in VOLATILE or key == "choices":

@@ -209,6 +209,8 @@ def _vllm_dir() -> Path:
 def _engine(vllm: Path, logs: Path, name: str, role: str) -> Engine:
     port, side = free_port(), free_port()
     argv = ["bash", str(HERE / "serve_nixl.sh"), str(vllm), str(port), str(side), role]
+    # named and required tool choice need a tool-call parser (test_differential's shapes)
+    argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     return Engine(name=name, argv=argv, log=logs / f"{name}.log", port=port)
 
 

@@ -90,9 +90,12 @@ class ClientRequest(msgspec.Struct):
         base = {k: v for k, v in self.body.items() if k not in ("n", "best_of")}
         prompts = self.prompts if self.prompts is not None else [base.get("prompt")]
         subs = []
+        seed = base.get("seed")
         for p, prompt in enumerate(prompts):
             for j in range(self.n):
                 body = {**base, "prompt": prompt} if self.prompts is not None else dict(base)
+                if type(seed) is int and j:  # n samples, not n copies of one
+                    body["seed"] = seed + j
                 sub = ClientRequest(self.endpoint, self.chat, body, self.stream, self.include_usage)
                 subs.append((p, j, sub))
         return subs

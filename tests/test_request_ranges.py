@@ -261,8 +261,8 @@ NOT_SERVED: list[tuple[str, str, dict[str, Any]]] = [
     (COMPLETIONS, "prompt", {"prompt": ["one", 2]}),
     (COMPLETIONS, "echo", {"echo": True}),
     (CHAT, "echo", {"echo": True}),
-    (COMPLETIONS, "prompt_logprobs", {"prompt_logprobs": 1}),
-    (CHAT, "prompt_logprobs", {"prompt_logprobs": 0}),
+    (COMPLETIONS, "prompt_logprobs", {"prompt_logprobs": 1, "stream": True}),
+    (CHAT, "prompt_logprobs", {"prompt_logprobs": 0, "stream": True}),
 ]
 
 

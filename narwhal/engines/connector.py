@@ -26,6 +26,9 @@ class PrefillResult(msgspec.Struct, frozen=True):
     request_id: str
     connector: str
     descriptor: msgspec.Raw
+    # the prompt's logprobs when the client asked for them: the producer computed the
+    # prompt, the consumer never does (SPEC 3, "Completeness")
+    prompt_logprobs: msgspec.Raw = msgspec.Raw()
 
     def parameters(self) -> dict[str, Any]:
         """A fresh, detached copy of the descriptor."""
@@ -35,11 +38,13 @@ class PrefillResult(msgspec.Struct, frozen=True):
 
 class _Choice(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw()
+    prompt_logprobs: msgspec.Raw = msgspec.Raw()  # completions carry them per choice
 
 
 class _PrefillResponse(msgspec.Struct):
     choices: list[_Choice] | None = None
     kv_transfer_params: msgspec.Raw = msgspec.Raw()
+    prompt_logprobs: msgspec.Raw = msgspec.Raw()  # chat carries them at the top
 
 
 class _DescriptorView(msgspec.Struct):
@@ -68,8 +73,10 @@ class NixlConnector:
     def decode_body(
         self, body: dict[str, Any], result: PrefillResult | None, *, endpoint: str
     ) -> dict[str, Any]:
-        """The decode leg's body; ``result`` None means same-worker decode (no transfer)."""
-        out = {k: v for k, v in body.items() if k != _RESERVED}
+        """The decode leg's body; ``result`` None means same-worker decode (no transfer).
+        Prompt logprobs come from the prefill leg: a decode leg streams, and vLLM refuses
+        them on a stream."""
+        out = {k: v for k, v in body.items() if k not in (_RESERVED, "prompt_logprobs")}
         out["stream"] = True
         if result is not None:
             self.check_compatible(result, endpoint)
@@ -111,12 +118,16 @@ class NixlConnector:
                 phase=Phase.PREFILL,
             )
         validate_descriptor(raw)
+        prompt_logprobs = parsed.prompt_logprobs
+        if parsed.choices and _present(parsed.choices[0].prompt_logprobs):
+            prompt_logprobs = parsed.choices[0].prompt_logprobs
         return PrefillResult(
             producer_url=producer_url,
             endpoint=endpoint,
             request_id=request_id,
             connector=self.name,
             descriptor=raw,
+            prompt_logprobs=prompt_logprobs if _present(prompt_logprobs) else msgspec.Raw(),
         )
 
 

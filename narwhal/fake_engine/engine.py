@@ -389,7 +389,9 @@ class FakeEngine:
             descriptor = _corrupt(descriptor, fault)
         self.counters["generation_tokens"] += len(ids)
         text = "".join(gen.VOCAB[i] for i in ids)
-        response = shapes.full(text, prompt_tokens, len(ids), descriptor)
+        asked = body.get("prompt_logprobs")
+        prompt_logprobs = gen.prompt_logprobs(prompt, asked) if type(asked) is int else None
+        response = shapes.full(text, prompt_tokens, len(ids), descriptor, prompt_logprobs)
         if fault is not None and fault.kind == "close_mid_body":
             await ex.respond_partial(200, response)
             return

@@ -158,6 +158,7 @@ class Shapes:
         prompt_tokens: int,
         completion_tokens: int,
         kv_transfer_params: dict[str, Any] | None,
+        prompt_logprobs: list[Any] | None = None,
     ) -> bytes:
         """A non-streaming response, field for field as vLLM 0.32 writes it."""
         if self.chat:
@@ -186,7 +187,7 @@ class Shapes:
                 "finish_reason": "length",
                 "stop_reason": None,
                 "token_ids": None,
-                "prompt_logprobs": None,
+                "prompt_logprobs": prompt_logprobs,
                 "prompt_token_ids": None,
                 "routed_experts": None,
             }
@@ -207,9 +208,24 @@ class Shapes:
             },
         }
         if self.chat:
-            out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+            out.update(prompt_logprobs=prompt_logprobs, prompt_token_ids=None, prompt_text=None)
         out.update(kv_transfer_params=kv_transfer_params, ec_transfer_params=None, metrics=None)
         return _encode(out)
+
+
+def prompt_logprobs(prompt: str, top: int) -> list[Any]:
+    """vLLM's shape: None for the first prompt token, then for each token a map of token id
+    to its logprob, rank and text (the token itself and ``top`` others). Deterministic."""
+    words = prompt.split()
+    out: list[Any] = [None]
+    for i, word in enumerate(words[1:], start=1):
+        own = zlib.crc32(word.encode()) % 32000
+        entry = {str(own): {"logprob": -0.5 - i / 100, "rank": 1, "decoded_token": word}}
+        for rank in range(2, top + 2 if top else 1):
+            other = (own + rank) % 32000
+            entry[str(other)] = {"logprob": -1.0 - rank, "rank": rank, "decoded_token": "x"}
+        out.append(entry)
+    return out
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> bytes:

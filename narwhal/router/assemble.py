@@ -126,6 +126,7 @@ class Assembler:
         self.usage: Any = None
         self.extra: dict[str, Any] = {}  # response fields the router does not know
         self.choices: dict[int, _ChoiceFold] = {}
+        self.prompt_logprobs: Any = None  # from the prefill leg, which computed the prompt
 
     def add(self, chunk: Chunk, payload: bytes) -> None:
         """One decoded chunk (``chunk``, already checked) and its raw ``payload``."""
@@ -199,6 +200,8 @@ class Assembler:
             **self.extra,
             "usage": usage,
         }
+        if self.chat and self.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self.prompt_logprobs
         return _encode(response)
 
     def _choice(self, index: int, fold: _ChoiceFold) -> dict[str, Any]:
@@ -226,4 +229,6 @@ class Assembler:
         choice.update(_CHOICE_DEFAULTS if self.chat else _COMPLETION_CHOICE_DEFAULTS)
         choice.update(fold.extra)
         choice["token_ids"] = fold.token_ids
+        if not self.chat and self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs
         return choice

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+import msgspec
 import trio
 
 from narwhal.config import FleetConfig
@@ -182,6 +183,7 @@ class RequestRun(RunRecord):
         self.ttft_s: float | None = None
         self.first_byte_s: float | None = None
         self.tokens = 0
+        self.prompt_logprobs = msgspec.Raw()  # from the last prefill, when asked for
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
@@ -255,6 +257,7 @@ class RequestRun(RunRecord):
             health.failure(producer, fault, "prefill", None)
             raise
         health.success(producer)
+        self.prompt_logprobs = result.prompt_logprobs  # served with the answer (SPEC 3)
         self.ttft_s = self.elapsed
         self.lifecycle.advance(Input.DESCRIPTOR)
         with self._handoff_accounting():
@@ -370,9 +373,11 @@ class RequestRun(RunRecord):
         """Move the engine's stream to the client until ``[DONE]``; the hot path. The rules
         are ``StreamRelay``'s; this shell moves bytes and owns the clocks."""
         silence = self.config.engine.decode_read_timeout_s
-        collector = (
-            None if self.req.stream else Assembler(chat=self.req.chat, model=self.config.model)
-        )
+        collector = None
+        if not self.req.stream:
+            collector = Assembler(chat=self.req.chat, model=self.config.model)
+            if len(self.prompt_logprobs):
+                collector.prompt_logprobs = msgspec.json.decode(self.prompt_logprobs)
         relay = StreamRelay(collector)
         token_gap = self.router.metrics.token_gap
         last_output_at: float | None = None

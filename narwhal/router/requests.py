@@ -174,9 +174,9 @@ def _prompts(prompt: Any) -> list[Any] | None:
 
 
 def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
-    """SPEC 3: a requested field is never silently dropped. Until the router serves them
-    (echo and prompt logprobs from the prefill leg), these are a 400 naming the field,
-    never an answer that lacks what was asked for."""
+    """SPEC 3: a requested field is never silently dropped. Until the router serves it
+    (echo from the prefill leg), it is a 400 naming the field, never an answer that lacks
+    what was asked for; prompt logprobs on a stream are refused as vLLM refuses them."""
     prompt = getattr(fields, "prompt", None)
     if isinstance(prompt, list):
         if not prompt:
@@ -192,11 +192,9 @@ def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
             "another engine); ask without echo",
             "echo",
         )
-    if body.get("prompt_logprobs") is not None:
-        raise BadRequest(
-            "prompt_logprobs: not served through prefill and decode yet (the prompt is "
-            "computed on another engine); ask without prompt_logprobs",
-            "prompt_logprobs",
+    if body.get("prompt_logprobs") is not None and fields.stream:
+        raise BadRequest(  # vLLM's own rule; served from the prefill leg when not streaming
+            "prompt_logprobs: not available when stream is true", "prompt_logprobs"
         )
 
 

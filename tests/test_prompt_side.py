@@ -43,3 +43,57 @@ async def test_without_the_ask_there_are_none(pd: Harness) -> None:
     reply = await pd.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
     assert reply.json()["choices"][0]["prompt_logprobs"] is None
     await finish(pd)
+
+
+def test_an_echo_is_the_producers_prompt_before_the_consumers_tokens() -> None:
+    """Shaped on vLLM 0.32's echo (tests/captures/shapes/completion_echo_logprobs.json):
+    the producer answered the prompt and one token; its offsets count ``<s>``."""
+    import msgspec
+
+    from narwhal.engines.connector import PrefillResult
+    from narwhal.router.assemble import Assembler
+
+    prefill_logprobs = {
+        "tokens": ["<s>", "The", " fox", " jumps"],
+        "token_logprobs": [None, -1.0, -2.0, -3.0],
+        "top_logprobs": [None, {"The": -1.0}, {" fox": -2.0}, {" jumps": -3.0}],
+        "text_offset": [0, 3, 6, 10],
+    }
+    prefill = PrefillResult(
+        producer_url="http://p",
+        endpoint="/v1/completions",
+        request_id="r-a1-prefill",
+        connector="NixlConnector",
+        descriptor=msgspec.Raw(b"{}"),
+        prompt_logprobs=msgspec.Raw(b'[null, {"1": {"logprob": -1.0}}, {"2": {"logprob": -2.0}}]'),
+        text="The fox jumps",
+        logprobs=msgspec.Raw(msgspec.json.encode(prefill_logprobs)),
+    )
+    asked = {"prompt": "The fox", "echo": True, "logprobs": 1}
+    assembler = Assembler(chat=False, model="m")
+    assembler.prompt_side(prefill, asked)
+    generated = {
+        "tokens": [" jumps", " high"],
+        "token_logprobs": [-3.0, -4.0],
+        "top_logprobs": [{" jumps": -3.0}, {" high": -4.0}],
+        "text_offset": [0, 6],
+    }
+    chunk = {
+        "id": "c",
+        "created": 1,
+        "choices": [
+            {"index": 0, "text": " jumps high", "logprobs": generated, "finish_reason": "length"}
+        ],
+    }
+    from narwhal.engines.stream import parse_payload
+
+    payload = msgspec.json.encode(chunk)
+    parsed = parse_payload(payload)
+    assert parsed is not None
+    assembler.add(parsed, payload)
+    [choice] = msgspec.json.decode(assembler.body())["choices"]
+    assert choice["text"] == "The fox jumps high"
+    assert choice["logprobs"]["tokens"] == ["<s>", "The", " fox", " jumps", " high"]
+    assert choice["logprobs"]["text_offset"] == [0, 3, 6, 10, 16]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -2.0, -3.0, -4.0]
+    assert choice["prompt_logprobs"][0] is None

@@ -27,7 +27,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("chat_named_tool", "choices[].message.tool_calls"): "the same",
     ("chat_required_tool", "choices[].message.content"): "the same as chat_named_tool",
     ("chat_required_tool", "choices[].message.tool_calls"): "the same as chat_named_tool",
-    ("completion_echo_logprobs", "answer"): "echo is not served through P/D yet: 400",
     ("completion_n2", "choices[].text"): "may differ: n runs as n requests with seeds seed+j, "
     "not vLLM's one request",
     ("completion_n2", "choices[].token_ids"): "the same",

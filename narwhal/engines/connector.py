@@ -16,6 +16,9 @@ from narwhal.faults import DescriptorInvalid, Phase
 # Fields that make no sense for a one-token, non-streaming prefill (SPEC 4.1).
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "n", "best_of", "max_completion_tokens")
 _RESERVED = "kv_transfer_params"
+# the prompt side comes from the prefill leg: a decode leg streams (vLLM refuses prompt
+# logprobs there) and never computes the prompt (an echo's logprobs would be missing)
+_DECODE_DROPPED = (_RESERVED, "prompt_logprobs", "echo")
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -29,6 +32,9 @@ class PrefillResult(msgspec.Struct, frozen=True):
     # the prompt's logprobs when the client asked for them: the producer computed the
     # prompt, the consumer never does (SPEC 3, "Completeness")
     prompt_logprobs: msgspec.Raw = msgspec.Raw()
+    # an echo: the producer's text (the prompt and its one token) and its logprobs
+    text: str | None = None
+    logprobs: msgspec.Raw = msgspec.Raw()
 
     def parameters(self) -> dict[str, Any]:
         """A fresh, detached copy of the descriptor."""
@@ -39,6 +45,8 @@ class PrefillResult(msgspec.Struct, frozen=True):
 class _Choice(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw()
     prompt_logprobs: msgspec.Raw = msgspec.Raw()  # completions carry them per choice
+    text: Any = None
+    logprobs: msgspec.Raw = msgspec.Raw()
 
 
 class _PrefillResponse(msgspec.Struct):
@@ -76,7 +84,7 @@ class NixlConnector:
         """The decode leg's body; ``result`` None means same-worker decode (no transfer).
         Prompt logprobs come from the prefill leg: a decode leg streams, and vLLM refuses
         them on a stream."""
-        out = {k: v for k, v in body.items() if k not in (_RESERVED, "prompt_logprobs")}
+        out = {k: v for k, v in body.items() if k not in _DECODE_DROPPED}
         out["stream"] = True
         if result is not None:
             self.check_compatible(result, endpoint)
@@ -119,8 +127,9 @@ class NixlConnector:
             )
         validate_descriptor(raw)
         prompt_logprobs = parsed.prompt_logprobs
-        if parsed.choices and _present(parsed.choices[0].prompt_logprobs):
-            prompt_logprobs = parsed.choices[0].prompt_logprobs
+        first = parsed.choices[0] if parsed.choices else _Choice()
+        if _present(first.prompt_logprobs):
+            prompt_logprobs = first.prompt_logprobs
         return PrefillResult(
             producer_url=producer_url,
             endpoint=endpoint,
@@ -128,6 +137,8 @@ class NixlConnector:
             connector=self.name,
             descriptor=raw,
             prompt_logprobs=prompt_logprobs if _present(prompt_logprobs) else msgspec.Raw(),
+            text=first.text if isinstance(first.text, str) else None,
+            logprobs=first.logprobs if _present(first.logprobs) else msgspec.Raw(),
         )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from narwhal.engines.connector import PrefillResult
 from narwhal.engines.stream import Chunk
 
 _decode = msgspec.json.Decoder().decode
@@ -127,6 +128,20 @@ class Assembler:
         self.extra: dict[str, Any] = {}  # response fields the router does not know
         self.choices: dict[int, _ChoiceFold] = {}
         self.prompt_logprobs: Any = None  # from the prefill leg, which computed the prompt
+        self.echo: Echo | None = None
+
+    def prompt_side(self, prefill: PrefillResult, asked: dict[str, Any]) -> None:
+        """What the client asked of the prompt, from the prefill leg that computed it:
+        ``prompt_logprobs`` (also implied by ``echo`` with ``logprobs``, as vLLM does) and
+        the echoed prompt with its logprobs."""
+        echo = bool(asked.get("echo")) and not self.chat
+        wants_logprobs = asked.get("logprobs") is not None
+        if len(prefill.prompt_logprobs) and (
+            asked.get("prompt_logprobs") is not None or (echo and wants_logprobs)
+        ):
+            self.prompt_logprobs = _decode(prefill.prompt_logprobs)
+        if echo:
+            self.echo = echo_of(prefill, asked.get("prompt"), with_logprobs=wants_logprobs)
 
     def add(self, chunk: Chunk, payload: bytes) -> None:
         """One decoded chunk (``chunk``, already checked) and its raw ``payload``."""
@@ -224,6 +239,8 @@ class Assembler:
         else:
             choice["text"] = "".join(fold.content)
         choice["logprobs"] = dict(fold.logprobs) if fold.logprobs_seen else None
+        if self.echo is not None:
+            self.echo.apply(choice)
         choice["finish_reason"] = fold.finish_reason
         choice["stop_reason"] = fold.stop_reason
         choice.update(_CHOICE_DEFAULTS if self.chat else _COMPLETION_CHOICE_DEFAULTS)
@@ -232,3 +249,45 @@ class Assembler:
         if not self.chat and self.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs
         return choice
+
+
+class Echo:
+    """An echoed prompt (completions): the text and logprobs the producer gave the prompt,
+    put before the consumer's generated text, offsets continued (vLLM's own shape)."""
+
+    __slots__ = ("base", "logprobs", "text", "with_logprobs")
+
+    def __init__(
+        self, text: str, logprobs: dict[str, list[Any]] | None, base: int, with_logprobs: bool
+    ) -> None:
+        self.text = text
+        self.logprobs = logprobs  # the prompt's entries only
+        self.base = base  # where the generated text starts in vLLM's offsets
+        self.with_logprobs = with_logprobs
+
+    def apply(self, choice: dict[str, Any]) -> None:
+        choice["text"] = self.text + choice["text"]
+        if not self.with_logprobs or self.logprobs is None:
+            return
+        generated = choice["logprobs"] or {}
+        merged: dict[str, list[Any]] = {}
+        for key in _COMPLETION_LOGPROB_LISTS:
+            tail = list(generated.get(key) or [])
+            if key == "text_offset":
+                tail = [self.base + offset for offset in tail]
+            merged[key] = list(self.logprobs.get(key) or []) + tail
+        choice["logprobs"] = merged
+
+
+def echo_of(prefill: PrefillResult, prompt: Any, *, with_logprobs: bool) -> Echo:
+    """The prompt part of the producer's echoed answer: its text is the prompt and the one
+    token the producer generated, the last entry of its logprobs."""
+    text = prefill.text or ""
+    logprobs = _decode(prefill.logprobs) if len(prefill.logprobs) else None
+    if not isinstance(logprobs, dict) or not logprobs.get("tokens"):
+        return Echo(prompt if isinstance(prompt, str) else text, None, 0, with_logprobs)
+    last = logprobs["tokens"][-1]
+    prompt_text = text[: len(text) - len(last)] if text.endswith(last) else text
+    offsets = logprobs.get("text_offset") or [len(prompt_text)]
+    prompt_part = {k: list(v[:-1]) for k, v in logprobs.items() if isinstance(v, list)}
+    return Echo(prompt_text, prompt_part, offsets[-1], with_logprobs)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-import msgspec
 import trio
 
 from narwhal.config import FleetConfig
@@ -183,7 +182,7 @@ class RequestRun(RunRecord):
         self.ttft_s: float | None = None
         self.first_byte_s: float | None = None
         self.tokens = 0
-        self.prompt_logprobs = msgspec.Raw()  # from the last prefill, when asked for
+        self.prefill_result: PrefillResult | None = None  # the last attempt's
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
@@ -257,7 +256,7 @@ class RequestRun(RunRecord):
             health.failure(producer, fault, "prefill", None)
             raise
         health.success(producer)
-        self.prompt_logprobs = result.prompt_logprobs  # served with the answer (SPEC 3)
+        self.prefill_result = result  # its prompt side is served with the answer (SPEC 3)
         self.ttft_s = self.elapsed
         self.lifecycle.advance(Input.DESCRIPTOR)
         with self._handoff_accounting():
@@ -309,7 +308,7 @@ class RequestRun(RunRecord):
                     return await router.client.prefill(
                         producer.url,
                         self.req.endpoint,
-                        self.req.body,
+                        self._prefill_body(),
                         request_id=f"{self.rid}-a{number}-prefill",
                     )
                 except RequestFault as fault:
@@ -322,6 +321,13 @@ class RequestRun(RunRecord):
             phase=Phase.PREFILL,
             engine_id=producer.id,
         )
+
+    def _prefill_body(self) -> dict[str, Any]:
+        body = self.req.body
+        if body.get("echo") and body.get("logprobs") is None:
+            # the token the producer adds after an echoed prompt is known by its logprob
+            return {**body, "logprobs": 0}
+        return body
 
     def _decode_body(self) -> dict[str, Any]:
         body = self.req.body
@@ -376,8 +382,8 @@ class RequestRun(RunRecord):
         collector = None
         if not self.req.stream:
             collector = Assembler(chat=self.req.chat, model=self.config.model)
-            if len(self.prompt_logprobs):
-                collector.prompt_logprobs = msgspec.json.decode(self.prompt_logprobs)
+            if self.prefill_result is not None:
+                collector.prompt_side(self.prefill_result, self.req.body)
         relay = StreamRelay(collector)
         token_gap = self.router.metrics.token_gap
         last_output_at: float | None = None

@@ -106,8 +106,8 @@ KNOWN: dict[str, dict[str, str]] = {
         "choices[].message.tool_calls": "the same as chat_named_tool",
     },
     "completion_echo_logprobs": {
-        "choices[].prompt_logprobs": "vLLM's stream leaves prompt logprobs out; served from "
-        "the prefill leg is the open part of the issue (the router answers 400 to echo)",
+        "choices[].prompt_logprobs": "vLLM's stream leaves prompt logprobs out (through the "
+        "router they come from the prefill leg: e2e/vllm/test_differential.py)",
     },
     "completion_prompt_logprobs": {
         "answer": "vLLM refuses prompt_logprobs when streaming, serves it when not",

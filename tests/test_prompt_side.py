@@ -97,3 +97,32 @@ def test_an_echo_is_the_producers_prompt_before_the_consumers_tokens() -> None:
     assert choice["logprobs"]["text_offset"] == [0, 3, 6, 10, 16]
     assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -2.0, -3.0, -4.0]
     assert choice["prompt_logprobs"][0] is None
+
+
+def test_a_streamed_echo_puts_the_prompt_in_the_first_chunk() -> None:
+    """vLLM streams an echo as the prompt and the first token in one chunk, offsets of
+    every later chunk continued (tests/captures/shapes/completion_echo_logprobs.sse)."""
+    import msgspec
+
+    from narwhal.router.assemble import Echo
+
+    echo = Echo("The fox", {"tokens": ["<s>", "The", " fox"], "text_offset": [0, 3, 6]}, 10, True)
+
+    def frame(text: str, offset: int) -> bytes:
+        logprobs = {
+            "tokens": [text],
+            "token_logprobs": [-1.0],
+            "top_logprobs": [None],
+            "text_offset": [offset],
+        }
+        chunk = {"choices": [{"index": 0, "text": text, "logprobs": logprobs}]}
+        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    first = msgspec.json.decode(echo.stream(frame(" jumps", 0))[6:])["choices"][0]
+    assert first["text"] == "The fox jumps"
+    assert first["logprobs"]["tokens"] == ["<s>", "The", " fox", " jumps"]
+    assert first["logprobs"]["text_offset"] == [0, 3, 6, 10]
+    later = msgspec.json.decode(echo.stream(frame(" high", 6))[6:])["choices"][0]
+    assert later["text"] == " high"
+    assert later["logprobs"]["text_offset"] == [16]
+    assert echo.stream(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"

@@ -259,7 +259,6 @@ async def test_out_of_range_requests_never_reach_an_engine(nursery: trio.Nursery
 NOT_SERVED: list[tuple[str, str, dict[str, Any]]] = [
     (COMPLETIONS, "prompt", {"prompt": []}),
     (COMPLETIONS, "prompt", {"prompt": ["one", 2]}),
-    (COMPLETIONS, "echo", {"echo": True, "stream": True}),
     (CHAT, "echo", {"echo": True}),
     (COMPLETIONS, "prompt_logprobs", {"prompt_logprobs": 1, "stream": True}),
     (CHAT, "prompt_logprobs", {"prompt_logprobs": 0, "stream": True}),

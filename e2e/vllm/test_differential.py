@@ -107,7 +107,6 @@ def test_the_routed_stream_is_the_local_stream(fleet: Fleet, name: str) -> None:
 
 # (shape, field) -> why a routed stream differs from the local one
 STREAM_KNOWN: dict[tuple[str, str], str] = {
-    ("completion_echo_logprobs", "answer"): "echo on a stream is not served through P/D: 400",
     ("completion_n2", "choices[].text"): "may differ, as in the non-streamed table",
     ("completion_n2", "choices[].token_ids"): "the same",
     ("completion_n2", "usage"): "the same",

@@ -255,7 +255,7 @@ class Echo:
     """An echoed prompt (completions): the text and logprobs the producer gave the prompt,
     put before the consumer's generated text, offsets continued (vLLM's own shape)."""
 
-    __slots__ = ("base", "logprobs", "text", "with_logprobs")
+    __slots__ = ("base", "logprobs", "pending", "text", "with_logprobs")
 
     def __init__(
         self, text: str, logprobs: dict[str, list[Any]] | None, base: int, with_logprobs: bool
@@ -264,19 +264,52 @@ class Echo:
         self.logprobs = logprobs  # the prompt's entries only
         self.base = base  # where the generated text starts in vLLM's offsets
         self.with_logprobs = with_logprobs
+        self.pending = True  # a stream: the prompt still goes before the next output
 
-    def apply(self, choice: dict[str, Any]) -> None:
-        choice["text"] = self.text + choice["text"]
-        if not self.with_logprobs or self.logprobs is None:
-            return
-        generated = choice["logprobs"] or {}
+    def stream(self, data: bytes) -> bytes:
+        """A streaming client's frames as vLLM streams an echo: the prompt (and its
+        logprobs) in the first output chunk, every later offset continued."""
+        frames = []
+        for frame in data.split(b"\n\n"):
+            if not frame.startswith(b"data: {"):
+                frames.append(frame)
+                continue
+            chunk = _decode(frame[6:])
+            choices = chunk.get("choices") if isinstance(chunk, dict) else None
+            for choice in choices or ():
+                if not isinstance(choice, dict):
+                    continue
+                if self.pending:
+                    self.pending = False
+                    choice["text"] = self.text + (choice.get("text") or "")
+                    if self.with_logprobs and isinstance(choice.get("logprobs"), dict):
+                        self._merge(choice)
+                        continue
+                self._shift(choice)
+            frames.append(b"data: " + _encode(chunk) if choices else frame)
+        return b"\n\n".join(frames)
+
+    def _merge(self, choice: dict[str, Any]) -> None:
+        generated = choice["logprobs"]
         merged: dict[str, list[Any]] = {}
         for key in _COMPLETION_LOGPROB_LISTS:
             tail = list(generated.get(key) or [])
             if key == "text_offset":
                 tail = [self.base + offset for offset in tail]
-            merged[key] = list(self.logprobs.get(key) or []) + tail
+            merged[key] = list((self.logprobs or {}).get(key) or []) + tail
         choice["logprobs"] = merged
+
+    def _shift(self, choice: dict[str, Any]) -> None:
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
+            logprobs["text_offset"] = [self.base + o for o in logprobs["text_offset"]]
+
+    def apply(self, choice: dict[str, Any]) -> None:
+        """A non-streaming answer's choice."""
+        choice["text"] = self.text + choice["text"]
+        if self.with_logprobs and self.logprobs is not None:
+            choice["logprobs"] = choice["logprobs"] or {}
+            self._merge(choice)
 
 
 def echo_of(prefill: PrefillResult, prompt: Any, *, with_logprobs: bool) -> Echo:

@@ -34,7 +34,7 @@ from narwhal.faults import (
     SilenceTimeout,
 )
 from narwhal.metrics import Metrics
-from narwhal.router.assemble import Assembler
+from narwhal.router.assemble import Assembler, Echo, echo_of
 from narwhal.router.fleet import EngineState, Fleet, Leg
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, JournalLine, Outcome
@@ -183,6 +183,7 @@ class RequestRun(RunRecord):
         self.first_byte_s: float | None = None
         self.tokens = 0
         self.prefill_result: PrefillResult | None = None  # the last attempt's
+        self._echo: Echo | None = None  # a streamed echo (completions)
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
@@ -380,10 +381,14 @@ class RequestRun(RunRecord):
         are ``StreamRelay``'s; this shell moves bytes and owns the clocks."""
         silence = self.config.engine.decode_read_timeout_s
         collector = None
+        body = self.req.body
         if not self.req.stream:
             collector = Assembler(chat=self.req.chat, model=self.config.model)
             if self.prefill_result is not None:
-                collector.prompt_side(self.prefill_result, self.req.body)
+                collector.prompt_side(self.prefill_result, body)
+        elif body.get("echo") and self.prefill_result is not None:
+            logprobs = body.get("logprobs") is not None
+            self._echo = echo_of(self.prefill_result, body.get("prompt"), with_logprobs=logprobs)
         relay = StreamRelay(collector)
         token_gap = self.router.metrics.token_gap
         last_output_at: float | None = None
@@ -420,11 +425,12 @@ class RequestRun(RunRecord):
 
     async def _output(self, action: Commit | Send) -> None:
         """Relay bytes to a streaming client; a Commit sends the 200 headers first."""
+        data = action.data if self._echo is None else self._echo.stream(action.data)
         if type(action) is Commit:
             self.lifecycle.advance(Input.COMMIT)
-            await self.sink.commit(action.data)
+            await self.sink.commit(data)
         else:
-            await self.sink.send(action.data)
+            await self.sink.send(data)
 
     async def _finish(self, data: bytes) -> None:
         self.outcome, self.status = "completed", 200
@@ -434,7 +440,10 @@ class RequestRun(RunRecord):
         self.lifecycle.advance(Input.DONE)
         if not self.req.stream:
             await self.sink.respond_json(200, data)
-        elif committed:
+            return
+        if self._echo is not None:
+            data = self._echo.stream(data)
+        if committed:
             await self.sink.end(data)
         else:
             await self.sink.commit(data)

@@ -175,8 +175,8 @@ def _prompts(prompt: Any) -> list[Any] | None:
 
 def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
     """SPEC 3: a requested field is never silently dropped. What the router does not serve
-    yet (echo on a stream or in chat) is a 400 naming the field, never an answer that lacks
-    what was asked for; prompt logprobs on a stream are refused as vLLM refuses them."""
+    yet (echo in chat) is a 400 naming the field, never an answer that lacks what was asked
+    for; prompt logprobs on a stream are refused as vLLM refuses them."""
     prompt = getattr(fields, "prompt", None)
     if isinstance(prompt, list):
         if not prompt:
@@ -186,10 +186,10 @@ def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
                 "prompt: a list mixes token ids with prompts; send token ids or prompts",
                 "prompt",
             )
-    if body.get("echo") and (getattr(fields, "prompt", None) is None or fields.stream):
+    if body.get("echo") and getattr(fields, "prompt", None) is None:
         raise BadRequest(
-            "echo: served through prefill and decode for non-streaming completions only "
-            "(the prompt is computed on another engine); ask without echo",
+            "echo: served through prefill and decode for completions only (chat's echo of "
+            "the last message is not); ask without echo",
             "echo",
         )
     if body.get("prompt_logprobs") is not None and fields.stream:

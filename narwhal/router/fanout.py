@@ -125,7 +125,7 @@ class FanOutRun(RunRecord):
                 return
             self.lifecycle.advance(_INPUT_TO[_PROGRESS[rank + 1]])
 
-    async def child_output(self, k: int, data: bytes, *, last: bool) -> None:
+    async def child_output(self, k: int, data: bytes) -> None:
         """Frames from child ``k``'s stream: re-indexed and sent (the first commits)."""
         frames = []
         for frame in data.split(b"\n\n"):
@@ -232,13 +232,13 @@ class _ChildSink:
         self.k = k
 
     async def commit(self, data: bytes) -> None:
-        await self.parent.child_output(self.k, data, last=False)
+        await self.parent.child_output(self.k, data)
 
     async def send(self, data: bytes) -> None:
-        await self.parent.child_output(self.k, data, last=False)
+        await self.parent.child_output(self.k, data)
 
     async def end(self, data: bytes = b"") -> None:
-        await self.parent.child_output(self.k, data, last=True)
+        await self.parent.child_output(self.k, data)
 
     async def respond_json(self, status: int, body: bytes) -> None:
         if status == 200:

@@ -85,12 +85,7 @@ def test_an_echo_is_the_producers_prompt_before_the_consumers_tokens() -> None:
             {"index": 0, "text": " jumps high", "logprobs": generated, "finish_reason": "length"}
         ],
     }
-    from narwhal.engines.stream import parse_payload
-
-    payload = msgspec.json.encode(chunk)
-    parsed = parse_payload(payload)
-    assert parsed is not None
-    assembler.add(parsed, payload)
+    assembler.add(msgspec.json.encode(chunk))
     [choice] = msgspec.json.decode(assembler.body())["choices"]
     assert choice["text"] == "The fox jumps high"
     assert choice["logprobs"]["tokens"] == ["<s>", "The", " fox", " jumps", " high"]

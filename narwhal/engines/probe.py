@@ -17,7 +17,6 @@ import trio
 
 from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.engines.relay import Fault, Finish, StreamRelay
-from narwhal.engines.stream import Chunk
 from narwhal.faults import RequestFault
 
 Side = Literal["producer", "consumer"]
@@ -113,7 +112,7 @@ async def count_tokens(stream: DecodeStream, on_first: Callable[[], None] | None
 class _Discard:
     """A probe keeps no output: only the relay's token count and verdict matter."""
 
-    def add(self, chunk: Chunk, payload: bytes) -> None:
+    def add(self, payload: bytes) -> None:
         pass
 
     def body(self) -> bytes:

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from msgspec import Struct
 
-from narwhal.engines.stream import Chunk, Kind, classify, parse_payload
+from narwhal.engines.stream import Kind, classify, parse_payload
 from narwhal.faults import Phase, RequestFault, StreamBroken
 from narwhal.sse import SSEError, SSEParser
 
@@ -66,14 +66,14 @@ Action = Hold | Commit | Send | Finish | Fault
 class Collector(Protocol):
     """What assembles a non-streaming client's JSON (``narwhal.router.assemble``)."""
 
-    def add(self, chunk: Chunk, payload: bytes) -> None: ...
+    def add(self, payload: bytes) -> None: ...  # one chunk's raw JSON
     def body(self) -> bytes: ...
 
 
 class StreamRelay:
     """One decode stream's rules. ``collector`` None: the client streams (SSE relayed)."""
 
-    __slots__ = ("_collector", "_held", "_parser", "committed", "done", "tokens")
+    __slots__ = ("_collector", "_held", "_parser", "committed", "tokens")
 
     def __init__(self, collector: Collector | None = None) -> None:
         self._collector = collector
@@ -81,11 +81,6 @@ class StreamRelay:
         self._held: list[bytes] = []  # framed metadata waiting for the first token
         self.tokens = 0
         self.committed = False  # a Commit was given: later output is Send
-        self.done = False
-
-    @property
-    def output_seen(self) -> bool:
-        return self.tokens > 0
 
     def feed(self, data: bytes) -> Action:
         out = self._held
@@ -98,12 +93,11 @@ class StreamRelay:
                             "stream ended with [DONE] before any token arrived",
                             phase=Phase.DECODE,
                         )
-                    self.done = True
                     return self._finish(out)
                 if classify(chunk) is Kind.TOKEN:
                     self.tokens += 1
                 if self._collector is not None:
-                    self._collector.add(chunk, payload)
+                    self._collector.add(payload)
                 else:
                     out.append(b"data: " + payload + b"\n\n")
         except RequestFault as fault:

@@ -91,9 +91,13 @@ class AsgiSink:
 
 
 def _json_headers(
-    status: int, body: bytes, rid: bytes | None, extra: tuple[tuple[bytes, bytes], ...] = ()
+    status: int,
+    body: bytes,
+    rid: bytes | None,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+    content_type: bytes = _JSON[1],
 ) -> list[tuple[bytes, bytes]]:
-    headers = [_JSON, (b"content-length", b"%d" % len(body)), *extra]
+    headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *extra]
     if rid is not None:
         headers.append((b"x-request-id", rid))
     if status in (429, 503):
@@ -103,8 +107,10 @@ def _json_headers(
     return headers
 
 
-async def respond(send: Send, status: int, body: bytes, rid: bytes | None = None) -> None:
-    headers = _json_headers(status, body, rid)
+async def respond(
+    send: Send, status: int, body: bytes, rid: bytes | None = None, content_type: bytes = _JSON[1]
+) -> None:
+    headers = _json_headers(status, body, rid, content_type=content_type)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -117,6 +123,7 @@ async def respond_and_close(
     rid: bytes | None = None,
     *,
     linger: bool = True,
+    content_type: bytes = _JSON[1],
 ) -> None:
     """Answer with ``connection: close`` while the body may still be arriving, then linger.
 
@@ -127,7 +134,7 @@ async def respond_and_close(
     After a framing error h11 never parses a byte of this connection as a new request.
     A body that trickles in too slowly (408) is not waited for again: ``linger=False``.
     """
-    headers = _json_headers(status, body, rid, ((b"connection", b"close"),))
+    headers = _json_headers(status, body, rid, ((b"connection", b"close"),), content_type)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": linger})
     if linger:
@@ -188,7 +195,7 @@ class RouterApp:
         rid = scope.setdefault(REQUEST_ID, request_id(scope)) if completion else None
         problem = _headers_problem(headers) or _framing_problem(headers)
         if problem is not None:
-            self._journal_refusal(completion, rid, path, problem.status, problem.message)
+            self._journal_refusal(rid, path, problem.status, problem.message)
             await respond_and_close(receive, send, problem.status, problem.error_json(), rid)
             return
         if path.startswith("/narwhal/"):
@@ -199,7 +206,7 @@ class RouterApp:
                 return
         elif path not in _OPEN_PATHS and not self.router.api_keys.allows(headers):
             message = "missing or invalid API key"
-            self._journal_refusal(completion, rid, path, 401, message)
+            self._journal_refusal(rid, path, 401, message)
             body = error_json(401, message, "authentication_error")
             await _answer_unread(scope, receive, send, 401, body, rid)
             return
@@ -212,15 +219,7 @@ class RouterApp:
             return
         complete = await _finish_reading(scope, receive)  # nothing below reads a body
         status, body, content_type = self._answer(method, path)
-        headers_out = _json_headers(status, body, rid)
-        headers_out[0] = (b"content-type", content_type)
-        if not complete:
-            headers_out.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": status, "headers": headers_out})
-        await send({"type": "http.response.body", "body": body, "more_body": not complete})
-        if not complete:
-            await _linger(receive)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await _answer_read(receive, send, status, body, rid, complete, content_type)
 
     def _answer(self, method: str, path: str) -> tuple[int, bytes, bytes]:
         """Every endpoint that reads no body: (status, body, content type)."""
@@ -274,10 +273,9 @@ class RouterApp:
             return None
         return "admin endpoint: loopback only when serving.admin_keys_env is not set"
 
-    def _journal_refusal(
-        self, completion: bool, rid: bytes | None, path: str, status: int, message: str
-    ) -> None:
-        if completion and rid is not None:
+    def _journal_refusal(self, rid: bytes | None, path: str, status: int, message: str) -> None:
+        """A completion request (it has an id) refused before admission is journaled."""
+        if rid is not None:
             self.router.received += 1
             self.router.journal_unadmitted(rid.decode(), path, "rejected", status, message)
 
@@ -371,10 +369,24 @@ async def _answer_unread(
     scope: Scope, receive: Receive, send: Send, status: int, body: bytes, rid: bytes | None = None
 ) -> None:
     """An answer that uses no body: a small one is read first so the connection is kept."""
-    if await _finish_reading(scope, receive):
-        await respond(send, status, body, rid)
+    complete = await _finish_reading(scope, receive)
+    await _answer_read(receive, send, status, body, rid, complete)
+
+
+async def _answer_read(
+    receive: Receive,
+    send: Send,
+    status: int,
+    body: bytes,
+    rid: bytes | None,
+    complete: bool,
+    content_type: bytes = _JSON[1],
+) -> None:
+    """Keep the connection when the body was read to its end, else close it, lingering."""
+    if complete:
+        await respond(send, status, body, rid, content_type)
     else:
-        await respond_and_close(receive, send, status, body, rid)
+        await respond_and_close(receive, send, status, body, rid, content_type=content_type)
 
 
 def _not_found(method: str, path: str) -> bytes:

@@ -21,13 +21,14 @@ from typing import Any
 import msgspec
 
 from narwhal.engines.connector import PrefillResult
-from narwhal.engines.stream import Chunk
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 # fields folded here, never passed through as they came
 _RESPONSE_OWN = frozenset({"id", "object", "created", "model", "choices", "usage"})
-_CHAT_DELTA_OWN = frozenset({"role", "content", "reasoning_content", "reasoning", "refusal"})
+_CHAT_DELTA_OWN = frozenset(
+    {"role", "content", "reasoning_content", "reasoning", "refusal", "tool_calls"}
+)
 _CHOICE_OWN = frozenset(
     {"index", "delta", "text", "logprobs", "finish_reason", "stop_reason", "token_ids"}
 )
@@ -134,22 +135,21 @@ class Assembler:
         """What the client asked of the prompt, from the prefill leg that computed it:
         ``prompt_logprobs`` (also implied by ``echo`` with ``logprobs``, as vLLM does) and
         the echoed prompt with its logprobs."""
-        echo = bool(asked.get("echo")) and not self.chat
+        self.echo = prompt_echo(prefill, asked, chat=self.chat)
         wants_logprobs = asked.get("logprobs") is not None
         if len(prefill.prompt_logprobs) and (
-            asked.get("prompt_logprobs") is not None or (echo and wants_logprobs)
+            asked.get("prompt_logprobs") is not None or (self.echo is not None and wants_logprobs)
         ):
             self.prompt_logprobs = _decode(prefill.prompt_logprobs)
-        if echo:
-            self.echo = echo_of(prefill, asked.get("prompt"), with_logprobs=wants_logprobs)
 
-    def add(self, chunk: Chunk, payload: bytes) -> None:
-        """One decoded chunk (``chunk``, already checked) and its raw ``payload``."""
-        if chunk.id and not self.id:
-            self.id, self.created = chunk.id, chunk.created or 0
+    def add(self, payload: bytes) -> None:
+        """One chunk's raw JSON (the relay has checked it); decoded whole here, since the
+        relay's narrow struct keeps only what it routes on."""
         data = _decode(payload)
         if not isinstance(data, dict):
             return
+        if data.get("id") and not self.id:
+            self.id, self.created = data["id"], data.get("created") or 0
         if data.get("usage") is not None:
             self.usage = data["usage"]
         for key, value in data.items():
@@ -195,7 +195,7 @@ class Assembler:
             if isinstance(call, dict):
                 fold.add_tool_call(call)
         for key, value in delta.items():
-            if key not in _CHAT_DELTA_OWN and key != "tool_calls":
+            if key not in _CHAT_DELTA_OWN:
                 fold.message_extra[key] = value
 
     def body(self) -> bytes:
@@ -310,6 +310,13 @@ class Echo:
         if self.with_logprobs and self.logprobs is not None:
             choice["logprobs"] = choice["logprobs"] or {}
             self._merge(choice)
+
+
+def prompt_echo(prefill: PrefillResult, asked: dict[str, Any], *, chat: bool) -> Echo | None:
+    """The echo a client asked for (completions only), streamed or not."""
+    if chat or not asked.get("echo"):
+        return None
+    return echo_of(prefill, asked.get("prompt"), with_logprobs=asked.get("logprobs") is not None)
 
 
 def echo_of(prefill: PrefillResult, prompt: Any, *, with_logprobs: bool) -> Echo:

@@ -34,7 +34,7 @@ from narwhal.faults import (
     SilenceTimeout,
 )
 from narwhal.metrics import Metrics
-from narwhal.router.assemble import Assembler, Echo, echo_of
+from narwhal.router.assemble import Assembler, Echo, prompt_echo
 from narwhal.router.fleet import EngineState, Fleet, Leg
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, JournalLine, Outcome
@@ -381,14 +381,13 @@ class RequestRun(RunRecord):
         are ``StreamRelay``'s; this shell moves bytes and owns the clocks."""
         silence = self.config.engine.decode_read_timeout_s
         collector = None
-        body = self.req.body
+        prefill = self.prefill_result
         if not self.req.stream:
             collector = Assembler(chat=self.req.chat, model=self.config.model)
-            if self.prefill_result is not None:
-                collector.prompt_side(self.prefill_result, body)
-        elif body.get("echo") and self.prefill_result is not None:
-            logprobs = body.get("logprobs") is not None
-            self._echo = echo_of(self.prefill_result, body.get("prompt"), with_logprobs=logprobs)
+            if prefill is not None:
+                collector.prompt_side(prefill, self.req.body)
+        elif prefill is not None:
+            self._echo = prompt_echo(prefill, self.req.body, chat=self.req.chat)
         relay = StreamRelay(collector)
         token_gap = self.router.metrics.token_gap
         last_output_at: float | None = None

@@ -54,15 +54,30 @@ BAD: list[tuple[str, str, dict[str, Any]]] = [
     (COMPLETIONS, "n", {"n": 0}),
     (COMPLETIONS, "n", {"n": -3}),
     (COMPLETIONS, "best_of", {"best_of": 0}),
-    (COMPLETIONS, "logprobs", {"logprobs": -1}),
+    (COMPLETIONS, "logprobs", {"logprobs": -2}),
     (COMPLETIONS, "logprobs", {"logprobs": True}),
     (CHAT, "logprobs", {"logprobs": 5}),
-    (CHAT, "top_logprobs", {"logprobs": True, "top_logprobs": -1}),
+    (CHAT, "top_logprobs", {"logprobs": True, "top_logprobs": -2}),
     (COMPLETIONS, "temperature", {"temperature": -0.5}),
     (CHAT, "temperature", {"temperature": -1}),
     (COMPLETIONS, "top_p", {"top_p": 0}),
     (COMPLETIONS, "top_p", {"top_p": -0.1}),
     (CHAT, "top_p", {"top_p": 1.5}),
+    (COMPLETIONS, "temperature", {"temperature": 2.5}),  # vLLM 0.32: [0, 2]
+    (COMPLETIONS, "top_k", {"top_k": -2}),
+    (CHAT, "top_k", {"top_k": 1.5}),
+    (COMPLETIONS, "min_p", {"min_p": 1.01}),
+    (CHAT, "min_p", {"min_p": -0.1}),
+    (COMPLETIONS, "presence_penalty", {"presence_penalty": 2.5}),
+    (CHAT, "frequency_penalty", {"frequency_penalty": -3}),
+    (COMPLETIONS, "repetition_penalty", {"repetition_penalty": 0}),
+    (CHAT, "repetition_penalty", {"repetition_penalty": -0.5}),
+    (COMPLETIONS, "seed", {"seed": 2**63}),
+    (CHAT, "seed", {"seed": -(2**63) - 1}),
+    (CHAT, "priority", {"priority": 10**29}),
+    (COMPLETIONS, "prompt_logprobs", {"prompt_logprobs": -2}),
+    (COMPLETIONS, "stream_interval", {"stream": True, "stream_interval": 0}),
+    (CHAT, "truncate_prompt_tokens", {"truncate_prompt_tokens": -2}),
     (COMPLETIONS, "stream_options", {"stream_options": {"include_usage": True}}),
     (CHAT, "stream_options", {"stream": False, "stream_options": {"include_usage": False}}),
 ]
@@ -80,6 +95,14 @@ def test_an_out_of_range_field_is_a_400_that_names_it(
     body = fault.error_body()
     assert body["param"] == field
     assert str(body["message"]).startswith(f"{field}: "), body
+
+
+def test_a_number_past_a_double_is_a_400_not_infinity() -> None:
+    raw = b'{"model": "%s", "prompt": "x", "repetition_penalty": 1e999}' % MODEL.encode()
+    with pytest.raises(BadRequest) as info:
+        parse_request(raw, endpoint=COMPLETIONS, model=MODEL)
+    assert info.value.status == 400
+    assert "out of range" in str(info.value.error_body()["message"])
 
 
 def test_best_of_and_fan_out_past_the_bound_are_refused_by_name() -> None:
@@ -103,7 +126,13 @@ GOOD: list[tuple[str, dict[str, Any]]] = [
     (COMPLETIONS, {"logprobs": 0}),
     (COMPLETIONS, {"logprobs": 20}),
     (COMPLETIONS, {"temperature": 0}),
-    (COMPLETIONS, {"temperature": 2.5, "top_p": 1}),
+    (COMPLETIONS, {"temperature": 2, "top_p": 1}),
+    (COMPLETIONS, {"logprobs": -1}),  # the whole vocabulary, as vLLM reads it
+    (CHAT, {"logprobs": True, "top_logprobs": -1}),
+    (COMPLETIONS, {"top_k": -1, "min_p": 0, "presence_penalty": -2, "frequency_penalty": 2}),
+    (CHAT, {"top_k": 0, "min_p": 1, "repetition_penalty": 1e300, "seed": 2**63 - 1}),
+    (CHAT, {"seed": -(2**63), "priority": -5, "prompt_logprobs": -1}),
+    (COMPLETIONS, {"stream": True, "stream_interval": 1, "truncate_prompt_tokens": -1}),
     (COMPLETIONS, {"top_p": 0.001}),
     (COMPLETIONS, {"stream": True, "stream_options": {"include_usage": True}}),
     (COMPLETIONS, {"stream_options": None}),
@@ -129,7 +158,7 @@ def test_unknown_fields_still_pass_through() -> None:
         "repetition_penalty": 1.1,
         "custom": {"nested": [1, None, True]},
         "top_k": -1,
-        "seed": 10**29,  # no range of ours: the engine judges what we do not act on
+        "length_penalty": 10**29,  # no range of ours: beam search only, never sampled
         "logit_bias": {"50256": -100},
     }
     for endpoint in (COMPLETIONS, CHAT):
@@ -145,7 +174,9 @@ INT_FIELDS = {  # field: (least, greatest)
     "min_tokens": (0, MAX_INT32),
     "n": (1, 1),
     "best_of": (1, 1),
-    "top_logprobs": (0, MAX_INT32),
+    "top_logprobs": (-1, MAX_INT32),
+    "top_k": (-1, MAX_INT32),
+    "seed": (-(2**63), 2**63 - 1),
 }
 FIELDS = [*INT_FIELDS, "logprobs", "temperature", "top_p", "stream", "stream_options"]
 EDGES = [-(2**70), -1, 0, 1, 2, 20, 21, MAX_INT32, MAX_INT32 + 1, 2**64, 10**29]
@@ -182,9 +213,9 @@ def _in_range(endpoint: str, body: dict[str, Any]) -> None:
     if chat:
         assert logprobs is None or type(logprobs) is bool
     else:
-        assert logprobs is None or (type(logprobs) is int and 0 <= logprobs <= MAX_INT32)
+        assert logprobs is None or (type(logprobs) is int and -1 <= logprobs <= MAX_INT32)
     temperature = body.get("temperature")
-    assert temperature is None or (type(temperature) in (int, float) and temperature >= 0)
+    assert temperature is None or (type(temperature) in (int, float) and 0 <= temperature <= 2)
     top_p = body.get("top_p")
     assert top_p is None or (type(top_p) in (int, float) and 0 < top_p <= 1)
     limit = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")

@@ -22,14 +22,24 @@ from msgspec import Meta
 from narwhal.faults import BadRequest, ModelNotServed, Phase
 
 MAX_INT32 = 2**31 - 1  # beyond any context length, and fits an engine's int32 counters
+INT64 = 2**63  # vLLM's bound on a seed and a priority: they travel as MessagePack int64
+FINITE = 1.7976931348623157e308  # the largest float: ``le=FINITE`` refuses 1e999 (infinity)
 
 TokenCount = Annotated[int, Meta(ge=1, le=MAX_INT32)]
 MinTokens = Annotated[int, Meta(ge=0, le=MAX_INT32)]
 Choices = Annotated[int, Meta(ge=1)]
-# no upper bound: the engine's --max-logprobs sets it, and the producer checks it first
-Logprobs = Annotated[int, Meta(ge=0, le=MAX_INT32)]
-Temperature = Annotated[float, Meta(ge=0)]
+# -1 asks for the whole vocabulary; no upper bound of ours: the engine's --max-logprobs
+# sets it, and the producer checks it before it computes anything
+Logprobs = Annotated[int, Meta(ge=-1, le=MAX_INT32)]
+Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
+TopK = Annotated[int, Meta(ge=-1, le=MAX_INT32)]  # 0 and -1 both mean "off"
+Probability = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Positive = Annotated[float, Meta(gt=0, le=FINITE)]
+Int64 = Annotated[int, Meta(ge=-INT64, le=INT64 - 1)]
+AtLeastOne = Annotated[int, Meta(ge=1, le=MAX_INT32)]
+Truncation = Annotated[int, Meta(ge=-1, le=INT64 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -46,6 +56,16 @@ class _Common(msgspec.Struct, kw_only=True):
     min_tokens: MinTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Positive | None = None
+    seed: Int64 | None = None
+    priority: Int64 | None = None
+    prompt_logprobs: Logprobs | None = None
+    stream_interval: AtLeastOne | None = None
+    truncate_prompt_tokens: Truncation | None = None
     vllm_xargs: dict[str, Any] | None = None
 
     def output_limit(self) -> tuple[str, int] | None:

@@ -70,6 +70,9 @@ async def check_fleet(
     finally:
         await client.aclose()
     engines_ok = sum(reachable.values())
+    warning = lease_warning(fleet)
+    if warning:
+        lines.append(warning)
     if not pairs:
         lines.append("no pair of distinct engines can move KV (need a producer and a consumer)")
     ok = engines_ok == len(fleet.engines) and passed == len(pairs) and bool(pairs)
@@ -78,3 +81,24 @@ async def check_fleet(
         f"{passed}/{len(pairs)} transfers moved KV"
     )
     return lines, ok
+
+
+def lease_warning(fleet: FleetConfig) -> str | None:
+    """A warning when the engines' KV lease (pinned in ``[engine_contract]``) and the
+    router's ``engine.kv_lease_s`` disagree: longer here, a consumer may read blocks the
+    producer already freed (vLLM answers with wrong tokens, no error); shorter, handoffs
+    the engines would still honour are refused. It warns, it does not fail the check."""
+    contract = fleet.engine_contract
+    ours = fleet.engine.kv_lease_s
+    if contract is None or contract.kv_lease_s is None or contract.kv_lease_s == ours:
+        return None
+    theirs = contract.kv_lease_s
+    risk = (
+        "a consumer could read freed KV blocks (wrong tokens, no error)"
+        if ours > theirs
+        else "handoffs the engines would still honour are refused"
+    )
+    return (
+        f"WARN: engine.kv_lease_s is {ours:g}s but the engines' lease "
+        f"(engine_contract.kv_lease_s, VLLM_NIXL_ABORT_REQUEST_TIMEOUT) is {theirs:g}s: {risk}"
+    )

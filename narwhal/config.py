@@ -58,6 +58,9 @@ class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
     client_body_timeout_s: PositiveFloat = 30.0
 
 
+LEASE_SLACK = 0.02  # of the KV lease, kept unused at its end
+
+
 class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):
     first_token_timeout_s: PositiveFloat = 2.5
     decode_read_timeout_s: NonNegativeFloat = 10.0
@@ -65,6 +68,17 @@ class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):
     health_timeout_s: PositiveFloat = 5.0
     api_key_env: str = ""
     max_connections: PositiveInt = 512
+    kv_lease_s: PositiveFloat = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    reclaim_orphans: bool = True
+
+    @property
+    def lease_limit_s(self) -> float:
+        """The oldest a KV descriptor may be when it is sent to a consumer (SPEC 5).
+
+        The consumer reads the blocks before its first token, which comes within
+        ``first_token_timeout_s`` of the send or the leg is abandoned; the read must land
+        inside the lease with some slack (the producer's clock, the network)."""
+        return self.kv_lease_s - self.first_token_timeout_s - LEASE_SLACK * self.kv_lease_s
 
 
 class RecoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -77,6 +91,7 @@ class RecoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
 class EngineContract(Struct, frozen=True, forbid_unknown_fields=True):
     engine_version: NonEmptyStr
     connector: Literal["NixlConnector"] = "NixlConnector"
+    kv_lease_s: PositiveFloat | None = None  # the engines' lease, when the operator pins it
 
 
 class FleetConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -266,6 +281,13 @@ def cross_field_problems(fleet: FleetConfig) -> list[str]:
             problems.append(
                 f"{path}: must not exceed serving.request_timeout_s ({value} > {limit})"
             )
+    engine = fleet.engine
+    if engine.lease_limit_s <= 0:
+        problems.append(
+            f"engine.kv_lease_s: must leave room for a decode's first token "
+            f"(kv_lease_s={engine.kv_lease_s} is at most "
+            f"engine.first_token_timeout_s={engine.first_token_timeout_s} plus 2%)"
+        )
     seen: dict[str, int] = {}
     for i, spec in enumerate(fleet.engines):
         if spec.id in seen:

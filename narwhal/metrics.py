@@ -27,6 +27,7 @@ from prometheus_client import (
 
 from narwhal.faults import BreakerClass, Phase
 from narwhal.router.breaker import ProbeOutcome
+from narwhal.router.handoff import DROP_REASONS, FATES
 from narwhal.router.retry import Denial
 
 # Buckets for LLM serving: handoffs are milliseconds to tens of seconds (KV stalls of
@@ -114,9 +115,21 @@ class Metrics:
         )
         self.handoffs = counter(
             "narwhal_handoffs",
-            "Descriptors by fate: produced, consumed (decode dispatched), expired (too old), "
-            "orphaned (never dispatched: KV a producer holds for nothing).",
+            "KV descriptors: produced, then each by its fate: decoded (a consumer accepted "
+            "the decode leg), expired (too old for the producer's lease, never sent), "
+            "orphaned (no decode will read it); an orphan then reclaimed, reclaim_failed or "
+            "reclaim_dropped (left to the lease).",
             ("fate",),
+        )
+        self.reclaim_dropped = counter(
+            "narwhal_reclaim_dropped",
+            "Orphaned handoffs left to the producer's lease, by why no reclaim leg was sent.",
+            ("reason",),
+        )
+        self.reclaim_seconds = histogram(
+            "narwhal_reclaim_seconds",
+            "Reclaim legs: orphan taken from the queue to the consumer's answer.",
+            TRANSFER_BUCKETS,
         )
         self.handoff_held = histogram(
             "narwhal_handoff_held_seconds",
@@ -174,8 +187,10 @@ class Metrics:
             self.retries_denied.labels(reason)
         for phase in PHASES:
             self.disconnects.labels(phase)
-        for fate in ("produced", "consumed", "expired", "orphaned"):
+        for fate in FATES:
             self.handoffs.labels(fate)
+        for reason in DROP_REASONS:
+            self.reclaim_dropped.labels(reason)
         for engine in engine_ids:
             self.add_engine(engine)
 

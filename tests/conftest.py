@@ -112,6 +112,7 @@ async def finish(harness: Harness, *, disconnects: int = 0) -> None:
     await harness.http.aclose()
     with trio.fail_after(5):
         await harness.router.wait_drained()
+        await harness.router.reclaimer.wait_idle()  # reclaim legs use engine connections
     assert harness.router.fleet.reserved() == 0
     assert harness.router.disconnects == disconnects
     # every request to a completion endpoint left exactly one terminal journal line

@@ -517,6 +517,7 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
     router, problems = h.router, []
     with trio.move_on_after(DRAIN_S):
         await router.wait_drained()
+        await router.reclaimer.wait_idle()
     # a readmission probe in flight holds one producer and one consumer leg: not a leak
     probes = router.health.probe_handoffs
     reserved = router.fleet.reserved() - 2 * probes
@@ -528,7 +529,10 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
             f"after {DRAIN_S:g}s: {reserved} reservations, {busy} busy, {tasks} tasks, "
             f"{slots} admission slots"
         )
-    leaks = f"{reserved}/{busy}/{tasks}/{slots}"
+    stranded, fates = _stranded_kv(h)
+    leaks = f"{reserved}/{busy}/{tasks}/{slots}/{stranded}"
+    if fates:
+        problems.append(fates)
 
     outcomes = Counter(r.outcome for r in results)
     lines = router.journal.lines
@@ -591,6 +595,34 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
         extra,
         problems,
     )
+
+
+def _stranded_kv(h: Harness) -> tuple[int, str]:
+    """KV blocks the producers still hold once the router is idle (leases not yet run out),
+    and a problem when the handoff fates do not add up (invariant 7): every descriptor
+    decoded, expired or orphaned, and every one not decoded reclaimed, or its reclaim
+    failed or dropped (counted), never forgotten."""
+    now = trio.current_time()
+    stranded = sum(
+        1 for e in h.engines.values() for lease in e.store.leases.values() if lease.expires_at > now
+    )
+    value = h.router.metrics.registry.get_sample_value
+
+    def fate(name: str) -> float:
+        return value("narwhal_handoffs_total", {"fate": name}) or 0.0
+
+    produced = fate("produced")
+    left = fate("expired") + fate("orphaned")
+    reclaim = fate("reclaimed") + fate("reclaim_failed") + fate("reclaim_dropped")
+    if produced != fate("decoded") + left or (
+        h.router.config.engine.reclaim_orphans and reclaim != left
+    ):
+        return (
+            stranded,
+            f"handoff fates do not add up: {produced} produced, {left} left, "
+            f"{reclaim} reclaim outcomes",
+        )
+    return stranded, ""
 
 
 def _legs(engines: Any) -> list[dict[str, Any]]:
@@ -697,7 +729,7 @@ def table(reports: list[Report]) -> str:
     head = (
         "| scenario | requests | client outcomes | journal = client | attempts: journal / "
         "reached a producer (limit) | hung | retries after output | descriptor misuse "
-        "| leaks res/conn/tasks/slots | cancel lag max | cut w/o terminal | verdict |"
+        "| leaks res/conn/tasks/slots/kv | cancel lag max | cut w/o terminal | verdict |"
     )
     rows = [head, "|" + "---|" * 12]
     for r in reports:

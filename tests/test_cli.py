@@ -102,7 +102,9 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
             ("completed", 200),
             ("rejected", 404),
         ]
-        assert lines[0]["attempts"] == [{"number": 1, "producer": "p0", "consumer": "d0"}]
+        assert lines[0]["attempts"] == [
+            {"number": 1, "producer": "p0", "consumer": "d0", "handoff": "decoded"}
+        ]
         assert lines[0]["tokens"] == 3
         assert 0 < lines[0]["ttft_s"] <= lines[0]["first_byte_s"] <= lines[0]["duration_s"]
 

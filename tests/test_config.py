@@ -56,6 +56,8 @@ def test_every_default() -> None:
         "health_timeout_s": 5.0,
         "api_key_env": "",
         "max_connections": 512,
+        "kv_lease_s": 480.0,
+        "reclaim_orphans": True,
     }
     assert msgspec.structs.asdict(fleet.recovery) == {
         "eject_after": 3,

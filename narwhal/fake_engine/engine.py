@@ -267,7 +267,7 @@ class FakeEngine:
         leg: Literal["prefill", "decode"] = (
             "prefill" if isinstance(kv, dict) and kv.get("do_remote_decode") is True else "decode"
         )
-        fault = self.faults.take(leg)
+        fault = self.faults.take("reclaim" if backend_id.endswith("-reclaim") else leg)
         if fault is not None:
             self.counters[f"fault_{fault.kind}"] += 1
         if not self.running:

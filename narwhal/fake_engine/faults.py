@@ -23,6 +23,9 @@ Kinds, by the leg they break:
   ``("end", None)``, ``("close", None)``, ``("hang", None)``; the stream models in
   ``fuzz/`` generate them).
 
+A router's reclaim legs (backend id ``...-reclaim``) meet only faults queued with
+``leg="reclaim"``: a fault scripted for the next client leg is never spent on them.
+
 A fault with ``rate`` > 0 stays armed and strikes every matching leg with that probability
 until the queue is cleared.
 """
@@ -35,7 +38,7 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
-Leg = Literal["prefill", "decode", "any"]
+Leg = Literal["prefill", "decode", "reclaim", "any"]
 FaultKind = Literal[
     "status",
     "hang",
@@ -78,12 +81,14 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
             raise ValueError(f"fault {self.kind} breaks a prefill leg, not a decode leg")
         if self.kind in DECODE_ONLY and self.leg == "prefill":
             raise ValueError(f"fault {self.kind} breaks a decode leg, not a prefill leg")
+        if self.kind in PREFILL_ONLY and self.leg == "reclaim":
+            raise ValueError(f"fault {self.kind} breaks a prefill leg, not a reclaim leg")
 
     @property
-    def target(self) -> Literal["prefill", "decode", "any"]:
+    def target(self) -> Leg:
         if self.kind in PREFILL_ONLY:
             return "prefill"
-        if self.kind in DECODE_ONLY:
+        if self.kind in DECODE_ONLY and self.leg != "reclaim":
             return "decode"
         return self.leg
 
@@ -98,15 +103,16 @@ class FaultQueue:
         for fault in faults:
             (self.armed.append if fault.rate > 0 else self._queue.append)(fault)
 
-    def take(self, leg: Literal["prefill", "decode"]) -> Fault | None:
-        """The first queued fault for ``leg`` (or for any leg), removed from the queue;
-        else an armed one, drawn at its rate."""
+    def take(self, leg: Literal["prefill", "decode", "reclaim"]) -> Fault | None:
+        """The first queued fault for ``leg`` (or for any client leg), removed from the
+        queue; else an armed one, drawn at its rate."""
+        targets = ("reclaim",) if leg == "reclaim" else (leg, "any")
         for i, fault in enumerate(self._queue):
-            if fault.target in (leg, "any"):
+            if fault.target in targets:
                 del self._queue[i]
                 return fault
         for fault in self.armed:
-            if fault.target in (leg, "any") and self._random.random() < fault.rate:
+            if fault.target in targets and self._random.random() < fault.rate:
                 return fault
         return None
 

@@ -181,6 +181,7 @@ class RouterApp:
                 if message["type"] == "lifespan.startup":
                     await background.start(self.router.health.run)
                     background.start_soon(self.router.client.sweep_forever)
+                    await background.start(self.router.reclaimer.run)
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     background.cancel_scope.cancel()

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
@@ -36,10 +35,12 @@ from narwhal.faults import (
 from narwhal.metrics import Metrics
 from narwhal.router.assemble import Assembler, Echo, prompt_echo
 from narwhal.router.fleet import EngineState, Fleet, Leg
+from narwhal.router.handoff import Fate, Handoff, too_old
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, JournalLine, Outcome
 from narwhal.router.lifecycle import Input, Lifecycle, State
 from narwhal.router.placement import pick
+from narwhal.router.reclaim import Reclaimer
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget, RetryDecision, decide
 
@@ -73,6 +74,7 @@ class RouterState(Protocol):
     metrics: Metrics
     retry_budget: RetryBudget
     rng: random.Random
+    reclaimer: Reclaimer
 
 
 class RunRecord:
@@ -260,43 +262,53 @@ class RequestRun(RunRecord):
         self.prefill_result = result  # its prompt side is served with the answer (SPEC 3)
         self.ttft_s = self.elapsed
         self.lifecycle.advance(Input.DESCRIPTOR)
-        with self._handoff_accounting():
+        handoff = Handoff(
+            self.rid,
+            attempt.number,
+            self.req.endpoint,
+            self.req.body,
+            producer.id,
+            result,
+            handoff_start,
+        )
+        try:
             consumer = self._place("decode", prefer_not=producer.id)
             attempt.consumer = consumer.id
-            self._check_handoff_age(handoff_start)
+            self._check_handoff_age(handoff)
             self.lifecycle.advance(Input.DISPATCH)
-        crossed = consumer is not producer
-        try:
-            await self._decode(consumer, result if crossed else None, attempt.number)
-        except RequestFault as fault:
-            health.failure(consumer, fault, "decode", producer if crossed else None)
-            raise
+            crossed = consumer is not producer
+            try:
+                await self._decode(consumer, result if crossed else None, handoff)
+            except RequestFault as fault:
+                health.failure(consumer, fault, "decode", producer if crossed else None)
+                raise
+        finally:
+            self._settle(handoff, attempt)
         health.success(consumer)
 
-    @contextmanager
-    def _handoff_accounting(self) -> Iterator[None]:
-        """Count a descriptor's fate and how long it was held: consumed once its decode is
-        dispatched, expired when too old, orphaned when anything else drops it."""
+    def _settle(self, handoff: Handoff, attempt: AttemptLine) -> None:
+        """Count the descriptor's fate; an orphan goes to the reclaim queue (invariant 7).
+        Runs in a ``finally``, cancellation included: nothing here awaits."""
         metrics = self.router.metrics
-        produced_at = trio.current_time()
         metrics.handoffs.labels("produced").inc()
-        fate = "orphaned"
-        try:
-            yield
-            fate = "consumed"
-        except HandoffExpired:
-            fate = "expired"
-            raise
-        finally:
-            metrics.handoffs.labels(fate).inc()
-            metrics.handoff_held.observe(trio.current_time() - produced_at)
+        metrics.handoffs.labels(handoff.fate.value).inc()
+        metrics.handoff_held.observe(handoff.age(trio.current_time()))
+        attempt.handoff = handoff.fate.value
+        if handoff.fate is not Fate.DECODED:  # within the lease still, a reclaim frees it
+            self.router.reclaimer.submit(handoff)
 
-    def _check_handoff_age(self, started: float) -> None:
-        limit = self.config.serving.handoff_timeout_s
-        age = trio.current_time() - started
-        if limit > 0 and age > limit:
+    def _check_handoff_age(self, handoff: Handoff) -> None:
+        engine = self.config.engine
+        age = handoff.age(trio.current_time())
+        reason = too_old(
+            age,
+            handoff_timeout_s=self.config.serving.handoff_timeout_s,
+            lease_limit_s=engine.lease_limit_s,
+        )
+        if reason is not None:
+            handoff.fate = Fate.EXPIRED
             raise HandoffExpired(
-                f"KV handoff expired: descriptor is {age:.3f}s old, limit {limit:g}s",
+                f"KV handoff expired: descriptor is {age:.3f}s old, {reason}",
                 phase=Phase.HANDOFF,
             )
 
@@ -338,7 +350,7 @@ class RequestRun(RunRecord):
         return {**body, "stream_options": {"include_usage": True}}
 
     async def _decode(
-        self, consumer: EngineState, result: PrefillResult | None, number: int
+        self, consumer: EngineState, result: PrefillResult | None, handoff: Handoff
     ) -> None:
         router = self.router
         engine_cfg = self.config.engine
@@ -347,7 +359,7 @@ class RequestRun(RunRecord):
             self.req.endpoint,
             self._decode_body(),
             result,
-            request_id=f"{self.rid}-a{number}-decode",
+            request_id=f"{self.rid}-a{handoff.attempt}-decode",
         )
         # decode_clock: first-token budget until the first token, then silence budget.
         decode_clock = trio.CancelScope(
@@ -356,6 +368,8 @@ class RequestRun(RunRecord):
         with decode_clock:
             try:
                 async with router.fleet.reserve(consumer, "decode"), stream:
+                    # the consumer took the request: reading the blocks is its job now
+                    handoff.fate = Fate.DECODED
                     await self._relay(stream, decode_clock)
                     return
             except RequestFault as fault:

@@ -29,6 +29,7 @@ from narwhal.router.fanout import FanOutRun
 from narwhal.router.fleet import Fleet
 from narwhal.router.health import Health
 from narwhal.router.journal import Journal, JournalLine, Outcome
+from narwhal.router.reclaim import Reclaimer
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget
 
@@ -65,6 +66,7 @@ class Router:
             api_key=api_key,
             connect=connect,  # None: real sockets; tests pass an in-memory network
         )
+        self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
         self.config_path = config_path
         self.draining = False
         self.drain_deadline = math.inf

@@ -27,6 +27,7 @@ PURE = (
     "narwhal.router.placement",
     "narwhal.router.requests",
     "narwhal.router.assemble",
+    "narwhal.router.handoff",
 )
 IO = ("trio", "hypercorn", "h11", "httpcore", "socket", "asyncio")
 

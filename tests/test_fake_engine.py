@@ -13,6 +13,8 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal.fake_engine import answers
+from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.fake_engine.kv_channel import KVStore, PullRequest
 from narwhal.sse import SSEParser
@@ -299,3 +301,149 @@ async def test_tokenize_and_token_ids_like_vllm(engines: tuple[Engine, Engine]) 
     )
     chunks = [msgspec.json.decode(e) for e in SSEParser().feed(raw)[:-1]]
     assert all(isinstance(c["choices"][0]["token_ids"], list) for c in chunks)
+
+
+# ---- the richer shapes (tests/test_fake_differential.py checks them against the captures) ----
+
+
+def _ask(body: dict[str, Any], chat: bool = False) -> answers.Ask:
+    return answers.ask_of({"model": MODEL, **body}, chat, 16)
+
+
+def _frames(plan: answers.StreamPlan) -> list[bytes]:
+    frames = [*plan.head, *(f for f in plan.tokens if f is not None)]
+    return frames + ([plan.tail] if plan.tail is not None else [])
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("extra", [{}, {"return_token_ids": True}, {"seed": 3, "temperature": 1}])
+def test_the_rich_path_writes_the_plain_paths_bytes(chat: bool, extra: dict[str, Any]) -> None:
+    """A plain request built the general way gives the precomputed bytes exactly: the two
+    paths cannot drift apart."""
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT}
+    )
+    body = {**prompt, "max_tokens": 5, "stream_options": {"include_usage": True}, **extra}
+    ask = _ask(body, chat)
+    assert ask.plain
+    shapes = gen.Shapes("cmpl-x", MODEL, chat)
+    ids = gen.token_ids(ask.prompts[0].text, ask.max_tokens, ask.key(0))
+    plain = answers.plain_plan(ask, shapes, ids, finished=True, prompt_tokens=ask.prompts[0].count)
+    rich = answers.stream_plan(ask, shapes, answers.samples(ask))
+    assert _frames(rich) == _frames(plain)
+
+
+def test_sample_j_of_n_is_the_single_sample_seeded_seed_plus_j() -> None:
+    """What lets the router's fan-out (sub-request j seeded seed + j) equal a local n."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.7, "seed": 5}
+    several = [s.text for s in answers.samples(_ask({**body, "n": 3}))]
+    alone = [answers.samples(_ask({**body, "seed": 5 + j}))[0].text for j in range(3)]
+    assert several == alone
+    assert len(set(several)) == 3
+    # greedy ignores the seed, as vLLM does; unseeded sampling still gives n samples
+    assert _ask({**body, "temperature": 0}).key(0) is None
+    unseeded = answers.samples(_ask({"prompt": PROMPT, "max_tokens": 6, "n": 2}))
+    assert unseeded[0].text == gen.generate(PROMPT, 6) != unseeded[1].text
+
+
+def test_a_stop_string_across_tokens_cuts_the_text_and_the_stream_holds_it_back() -> None:
+    text = gen.generate(PROMPT, 8)  # " quick foxward the time ..."
+    stop = text[text.index("ward") + 2 : text.index(" the") + 3]  # "rd th", over two tokens
+    [sample] = answers.samples(_ask({"prompt": PROMPT, "max_tokens": 8, "stop": ["zzz", stop]}))
+    assert sample.text == text[: text.index(stop)]
+    assert (sample.finish_reason, sample.stop_reason) == ("stop", stop)
+    assert "".join(sample.parts) == sample.text  # nothing streamed that the cut removed
+    assert len(sample.tokens) == len(sample.parts) == 4  # the token that completed it counts
+
+
+def _fold(plan: answers.StreamPlan, chat: bool) -> Any:
+    from narwhal.router.assemble import Assembler
+
+    assembler = Assembler(chat=chat, model=MODEL)
+    for frame in _frames(plan):
+        assembler.add(frame)
+    return msgspec.json.decode(assembler.body())
+
+
+def test_a_forced_tool_call_streams_as_tool_call_deltas() -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": PROMPT}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = {"messages": messages, "max_tokens": 30, "tools": tools, "tool_choice": choice}
+        ask = _ask(body, chat=True)
+        shapes = gen.Shapes("chatcmpl-x", MODEL, True)
+        choices = answers.samples(ask)
+        [call] = _fold(answers.stream_plan(ask, shapes, choices), True)["choices"][0]["message"][
+            "tool_calls"
+        ]
+        assert call["function"]["name"] == "get_weather"
+        assert set(msgspec.json.decode(call["function"]["arguments"])) == {"city", "days"}
+        assert call["id"].startswith("chatcmpl-tool-")
+        # not streamed: the model's raw text, as vLLM 0.32 answers (the capture)
+        full = msgspec.json.decode(answers.full(ask, shapes, choices, None))
+        message = full["choices"][0]["message"]
+        assert message["content"].startswith('<tool_call>\n{"name": "get_weather"')
+        assert "tool_calls" not in message
+        assert full["usage"]["completion_tokens"] == 30
+
+
+def test_continuous_usage_counts_every_chunk() -> None:
+    body = {
+        "prompt": ["One two", "Three four five"],
+        "max_tokens": 3,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    ask = _ask(body)
+    plan = answers.stream_plan(ask, gen.Shapes("cmpl-x", MODEL, False), answers.samples(ask))
+    chunks = [msgspec.json.decode(f) for f in _frames(plan)]
+    seen: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        seen.setdefault(choice["index"], []).append(chunk["usage"]["completion_tokens"])
+        assert chunk["usage"]["prompt_tokens"] == (2 if choice["index"] == 0 else 3)
+    assert seen == {0: [1, 2, 3], 1: [1, 2, 3]}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "total_tokens": 11, "completion_tokens": 6}
+
+
+def test_an_echo_s_offsets_point_into_its_text() -> None:
+    for logprobs in (0, 2, -1):
+        body = {"prompt": PROMPT + "  ", "max_tokens": 4, "echo": True, "logprobs": logprobs}
+        ask = _ask(body)
+        shapes = gen.Shapes("cmpl-x", MODEL, False)
+        [choice] = msgspec.json.decode(answers.full(ask, shapes, answers.samples(ask), None))[
+            "choices"
+        ]
+        lists = choice["logprobs"]
+        assert choice["text"].startswith(PROMPT + "  ")
+        assert "".join(lists["tokens"]) == choice["text"]
+        for offset, token in zip(lists["text_offset"], lists["tokens"], strict=True):
+            assert choice["text"][offset:].startswith(token)
+        assert lists["token_logprobs"][0] is None
+        assert len(choice["prompt_logprobs"]) == len(gen.prompt_pieces(PROMPT + "  "))
+        streamed = _fold(answers.stream_plan(ask, shapes, answers.samples(ask)), False)
+        assert streamed["choices"][0]["text"] == choice["text"]
+        assert streamed["choices"][0]["logprobs"] == lists
+
+
+async def test_refusals_are_vllms(engines: tuple[Engine, Engine]) -> None:
+    _, consumer = engines
+    shapes = CAPTURES / "shapes"
+    for name, suffix, stream in (
+        ("completion_n2_greedy", "json", False),
+        ("completion_prompt_logprobs", "sse", True),
+    ):
+        request = msgspec.json.decode((shapes / f"{name}.request.json").read_bytes())
+        body = {**request["body"], "stream": stream}
+        status, raw = await consumer.call("POST", "/v1/" + request["endpoint"], body)
+        assert (status, msgspec.json.decode(raw)) == (400, _capture_json(f"shapes/{name}.{suffix}"))

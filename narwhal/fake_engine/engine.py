@@ -8,6 +8,7 @@ Start it in-process with ``url = await nursery.start(engine.serve)`` or from the
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 import uuid
@@ -19,6 +20,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 import trio
 
+from narwhal.fake_engine import answers
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.faults import Fault, FaultQueue
 from narwhal.fake_engine.http import Exchange, Request, serve_connection
@@ -338,6 +340,19 @@ class FakeEngine:
                 "1 validation error:\n  body.kv_transfer_params: Input should be a valid dictionary"
             )
             return 400, gen.error_body(msg, "Bad Request", 400, "body.kv_transfer_params")
+        if body.get("prompt_logprobs") is not None and body.get("stream") is True:
+            # tests/captures/shapes/completion_prompt_logprobs.sse
+            msg = (
+                "`prompt_logprobs` are not available when `stream=True`. "
+                "(parameter=prompt_logprobs)"
+            )
+            return 400, gen.error_body(msg, "BadRequestError", 400, "prompt_logprobs")
+        n, temperature = body.get("n"), body.get("temperature")
+        greedy = isinstance(temperature, int | float) and temperature < answers.GREEDY_BELOW
+        if type(n) is int and n > 1 and greedy:
+            # tests/captures/shapes/completion_n2_greedy.json
+            msg = f"n must be 1 when using greedy sampling, got {n}."
+            return 400, gen.error_body(msg, "BadRequestError", 400)
         return None
 
     async def _refuse(self, fault: Fault, ex: Exchange) -> None:
@@ -378,25 +393,30 @@ class FakeEngine:
         produce = leg == "prefill" and not stream and cfg.role != "decode"
         if produce:
             self.counters["prefill"] += 1
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        count = max_tokens or body.get("max_tokens") or cfg.default_max_tokens
-        ids = gen.token_ids(prompt, count)
+        ask = answers.ask_of(body, chat, cfg.default_max_tokens)
         if stream:
-            await self._stream(shapes, ids, prompt_tokens, body, ex, fault, entry)
+            finished = fault is None or fault.kind == "slow_drip"
+            if ask.plain:
+                ids = gen.token_ids(prompt, ask.max_tokens, ask.key(0))
+                plan = answers.plain_plan(
+                    ask, shapes, ids, finished=finished, prompt_tokens=prompt_tokens
+                )
+            else:
+                plan = answers.stream_plan(ask, shapes, answers.samples(ask))
+            await self._stream(shapes, plan, prompt_tokens, ex, fault, entry)
             return
         descriptor = self._produce(resp_id, prompt_tokens, chat) if produce else None
         if descriptor is not None and fault is not None:
             descriptor = _corrupt(descriptor, fault)
-        self.counters["generation_tokens"] += len(ids)
-        text = "".join(gen.VOCAB[i] for i in ids)
-        asked = body.get("prompt_logprobs")
-        prompt_logprobs = gen.prompt_logprobs(prompt, asked) if type(asked) is int else None
-        response = shapes.full(text, prompt_tokens, len(ids), descriptor, prompt_logprobs)
+        choices = answers.samples(ask)
+        tokens = sum(len(c.tokens) for c in choices)
+        self.counters["generation_tokens"] += tokens
+        response = answers.full(ask, shapes, choices, descriptor)
         if fault is not None and fault.kind == "close_mid_body":
             await ex.respond_partial(200, response)
             return
         await ex.respond(200, response)
-        entry["tokens"] = len(ids)
+        entry["tokens"] = tokens
 
     async def _compute_prompt(self, prompt_tokens: int) -> None:
         delay = self.config.prefill_delay_per_token_s * prompt_tokens
@@ -462,9 +482,8 @@ class FakeEngine:
     async def _stream(
         self,
         shapes: gen.Shapes,
-        ids: list[int],
+        plan: answers.StreamPlan,
         prompt_tokens: int,
-        body: dict[str, Any],
         ex: Exchange,
         fault: Fault | None,
         entry: dict[str, Any],
@@ -481,29 +500,27 @@ class FakeEngine:
             await ex.write(b"data: [DONE]\n\n")
             await ex.end_stream()
             return
-        if shapes.chat:
-            await ex.write(b"data: " + shapes.role_chunk() + b"\n\n")
+        for frame in plan.head:
+            await ex.write(b"data: " + frame + b"\n\n")
         if kind == "metadata_then_silence":
             await ex.write(b": keep-alive\n\n")
             await ex.write(b"data: " + shapes.usage_chunk(prompt_tokens, 0) + b"\n\n")
             await trio.sleep_forever()
+        frames = plan.tokens
         if fault is not None and kind != "slow_drip":
-            ids = ids[: fault.tokens]
-        last = len(ids) - 1 if kind is None or kind == "slow_drip" else -1
-        with_ids = body.get("return_token_ids") is True
-        for n, index in enumerate(ids):
+            frames = itertools.islice(frames, fault.tokens)
+        for n, chunk in enumerate(frames):
             if itl > 0 and n:
                 await trio.sleep(itl)
-            chunk = shapes.token_chunk(index, n == last, with_ids)
-            await ex.write(b"data: " + chunk + b"\n\n")
+            if chunk is not None:  # a token that sends no chunk (a tool call's tail)
+                await ex.write(b"data: " + chunk + b"\n\n")
             self.counters["generation_tokens"] += 1
             entry["tokens"] += 1
         if fault is not None and kind != "slow_drip":
             await self._break_stream(fault, ex)
             return
-        options = body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
-            await ex.write(b"data: " + shapes.usage_chunk(prompt_tokens, len(ids)) + b"\n\n")
+        if plan.tail is not None:
+            await ex.write(b"data: " + plan.tail + b"\n\n")
         await ex.write(b"data: [DONE]\n\n")
         await ex.end_stream()
 

@@ -1,13 +1,16 @@
 """Deterministic fake generation and vLLM 0.32's response shapes (from real captures).
 
-Tokens are a seeded function of the prompt text alone, so a prompt decoded after a KV
-handoff yields exactly what the same prompt yields served locally, like real vLLM at
-temperature 0. Chunk bytes are assembled from precomputed pieces: the fake engine runs
-beside the router during benchmarks and must stay cheap.
+Tokens are a seeded function of the prompt text alone (and of the request's seed when it
+samples), so a prompt decoded after a KV handoff yields exactly what the same prompt yields
+served locally, like real vLLM at temperature 0. A plain stream's chunk bytes are assembled
+from precomputed pieces: the fake engine runs beside the router during benchmarks and must
+stay cheap. The richer shapes (logprobs, echo, stop strings, tool calls, ``n``, ...) and
+every non-streamed answer are built in ``answers``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import zlib
 from typing import Any
@@ -53,9 +56,13 @@ SYSTEM_FINGERPRINT = "vllm-0.32.0-fake0000"
 _encode = msgspec.json.encode
 
 
-def token_ids(prompt: str, count: int) -> list[int]:
-    """``count`` token indices into VOCAB, a pure function of the prompt."""
-    x = zlib.crc32(prompt.encode("utf-8", "surrogatepass")) or 1
+def token_ids(prompt: str, count: int, key: int | None = None) -> list[int]:
+    """``count`` token indices into VOCAB, a pure function of the prompt (and of a sample's
+    key: its seed, see ``answers.Ask.key``)."""
+    x = zlib.crc32(prompt.encode("utf-8", "surrogatepass"))
+    if key is not None:
+        x = zlib.crc32(b"seed %d" % key, x)
+    x = x or 1
     out = []
     for _ in range(count):
         x = (x * 1103515245 + 12345) & 0x7FFFFFFF
@@ -152,78 +159,58 @@ class Shapes:
             }
         )
 
-    def full(
-        self,
-        text: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-        kv_transfer_params: dict[str, Any] | None,
-        prompt_logprobs: list[Any] | None = None,
-    ) -> bytes:
-        """A non-streaming response, field for field as vLLM 0.32 writes it."""
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "token_ids": None,
-                "routed_experts": None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "token_ids": None,
-                "prompt_logprobs": prompt_logprobs,
-                "prompt_token_ids": None,
-                "routed_experts": None,
-            }
-        out: dict[str, Any] = {
-            "id": self.resp_id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "completion_tokens": completion_tokens,
-                "prompt_tokens_details": None,
-                "completion_tokens_details": None,
-            },
-        }
-        if self.chat:
-            out.update(prompt_logprobs=prompt_logprobs, prompt_token_ids=None, prompt_text=None)
-        out.update(kv_transfer_params=kv_transfer_params, ec_transfer_params=None, metrics=None)
-        return _encode(out)
+
+_PROMPT_PIECES = re.compile(r"\s*\S+")
+
+
+def prompt_pieces(prompt: str) -> list[str]:
+    """The prompt's tokens (a word each, with the space before it), together the whole
+    text: their offsets are an echo's ``text_offset``."""
+    out = _PROMPT_PIECES.findall(prompt)
+    if not out:
+        return [prompt]
+    rest = len(prompt) - sum(map(len, out))
+    if rest:
+        out[-1] += prompt[-rest:]  # trailing whitespace
+    return out
+
+
+def prompt_ids(prompt: str) -> list[int]:
+    """The prompt's token ids, as ``/tokenize`` gives them."""
+    return [
+        zlib.crc32(p.strip().encode("utf-8", "surrogatepass")) % 32000
+        for p in prompt_pieces(prompt)
+    ]
 
 
 def prompt_logprobs(prompt: str, top: int) -> list[Any]:
     """vLLM's shape: None for the first prompt token, then for each token a map of token id
-    to its logprob, rank and text (the token itself and ``top`` others). Deterministic."""
-    words = prompt.split()
+    to logprob, rank and text: the prompt's own token first (a prompt is not always what
+    the model would have said: its rank runs 1 to 3), then the ``top`` likeliest tokens
+    (the own token counted once when it is among them). Deterministic."""
     out: list[Any] = [None]
-    for i, word in enumerate(words[1:], start=1):
-        own = zlib.crc32(word.encode()) % 32000
-        entry = {str(own): {"logprob": -0.5 - i / 100, "rank": 1, "decoded_token": word}}
-        for rank in range(2, top + 2 if top else 1):
-            other = (own + rank) % 32000
-            entry[str(other)] = {"logprob": -1.0 - rank, "rank": rank, "decoded_token": "x"}
+    pieces = prompt_pieces(prompt)
+    for i, (piece, own) in enumerate(zip(pieces, prompt_ids(prompt), strict=True)):
+        if not i:
+            continue
+        best = -round(0.5 + (own % 89) / 40, 4)
+        own_rank = 1 + own % 3
+        entry = {
+            str(own): {
+                "logprob": round(best - 0.5 * (own_rank - 1), 4),
+                "rank": own_rank,
+                "decoded_token": piece,
+            }
+        }
+        for rank in range(1, min(top, len(VOCAB)) + 1):
+            if rank == own_rank:
+                continue
+            other = (own + rank) % len(VOCAB)
+            entry[str(32000 + other)] = {
+                "logprob": round(best - 0.5 * (rank - 1), 4),
+                "rank": rank,
+                "decoded_token": VOCAB[other],
+            }
         out.append(entry)
     return out
 

@@ -78,7 +78,9 @@ async def test_a_prompt_list_streams_prompt_major_then_n(pd: Harness) -> None:
     usage = [u["usage"] for u in usage_chunks if u.get("usage")]
     assert len(usage) == 1  # one usage chunk for the whole response, at the end
     assert usage[0]["completion_tokens"] == 16
-    assert usage_chunks[-1] is not None
+    # shaped as vLLM's own usage chunk (a child's), not as a token chunk
+    keys = ["id", "object", "created", "model", "choices", "usage", "system_fingerprint"]
+    assert list(usage_chunks[-1]) == keys
     await finish(pd)
 
 

@@ -75,7 +75,7 @@ class FanOutRun(RunRecord):
         self._write_lock = trio.Lock()
         self._usage: dict[int, Any] = {}  # streaming: each child's last usage
         self._answers: dict[int, dict[str, Any]] = {}  # JSON: each child's answer
-        self._template: dict[str, Any] | None = None  # a chunk to shape the usage chunk on
+        self._template: dict[str, Any] | None = None  # a child's usage chunk, to shape ours on
 
     # ---- the record, summed over the children --------------------------------------------
 
@@ -137,13 +137,11 @@ class FanOutRun(RunRecord):
             choices = chunk.get("choices") or []
             if not choices and chunk.get("usage") is not None:
                 self._usage[k] = chunk["usage"]  # summed into one usage chunk at the end
-                self._template = self._template or chunk
+                self._template = chunk  # vLLM's usage chunk: its keys, fingerprint included
                 continue
             for choice in choices:
                 if isinstance(choice, dict):
                     choice["index"] = k + (choice.get("index") or 0)
-            if self._template is None:
-                self._template = chunk
             frames.append(b"data: " + _encode(chunk) + b"\n\n")
         if not frames:
             return

@@ -11,19 +11,18 @@ The fake producer models the lease and counts a read of an expired descriptor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 import trio
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narwhal.check import lease_warning
 from narwhal.config import ConfigError, EngineConfig, EngineContract, ServingConfig, load_config
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.connector import RECLAIM_MODEL, NixlConnector, PrefillResult
 from narwhal.fake_engine.faults import Fault
-from narwhal.router.handoff import Fate, Handoff, reclaim_body, reclaim_verdict, too_old
+from narwhal.router.handoff import Fate, Handoff, reclaim_verdict, too_old
 from tests.conftest import MODEL, Harness, finish, fleet_config, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 4}
@@ -50,6 +49,16 @@ def held(harness: Harness, engine: str = "p0") -> int:
     return len(harness.engines[engine].store.leases)
 
 
+async def kv_usage(harness: Harness, engine: str = "p0") -> float:
+    """The producer's ``vllm:kv_cache_usage_perc``, as an operator's scrape reads it."""
+    url = harness.router.fleet.by_id[engine].url
+    reply = await harness.http.request("GET", url + "/metrics")
+    for line in reply.content.decode().splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:kv_cache_usage_perc")
+
+
 def expired_reads(harness: Harness) -> int:
     return sum(e.counters["kv_pull_refused_expired"] for e in harness.engines.values())
 
@@ -67,8 +76,11 @@ async def test_a_refused_decode_leaves_an_orphan_that_is_reclaimed_at_once(
     rid = reply.headers["x-request-id"]
     await settled(harness)
     assert ids(harness, "d0") == [f"{rid}-a1-decode", f"{rid}-a1-reclaim"]
-    assert held(harness) == 0  # the producer freed the blocks: the reclaim read them
-    assert harness.engines["p0"].counters["kv_released"] == 1
+    assert held(harness) == 0  # the producer freed the blocks, told by the consumer
+    assert await kv_usage(harness) == 0
+    p0, d0 = harness.engines["p0"], harness.engines["d0"]
+    assert (p0.counters["kv_released_unread"], p0.counters["kv_released"]) == (1, 0)
+    assert d0.counters["kv_release_sent"] == 1
     assert fates(harness) | {} == {
         "produced": 1,
         "decoded": 0,
@@ -78,11 +90,13 @@ async def test_a_refused_decode_leaves_an_orphan_that_is_reclaimed_at_once(
         "reclaim_failed": 0,
         "reclaim_dropped": 0,
     }
-    # the reclaim leg is one token of the same prompt, and is nobody's client request
-    leg = harness.engines["d0"].log[-1]
-    assert leg["body"]["prompt"] == BODY["prompt"]
-    assert leg["body"]["max_tokens"] == 1
-    assert harness.engines["d0"].counters["generation_tokens"] == 1
+    # the reclaim is a request the consumer refuses before admission: nothing computed,
+    # nothing moved, the descriptor passed on untouched
+    leg = d0.log[-1]
+    assert leg["body"]["model"] == RECLAIM_MODEL
+    assert leg["body"]["kv_transfer_params"]["remote_engine_id"] == p0.engine_id
+    assert d0.counters["generation_tokens"] == 0
+    assert d0.counters["kv_pull_ok"] == 0
     (line,) = harness.router.journal.lines
     assert line.attempts[0].handoff == "orphaned"
     assert harness.router.metrics.registry.get_sample_value("narwhal_reclaim_seconds_count") == 1
@@ -203,6 +217,7 @@ async def test_reclaim_off_leaves_the_orphan_to_the_lease(nursery: trio.Nursery)
     await settled(harness)
     assert not [i for i in ids(harness, "d0") if i.endswith("-reclaim")]
     assert held(harness) == 1  # pinned until the lease runs out: what reclaim is for
+    assert await kv_usage(harness) > 0
     f = fates(harness)
     assert (f["orphaned"], f["reclaimed"], f["reclaim_dropped"]) == (1, 0, 0)
     await finish(harness)
@@ -250,11 +265,12 @@ async def test_no_healthy_consumer_but_the_producer_drops_the_reclaim(
 # ---- the sans-IO rules -----------------------------------------------------------------------
 
 
-def _handoff(started: float = 0.0, body: dict[str, Any] | None = None) -> Handoff:
+def _handoff(started: float = 0.0) -> Handoff:
     result = PrefillResult("u", "/v1/completions", "r", "NixlConnector", msgspec.Raw(b"{}"))
-    return Handoff("r", 1, "/v1/completions", body or BODY, "p0", result, started)
+    return Handoff("r", 1, "p0", result, started)
 
 
+@settings(deadline=None)
 @given(
     age=st.floats(0, 1000),
     handoff_timeout=st.floats(0, 1000),
@@ -273,6 +289,7 @@ def test_no_descriptor_older_than_the_lease_limit_passes(
     assert limit < lease - first_token  # the read lands inside the lease, with slack
 
 
+@settings(deadline=None)
 @given(
     age=st.floats(0, 100),
     limit=st.floats(0, 100),
@@ -291,34 +308,22 @@ def test_a_reclaim_is_sent_only_inside_the_lease_to_a_free_consumer(
         assert verdict in ("lease", "no_consumer", "saturated")
 
 
-def test_the_reclaim_body_keeps_the_prompt_and_asks_for_one_token() -> None:
-    chat = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hi"}],
-        "tools": [{"type": "function", "function": {"name": "f"}}],
-        "tool_choice": {"type": "function", "function": {"name": "f"}},
-        "max_completion_tokens": 500,
-        "n": 3,
-        "logprobs": True,
-        "top_logprobs": 5,
-        "response_format": {"type": "json_object"},
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    body = reclaim_body(chat, chat=True)
+def test_the_reclaim_request_carries_the_descriptor_byte_for_byte() -> None:
+    descriptor = (
+        b'{"do_remote_prefill":true,"remote_engine_id":"e \\u00e9","remote_block_ids":[[1,2]]}'
+    )
+    result = PrefillResult(
+        "u", "/v1/chat/completions", "r", "NixlConnector", msgspec.Raw(descriptor)
+    )
+    raw = NixlConnector().reclaim_body(result)
+    assert descriptor in raw
+    body = msgspec.json.decode(raw)
     assert body == {
-        "model": MODEL,
-        "messages": chat["messages"],
-        "tools": chat["tools"],  # they render into the prompt: the blocks must match
-        "tool_choice": "none",  # no grammar to compile for one token
-        "stream": True,
+        "model": RECLAIM_MODEL,  # refused before admission: no engine serves it
+        "prompt": "x",
         "max_tokens": 1,
-        "temperature": 0,
-    }
-    assert reclaim_body({**BODY, "echo": True, "logprobs": 2}, chat=False) == {
-        **BODY,
-        "max_tokens": 1,
-        "temperature": 0,
+        "stream": False,
+        "kv_transfer_params": msgspec.json.decode(descriptor),
     }
 
 

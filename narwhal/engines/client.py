@@ -178,6 +178,17 @@ class EngineClient:
         )
         return DecodeStream(self._engine(url), endpoint, _encode(decode_body), request_id)
 
+    async def reclaim(self, url: str, result: PrefillResult, *, request_id: str) -> int:
+        """Send a consumer the reclaim request for an orphaned descriptor (the connector's
+        ``reclaim_body``); the consumer's HTTP status. Bounded by the caller's scope."""
+        engine = self._engine(url)
+        payload = self.connector.reclaim_body(result)
+        async with await engine.request(
+            b"POST", "/v1/completions", payload, request_id, Phase.HANDOFF
+        ) as response:
+            await _read(response, engine, Phase.HANDOFF, MAX_ERROR_BODY_BYTES, truncate=True)
+        return response.status
+
     async def get(self, url: str, path: str) -> tuple[int, bytes]:
         """A small GET (health, version, models), bounded by the caller's scope."""
         engine = self._engine(url)

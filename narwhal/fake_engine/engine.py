@@ -52,6 +52,7 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     itl_s: float = 0.0  # delay between generated tokens
     prefill_delay_per_token_s: float = 0.0  # prompt computation time per prompt token
     kv_lease_s: float = 30.0  # how long a producer holds blocks nobody pulled
+    kv_blocks: int = 4096  # the KV cache, in 16-token blocks (vllm:kv_cache_usage_perc)
     transfer_delay_s: float = 0.0  # how long pulling the KV blocks takes on a consumer
     max_model_len: int = 32768
     default_max_tokens: int = 16
@@ -226,6 +227,8 @@ class FakeEngine:
             f"process_start_time_seconds {self.start_time:.3f}",
             "# TYPE vllm:num_requests_running gauge",
             f"vllm:num_requests_running{label} {self.running}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {self._kv_usage():.6f}",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{label} {c['prompt_tokens']}",
             "# TYPE vllm:generation_tokens_total counter",
@@ -236,6 +239,10 @@ class FakeEngine:
             f"vllm:nixl_num_failed_transfers_total{label} {c['kv_pull_failed']}",
         ]
         return ("\n".join(lines) + "\n").encode()
+
+    def _kv_usage(self) -> float:
+        """The fraction of the KV cache that leases hold (vLLM's 0..1, despite the name)."""
+        return min(1.0, self.store.blocks_held() / max(1, self.config.kv_blocks))
 
     # ---- completions ---------------------------------------------------------------------
 
@@ -261,15 +268,18 @@ class FakeEngine:
             "disconnected": False,
         }
         self.log.append(entry)
-        problem = self._validate(body, chat)
+        # a reclaim leg's scripted fault strikes before the check that refuses it
+        reclaim = self.faults.take("reclaim") if backend_id.endswith("-reclaim") else None
+        problem = None if reclaim is not None else self._validate(body, chat)
         if problem is not None:
+            await self._release_refused(body)
             await ex.respond(problem[0], problem[1])
             return
         kv = body.get("kv_transfer_params")
         leg: Literal["prefill", "decode"] = (
             "prefill" if isinstance(kv, dict) and kv.get("do_remote_decode") is True else "decode"
         )
-        fault = self.faults.take("reclaim" if backend_id.endswith("-reclaim") else leg)
+        fault = reclaim or self.faults.take(leg)
         if fault is not None:
             self.counters[f"fault_{fault.kind}"] += 1
         if not self.running:
@@ -468,6 +478,25 @@ class FakeEngine:
             self.counters["kv_pull_failed"] += 1
             self.counters[f"kv_pull_failed_{reply_reason}"] += 1
         return ok
+
+    async def _release_refused(self, body: dict[str, Any]) -> None:
+        """vLLM since vllm#41269: a consumer that refuses a request carrying a descriptor
+        before admission tells the producer to free the blocks, with no transfer."""
+        kv = body.get("kv_transfer_params")
+        if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
+            return
+        host, port = kv.get("remote_host"), kv.get("remote_port")
+        if not isinstance(host, str) or type(port) is not int:
+            return
+        request = PullRequest(
+            engine_id=str(kv.get("remote_engine_id")),
+            request_id=str(kv.get("remote_request_id")),
+            block_ids=kv.get("remote_block_ids"),
+            consumer=self.engine_id,
+            release_only=True,
+        )
+        reply = await self.puller.pull(host, port, request)  # bounded, never raises
+        self.counters["kv_release_sent" if reply.ok else "kv_release_refused"] += 1
 
     async def _transfer_failed(self, ex: Exchange, stream: bool) -> None:
         """What vLLM answers when a KV load fails (captures/edge_deadport.txt)."""

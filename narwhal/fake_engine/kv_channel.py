@@ -32,6 +32,9 @@ class PullRequest(msgspec.Struct):
     request_id: str
     block_ids: Any
     consumer: str
+    # no transfer: the consumer refused the request before admission and tells the
+    # producer to free the blocks (vLLM's notice since vllm#41269)
+    release_only: bool = False
 
 
 class PullReply(msgspec.Struct):
@@ -82,12 +85,21 @@ class KVStore:
             return PullReply(ok=False, reason=reason)
         lease = self.leases.pop(req.request_id)
         self._remember(req.request_id, req.consumer)
-        self.counters["kv_released"] += 1
-        self.events.append(
-            {"event": "kv_released", "request_id": req.request_id, "consumer": req.consumer}
-        )
+        event = "kv_released_unread" if req.release_only else "kv_released"
+        self.counters[event] += 1
+        self.events.append({"event": event, "request_id": req.request_id, "consumer": req.consumer})
         del self.events[:-1000]
-        return PullReply(ok=True, blocks=sum(len(g) for g in lease.block_ids))
+        return PullReply(ok=True, blocks=0 if req.release_only else self.blocks_of(lease))
+
+    @staticmethod
+    def blocks_of(lease: Lease) -> int:
+        return sum(len(group) for group in lease.block_ids)
+
+    def blocks_held(self) -> int:
+        """Blocks under a live lease: KV a producer keeps for a consumer (expired leases
+        are freed first, as vLLM reaps them)."""
+        self.expire()
+        return sum(self.blocks_of(lease) for lease in self.leases.values())
 
     def _refusal(self, req: PullRequest) -> str:
         if req.engine_id != self.engine_id:

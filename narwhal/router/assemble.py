@@ -32,7 +32,12 @@ _CHAT_DELTA_OWN = frozenset(
 _CHOICE_OWN = frozenset(
     {"index", "delta", "text", "logprobs", "finish_reason", "stop_reason", "token_ids"}
 )
-_COMPLETION_LOGPROB_LISTS = ("text_offset", "token_logprobs", "tokens", "top_logprobs")  # vLLM's order
+_COMPLETION_LOGPROB_LISTS = (
+    "text_offset",
+    "token_logprobs",
+    "tokens",
+    "top_logprobs",
+)  # vLLM's order
 # vLLM 0.32's non-streaming schema (tests/captures/shapes): fields its streamed chunks leave
 # out but a non-streaming client receives, with the values they take there
 _TOP_DEFAULTS: dict[str, Any] = {

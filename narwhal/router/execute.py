@@ -262,15 +262,7 @@ class RequestRun(RunRecord):
         self.prefill_result = result  # its prompt side is served with the answer (SPEC 3)
         self.ttft_s = self.elapsed
         self.lifecycle.advance(Input.DESCRIPTOR)
-        handoff = Handoff(
-            self.rid,
-            attempt.number,
-            self.req.endpoint,
-            self.req.body,
-            producer.id,
-            result,
-            handoff_start,
-        )
+        handoff = Handoff(self.rid, attempt.number, producer.id, result, handoff_start)
         try:
             consumer = self._place("decode", prefer_not=producer.id)
             attempt.consumer = consumer.id
@@ -285,6 +277,8 @@ class RequestRun(RunRecord):
         finally:
             self._settle(handoff, attempt)
         health.success(consumer)
+        if crossed:  # its reclaims are told at once (the NIXL handshake is done)
+            self.router.fleet.paired.add((producer.id, consumer.id))
 
     def _settle(self, handoff: Handoff, attempt: AttemptLine) -> None:
         """Count the descriptor's fate; an orphan goes to the reclaim queue (invariant 7).

@@ -112,6 +112,8 @@ class Fleet:
         self.producers: list[EngineState] = []
         self.consumers: list[EngineState] = []
         self.turn = 0  # rotates ties so equal engines share load
+        # (producer id, consumer id) pairs that moved KV: the consumer knows the producer
+        self.paired: set[tuple[str, str]] = set()
         self.reload(specs, recovery)
 
     def reload(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:

@@ -18,7 +18,6 @@ near its lease, no consumer free, the queue full, shutdown). With
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 from narwhal.engines.connector import PrefillResult
 
@@ -50,22 +49,13 @@ def too_old(age: float, *, handoff_timeout_s: float, lease_limit_s: float) -> st
 class Handoff:
     """One descriptor on its way from a producer to a consumer, and where it ended."""
 
-    __slots__ = ("attempt", "body", "endpoint", "fate", "producer", "result", "rid", "started")
+    __slots__ = ("attempt", "fate", "producer", "result", "rid", "started")
 
     def __init__(
-        self,
-        rid: str,
-        attempt: int,
-        endpoint: str,
-        body: dict[str, Any],
-        producer: str,
-        result: PrefillResult,
-        started: float,
+        self, rid: str, attempt: int, producer: str, result: PrefillResult, started: float
     ) -> None:
         self.rid = rid
         self.attempt = attempt
-        self.endpoint = endpoint
-        self.body = body
         self.producer = producer  # the producer engine's id
         self.result = result
         self.started = started  # when the producer leg started (SPEC 5: handoff age)
@@ -77,45 +67,6 @@ class Handoff:
     @property
     def backend_id(self) -> str:
         return f"{self.rid}-a{self.attempt}-reclaim"
-
-
-# Fields that shape only the output: a reclaim leg asks for one token and nothing else.
-# What shapes the prompt (messages, tools, chat template, the prompt itself) stays, since
-# the consumer must lay out exactly the blocks the producer computed.
-_OUTPUT_ONLY = (
-    "max_completion_tokens",
-    "min_tokens",
-    "n",
-    "best_of",
-    "logprobs",
-    "top_logprobs",
-    "prompt_logprobs",
-    "echo",
-    "stream_options",
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "stop",
-    "stop_token_ids",
-    "logit_bias",
-    "seed",
-)
-
-
-def reclaim_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """The cheapest decode that makes the consumer read the blocks: the same prompt, one
-    greedy token, nothing computed but that token (it streams, as every decode leg does)."""
-    out = {k: v for k, v in body.items() if k not in _OUTPUT_ONLY}
-    out.update(max_tokens=1, temperature=0)
-    choice = out.get("tool_choice")
-    if chat and (isinstance(choice, dict) or choice == "required"):
-        # a forced call is a grammar the consumer would compile for one token; "none"
-        # keeps the tools (and so the rendered prompt) and drops the constraint
-        out["tool_choice"] = "none"
-    return out
 
 
 DROP_REASONS = ("lease", "no_consumer", "saturated", "queue_full", "shutdown")

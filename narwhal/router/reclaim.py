@@ -1,13 +1,16 @@
-"""Reclaim legs (SPEC 5, invariant 7): a consumer reads an orphaned handoff's KV blocks so
-the producer frees them now, not when its lease runs out.
+"""Reclaim legs (SPEC 5, invariant 7): a consumer is handed an orphaned descriptor so the
+producer frees its KV blocks now, not when its lease runs out.
 
-The queue and its workers belong to the server's background nursery, never to the request
-that left the orphan behind: that request is gone (its client left, its deadline passed,
-its attempt failed), and its cancellation must not reach the reclaim. ``submit`` never
-blocks and never raises, so a request's ``finally`` can call it while being cancelled.
-Each leg is bounded by ``engine.first_token_timeout_s``, goes to a healthy consumer with
-room (never queued behind client traffic), never feeds the breaker or the client metrics,
-and runs at most once per descriptor. The verdicts are ``narwhal.router.handoff``'s.
+The request is the connector's ``reclaim_body``: one the consumer refuses before admission,
+which makes vLLM (since vllm#41269) tell the producer to free the blocks, with no transfer
+and no compute. The queue and its workers belong to the server's background nursery, never
+to the request that left the orphan behind: that request is gone (its client left, its
+deadline passed, its attempt failed), and its cancellation must not reach the reclaim.
+``submit`` never blocks and never raises, so a request's ``finally`` can call it while
+being cancelled. Each leg is bounded by ``engine.first_token_timeout_s``, goes to a healthy
+consumer with room (one that already moved KV from that producer first), never feeds the
+breaker or the client metrics, and runs at most once per descriptor. The verdicts are
+``narwhal.router.handoff``'s.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ from narwhal.faults import EngineFault
 from narwhal.logs import log_event
 from narwhal.metrics import Metrics
 from narwhal.router.fleet import EngineState, Fleet
-from narwhal.router.handoff import Fate, Handoff, reclaim_body, reclaim_verdict
+from narwhal.router.handoff import Fate, Handoff, reclaim_verdict
 
 log = logging.getLogger("narwhal.reclaim")
 QUEUE_SIZE = 4096  # orphans waiting; past it they are dropped (and counted), never awaited
-CONCURRENCY = 8  # reclaim legs at once across the fleet: each is a one-token decode
-MAX_ANSWER_BYTES = 64 * 1024  # a one-token answer; more is read no further
+CONCURRENCY = 8  # reclaim legs at once across the fleet (each a refused request)
 
 
 class ReclaimHost(Protocol):
@@ -117,7 +119,12 @@ class Reclaimer:
         )
         if reason is not None:
             return self._drop(handoff, reason)
-        consumer = min(free, key=lambda e: (e.load, e.index))
+        # a consumer that already moved KV from this producer sends the release at once; a
+        # cold one first opens its NIXL handshake, and an idle one may sit on the notice
+        paired = host.fleet.paired
+        consumer = min(
+            free, key=lambda e: ((handoff.producer, e.id) not in paired, e.load, e.index)
+        )
         self.inflight += 1
         try:
             fate = await self._leg(handoff, consumer, engine_cfg.first_token_timeout_s)
@@ -128,26 +135,21 @@ class Reclaimer:
         return fate
 
     async def _leg(self, handoff: Handoff, consumer: EngineState, bound_s: float) -> Fate:
-        chat = handoff.endpoint.endswith("/chat/completions")
-        stream = self.host.client.decode(
-            consumer.url,
-            handoff.endpoint,
-            reclaim_body(handoff.body, chat),
-            handoff.result,
-            request_id=handoff.backend_id,
-        )
+        """The consumer refuses the reclaim request before admission and, doing so, tells
+        the producer to free the blocks (``NixlConnector.reclaim_body``): any answer below
+        500 is that refusal (or, from an engine that served it, a decode that read them)."""
         problem = f"no answer within {bound_s:g}s"
         with trio.move_on_after(bound_s):
             try:
-                async with stream:
-                    size = 0
-                    async for part in stream:
-                        size += len(part)
-                        if size > MAX_ANSWER_BYTES:
-                            break
-                return Fate.RECLAIMED
+                status = await self.host.client.reclaim(
+                    consumer.url, handoff.result, request_id=handoff.backend_id
+                )
             except EngineFault as fault:
                 problem = fault.message
+            else:
+                if status < 500:
+                    return Fate.RECLAIMED
+                problem = f"consumer answered HTTP {status}"
         log_event(
             log,
             logging.WARNING,

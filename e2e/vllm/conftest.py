@@ -31,6 +31,8 @@ ROOT = HERE.parent.parent
 MODEL = "tiny"
 START_S = 400.0  # an engine is ready in 40-130 s on the 2-core machine; slack for a busy one
 HANDOFF_S = 120.0  # handoffs sometimes stall 15-30 s (NIXL's lease); never assert latency
+KV_LEASE_S = 60.0  # the producer's kv_lease_duration (vLLM 0.32's default is 30 s)
+KV_BLOCKS = 400
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -211,7 +213,11 @@ def _engine(vllm: Path, logs: Path, name: str, role: str) -> Engine:
     argv = ["bash", str(HERE / "serve_nixl.sh"), str(vllm), str(port), str(side), role]
     # named and required tool choice need a tool-call parser (test_differential's shapes)
     argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    return Engine(name=name, argv=argv, log=logs / f"{name}.log", port=port)
+    # a small KV cache (400 blocks of 128 tokens), so that 20 orphaned handoffs show in
+    # vllm:kv_cache_usage_perc (test_kv_lease.py); the lease is the fleet file's kv_lease_s
+    argv += ["--num-gpu-blocks-override", str(KV_BLOCKS)]
+    env = {"NARWHAL_KV_LEASE_S": str(int(KV_LEASE_S))}
+    return Engine(name=name, argv=argv, log=logs / f"{name}.log", env=env, port=port)
 
 
 def _start_engines(vllm: Path, logs: Path, started: list[Process]) -> tuple[Engine, Engine]:
@@ -257,6 +263,7 @@ prefill_timeout_s = 120.0
 max_attempts = 1
 
 [engine]
+kv_lease_s = {lease}
 first_token_timeout_s = 120.0
 decode_read_timeout_s = 60.0
 connect_timeout_s = 5.0
@@ -279,7 +286,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         producer, consumer = _start_engines(vllm, logs, started)
         config = logs / "fleet.toml"
-        config.write_text(FLEET.format(model=MODEL, producer=producer.url, consumer=consumer.url))
+        config.write_text(
+            FLEET.format(
+                model=MODEL, producer=producer.url, consumer=consumer.url, lease=KV_LEASE_S
+            )
+        )
         port = free_port()
         argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config)]
         router = Process("router", [*argv, "--port", str(port)], logs / "router.log")

@@ -9,6 +9,8 @@ everything passed.
 
 from __future__ import annotations
 
+import os
+
 from narwhal.config import FleetConfig
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import crossed_handoff, identity_problem, probe_prompt
@@ -20,7 +22,14 @@ async def check_fleet(
     """The report lines, and whether every engine and every transfer passed."""
     timeout = fleet.engine.health_timeout_s
     legs = leg_timeout_s or max(fleet.engine.first_token_timeout_s, 5.0)
-    client = EngineClient(connect_timeout_s=fleet.engine.connect_timeout_s, max_connections=8)
+    # the engines are spoken to as the router speaks to them: its bearer token, its CA file
+    key_env = fleet.engine.api_key_env
+    client = EngineClient(
+        connect_timeout_s=fleet.engine.connect_timeout_s,
+        max_connections=8,
+        api_key=os.environ.get(key_env) if key_env else None,
+        ca_file=fleet.engine.ca_file,
+    )
     lines: list[str] = []
     reachable: dict[str, bool] = {}
     try:

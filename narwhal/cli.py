@@ -1,96 +1,321 @@
-"""``narwhal serve | fake-engine | demo``: the standalone binary."""
+"""``narwhal serve | check | fake-engine | demo``: the standalone binary.
+
+Whatever keeps a command from starting is one line on stderr naming its cause, never a
+traceback (an invalid fleet file is its list of problems), with an exit status of its own
+(``EXIT_STATUS_HELP``, shown by ``--help`` too).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import importlib.metadata
 import os
 import signal
+import socket
+import ssl
 import sys
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from narwhal.config import ConfigError, load_config
+from narwhal.config import ConfigError, FleetConfig, parse_config
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.config import Sockets
+
+DESCRIPTION = "Narwhal: a router for disaggregated (prefill/decode) LLM serving."
+EXIT_CHECK_FAILED = 1
+EXIT_INVALID_FLEET = 2  # argparse's status for a bad command line too
+EXIT_NO_FLEET_FILE = 3
+EXIT_JOURNAL = 4
+EXIT_PORT = 5
+EXIT_HOST = 6
+EXIT_TLS = 7
+EXIT_VERSIONS = 8
+EXIT_STATUS_HELP = """\
+exit status:
+  0  done (serve: drained after SIGTERM or SIGINT; check: everything passed)
+  1  check: an engine or a KV transfer failed
+  2  the fleet file is invalid (one "path: rule" line per problem), or the command line
+  3  the fleet file cannot be read (missing, a directory, no permission)
+  4  the journal cannot be opened (its directory missing, not writable, a FIFO nobody reads)
+  5  the port cannot be had (another process listens on it, or it needs privilege)
+  6  the host cannot be listened on (a name that does not resolve, not this machine's address)
+  7  TLS: --ssl-certfile or --ssl-keyfile alone, a file that cannot be read, no PEM
+     certificate, or a key that is encrypted or does not match the certificate
+  8  the installed hypercorn, h11 or trio are not the versions narwhal was written against"""
+
+
+class StartupError(Exception):
+    """Why a command cannot start: the text for stderr (it names the cause) and the exit
+    status of its kind (the table above)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def version() -> str:
+    """The installed distribution's version; the package's own when not installed."""
+    try:
+        return importlib.metadata.version("narwhal")
+    except importlib.metadata.PackageNotFoundError:
+        from narwhal import __version__
+
+        return __version__
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help shows its default (none for a flag, a required option or an
+    option whose absence means "off"); descriptions and epilogs keep their lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        shown = action.help is not None and "(default" in action.help
+        if action.required or action.default is None or action.default is False or shown:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535 (0: any free port), got {port}")
+    return port
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="narwhal",
+        description=DESCRIPTION,
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"narwhal {version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add = partial(sub.add_parser, formatter_class=_HelpFormatter)
+
+    serve = add("serve", help="run the router on a fleet file", epilog=EXIT_STATUS_HELP)
+    serve.add_argument("--config", required=True, help="fleet file (.toml or .json)")
+    serve.add_argument("--host", default="127.0.0.1", help="address or name to listen on")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any)")
+    serve.add_argument(
+        "--workers", type=_positive, default=1, help="processes serving one socket as one router"
+    )
+    serve.add_argument("--journal", help="append one JSON line per finished request here")
+    serve.add_argument(
+        "--ssl-certfile", help="serve TLS (HTTP/1.1 only) with this PEM certificate chain"
+    )
+    serve.add_argument("--ssl-keyfile", help="the PEM private key of --ssl-certfile (unencrypted)")
+    serve.add_argument(
+        "--log-format", choices=("text", "json"), default="text", help="log line format"
+    )
+    serve.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=("debug", "info", "warning", "error", "critical"),
+        default="info",
+        help="lowest level logged",
+    )
+
+    fake = add("fake-engine", help="run the built-in stand-in for a vLLM engine")
+    fake.add_argument("--port", type=_port, required=True, help="port to listen on (0: any)")
+    fake.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    fake.add_argument(
+        "--role", choices=("prefill", "decode", "both"), default="both", help="what it serves"
+    )
+    fake.add_argument("--model", default="fake-model", help="the model name it serves")
+    fake.add_argument("--engine-id", default="", help="NIXL engine id (default: a fresh uuid)")
+    fake.add_argument("--kv-port", type=_port, default=0, help="KV side-channel port (0: any)")
+    fake.add_argument("--itl-s", type=float, default=0.0, help="delay between tokens")
+    fake.add_argument(
+        "--prefill-delay-per-token-s",
+        type=float,
+        default=0.0,
+        help="prefill time per prompt token",
+    )
+    fake.add_argument(
+        "--kv-lease-s", type=float, default=30.0, help="how long unread KV blocks are kept"
+    )
+    fake.add_argument(
+        "--max-model-len", type=int, default=32768, help="longest prompt plus output, in tokens"
+    )
+
+    check = add(
+        "check", help="preflight: reach every engine, move KV across pairs", epilog=EXIT_STATUS_HELP
+    )
+    check.add_argument("--config", required=True, help="fleet file (.toml or .json)")
+
+    demo = add("demo", help="two fake engines + the router; stream one chat")
+    demo.add_argument("--keep", action="store_true", help="keep the fleet up for curl")
+    demo.add_argument("--port", type=_port, default=8000, help="router port (0: any)")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="narwhal", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run the router on a fleet file")
-    serve.add_argument("--config", required=True, help="fleet file (.toml or .json)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--workers", type=int, default=1)
-    serve.add_argument("--journal", help="append one JSON line per finished request here")
-    serve.add_argument("--log-format", choices=("text", "json"), default="text")
-    serve.add_argument("--log-level", default="info")
-
-    fake = sub.add_parser("fake-engine", help="run the built-in stand-in for a vLLM engine")
-    fake.add_argument("--port", type=int, required=True)
-    fake.add_argument("--host", default="127.0.0.1")
-    fake.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
-    fake.add_argument("--model", default="fake-model")
-    fake.add_argument("--engine-id", default="", help="NIXL engine id (default: a fresh uuid)")
-    fake.add_argument("--kv-port", type=int, default=0, help="KV side-channel port (0: any)")
-    fake.add_argument("--itl-s", type=float, default=0.0, help="delay between tokens")
-    fake.add_argument("--prefill-delay-per-token-s", type=float, default=0.0)
-    fake.add_argument("--kv-lease-s", type=float, default=30.0)
-    fake.add_argument("--max-model-len", type=int, default=32768)
-
-    check = sub.add_parser("check", help="preflight: reach every engine, move KV across pairs")
-    check.add_argument("--config", required=True, help="fleet file (.toml or .json)")
-
-    demo = sub.add_parser("demo", help="two fake engines + the router; stream one chat")
-    demo.add_argument("--keep", action="store_true", help="keep the fleet up for curl")
-    demo.add_argument("--port", type=int, default=8000, help="router port (0: any)")
-
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "fake-engine":
-        return _fake_engine(args)
-    if args.command == "check":
-        return _check(args)
-    from narwhal.demo import run_demo
-
-    return run_demo(keep=args.keep, port=args.port)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from narwhal.logs import configure
-
-    configure(args.log_format, args.log_level)
+    args = build_parser().parse_args(argv)
     try:
-        fleet = load_config(args.config)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "fake-engine":
+            return _fake_engine(args)
+        if args.command == "check":
+            return _check(args)
+        return _demo(args)
+    except StartupError as exc:
+        print(exc.message, file=sys.stderr)
+        return exc.status
+
+
+# what must hold before anything starts, each a StartupError of its own kind
+
+
+def load_fleet(path: str) -> FleetConfig:
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise StartupError(
+            EXIT_NO_FLEET_FILE, f"narwhal: cannot read the fleet file {path}: {_why(exc)}"
+        ) from None
+    try:
+        return parse_config(raw, fmt=Path(path).suffix.lstrip(".").lower(), source=path)
     except ConfigError as exc:
-        print(exc.render(), file=sys.stderr)
-        return 2
+        raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
+
+
+def _install_server_fixes() -> None:
     from narwhal.server import install_server_fixes
     from narwhal.shapes import ShapeMismatch
 
     try:
         install_server_fixes()
     except ShapeMismatch as exc:
-        print(f"narwhal: cannot start: {exc}", file=sys.stderr)
-        return 2
-    if args.journal:
-        from narwhal.router.journal import OPEN_FLAGS
+        raise StartupError(EXIT_VERSIONS, f"narwhal: cannot start: {exc}") from None
 
-        # every worker opens it again; a missing directory is one line here, not a traceback
+
+def check_journal(path: str) -> None:
+    """Open (and create) the journal once: every worker opens it again, and a path that
+    cannot be opened is one line here."""
+    from narwhal.router.journal import OPEN_FLAGS
+
+    try:
+        os.close(os.open(path, OPEN_FLAGS, 0o644))
+    except OSError as exc:
+        why = _why(exc)
+        parent = Path(path).parent
+        if exc.errno == errno.ENOENT and not parent.is_dir():
+            why = f"its directory {parent} does not exist"
+        elif exc.errno == errno.ENXIO:
+            why = f"a FIFO nobody reads ({why})"
+        raise StartupError(
+            EXIT_JOURNAL, f"narwhal: cannot open the journal {path}: {why}"
+        ) from None
+
+
+def check_tls(certfile: str | None, keyfile: str | None, hc: HypercornConfig) -> None:
+    """Both files or neither; each readable; a PEM certificate and its unencrypted key."""
+    if certfile is None and keyfile is None:
+        return
+    if certfile is None or keyfile is None:
+        given, missing = "--ssl-certfile", "--ssl-keyfile"
+        if certfile is None:
+            given, missing = missing, given
+        raise StartupError(
+            EXIT_TLS, f"narwhal: {given} needs {missing} too (TLS takes both; plain HTTP neither)"
+        )
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
         try:
-            os.close(os.open(args.journal, OPEN_FLAGS, 0o644))
+            with open(path, "rb"):
+                pass
         except OSError as exc:
-            print(
-                f"narwhal: cannot open the journal {args.journal}: {exc.strerror}", file=sys.stderr
-            )
-            return 2
+            raise StartupError(
+                EXIT_TLS, f"narwhal: cannot read {flag} {path}: {_why(exc)}"
+            ) from None
+    try:
+        ssl.create_default_context().load_verify_locations(cafile=certfile)
+    except (ssl.SSLError, ValueError):
+        raise StartupError(
+            EXIT_TLS, f"narwhal: --ssl-certfile {certfile} holds no PEM certificate"
+        ) from None
+    try:
+        hc.create_ssl_context()
+    except (ssl.SSLError, ValueError) as exc:
+        if getattr(exc, "reason", None) == "KEY_VALUES_MISMATCH":
+            why = f"the key does not match the certificate in {certfile}"
+        else:
+            why = "not an unencrypted PEM private key"
+        raise StartupError(EXIT_TLS, f"narwhal: --ssl-keyfile {keyfile}: {why}") from None
+
+
+def listen(hc: HypercornConfig, host: str, port: int) -> Sockets:
+    """Bind and listen now (``narwhal.server.bind_sockets``), naming what went wrong."""
+    from narwhal.server import bind_sockets
+
+    try:
+        return bind_sockets(hc)
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise listen_failure(exc, host, port) from None
+
+
+def listen_failure(exc: Exception, host: str, port: int) -> StartupError:
+    """What a failed bind means to the operator: the port (taken, privileged) or the host."""
+    where = f"narwhal: cannot listen on {host}:{port}:"
+    if isinstance(exc, socket.gaierror | UnicodeError):
+        return StartupError(EXIT_HOST, f"{where} the host {host!r} does not resolve ({_why(exc)})")
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code == errno.EADDRINUSE:
+        return StartupError(EXIT_PORT, f"{where} port {port} is taken by another process")
+    if code == errno.EACCES:
+        return StartupError(EXIT_PORT, f"{where} permission denied (a port below 1024?)")
+    if code == errno.EADDRNOTAVAIL:
+        return StartupError(EXIT_HOST, f"{where} {host} is not an address of this machine")
+    return StartupError(EXIT_HOST, f"{where} {_why(exc)}")
+
+
+def _why(exc: Exception) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
+
+
+# the commands
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from narwhal.logs import configure
+    from narwhal.server import close_sockets, hypercorn_config
+
+    configure(args.log_format, args.log_level)
+    fleet = load_fleet(args.config)
+    _install_server_fixes()
+    if args.journal:
+        check_journal(args.journal)
+    hc = hypercorn_config(
+        fleet, args.host, args.port, certfile=args.ssl_certfile, keyfile=args.ssl_keyfile
+    )
+    check_tls(args.ssl_certfile, args.ssl_keyfile, hc)
+    sockets = listen(hc, args.host, args.port)
     if args.workers > 1:
         from narwhal.server import run_workers
 
+        close_sockets(sockets)  # hypercorn's multiprocess runner binds the address itself
         return run_workers(
             args.config,
             fleet,
@@ -100,6 +325,8 @@ def _serve(args: argparse.Namespace) -> int:
             args.journal,
             args.log_format,
             args.log_level,
+            certfile=args.ssl_certfile,
+            keyfile=args.ssl_keyfile,
         )
     from narwhal.router.journal import Journal
     from narwhal.router.service import Router
@@ -108,8 +335,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         router = Router(fleet, journal=Journal(args.journal), config_path=args.config)
     except ConfigError as exc:
-        print(exc.render(), file=sys.stderr)
-        return 2
+        close_sockets(sockets)
+        raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -123,6 +350,9 @@ def _serve(args: argparse.Namespace) -> int:
                         port=args.port,
                         router=router,
                         shutdown_trigger=_signalled,
+                        certfile=args.ssl_certfile,
+                        keyfile=args.ssl_keyfile,
+                        sockets=sockets,
                     )
                 )
                 print(
@@ -139,14 +369,20 @@ def _serve(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from narwhal.check import check_fleet
 
-    try:
-        fleet = load_config(args.config)
-    except ConfigError as exc:
-        print(exc.render(), file=sys.stderr)
-        return 2
+    fleet = load_fleet(args.config)
     lines, ok = trio.run(check_fleet, fleet)
     print("\n".join(lines))
-    return 0 if ok else 1
+    return 0 if ok else EXIT_CHECK_FAILED
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from narwhal import demo
+
+    try:
+        sockets = demo.listen(args.port)
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise listen_failure(exc, demo.HOST, args.port) from None
+    return demo.run_demo(keep=args.keep, port=args.port, sockets=sockets)
 
 
 async def _reload_on_sighup(router: Any) -> None:

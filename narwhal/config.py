@@ -8,7 +8,10 @@ the structs once nothing is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import ssl
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeAlias
@@ -58,7 +61,7 @@ class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
     client_body_timeout_s: PositiveFloat = 30.0
 
 
-LEASE_SLACK = 0.02  # of the KV lease, kept unused at its end
+LEASE_SLACK = 0.05  # of the KV lease, kept unused at its end
 
 
 class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -68,17 +71,20 @@ class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):
     health_timeout_s: PositiveFloat = 5.0
     api_key_env: str = ""
     max_connections: PositiveInt = 512
-    kv_lease_s: PositiveFloat = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    ca_file: str = ""  # CA bundle for https:// engines; "" = the system trust store
+    health_interval_s: PositiveFloat = 5.0  # active /health of every engine, idle or not
+    # the producers' lease: vLLM 0.32's kv_lease_duration, VLLM_NIXL_ABORT_REQUEST_TIMEOUT before
+    kv_lease_s: PositiveFloat = 480.0
     reclaim_orphans: bool = True
 
     @property
     def lease_limit_s(self) -> float:
         """The oldest a KV descriptor may be when it is sent to a consumer (SPEC 5).
 
-        The consumer reads the blocks before its first token, which comes within
-        ``first_token_timeout_s`` of the send or the leg is abandoned; the read must land
-        inside the lease with some slack (the producer's clock, the network)."""
-        return self.kv_lease_s - self.first_token_timeout_s - LEASE_SLACK * self.kv_lease_s
+        What counts is the age at the send: once a vLLM 0.32 consumer holds the request,
+        its heartbeats extend the producer's lease until it reads the blocks. The slack
+        covers the producer's clock starting after ours and the way to the consumer."""
+        return self.kv_lease_s * (1 - LEASE_SLACK)
 
 
 class RecoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -174,10 +180,49 @@ def _check_fleet(doc: dict[str, Any], problems: list[str]) -> FleetConfig | None
         if name in doc:
             values[name] = _check_struct(cls, doc[name], name, problems)
     if problems:
+        problems.extend(_cross_field_over_valid_keys(doc, problems))  # the same pass (SPEC 2)
         return None
     fleet = msgspec.convert(values, FleetConfig)
     problems.extend(cross_field_problems(fleet))
+    problems.extend(_ca_file_problems(fleet.engine.ca_file))
     return fleet
+
+
+def _cross_field_over_valid_keys(doc: dict[str, Any], found: list[str]) -> list[str]:
+    """The cross-field problems of a file that has field problems too: the rules run over
+    its valid keys, each invalid or missing one standing at its default (a required one at
+    None, an engine that is not a table as an empty one, so engine indices stay), and a
+    problem that names a key or section with a problem of its own is left out: it may not
+    be one once that key is fixed."""
+
+    def valid(cls: type[Struct], value: object) -> Any:
+        fields = msgspec.structs.fields(cls)
+        kept = {f.name: None for f in fields if f.required}
+        types = {f.name: f.type for f in fields}
+        for key, item in value.items() if isinstance(value, dict) else ():
+            with contextlib.suppress(msgspec.ValidationError, KeyError):
+                kept[key] = msgspec.convert(item, types[key])
+        return cls(**kept)  # a Struct's __init__ checks no constraint: None may stand
+
+    engines = doc.get("engines")
+    fleet = FleetConfig(
+        model="",
+        engines=tuple(valid(EngineSpec, e) for e in (engines if isinstance(engines, list) else ())),
+        **{name: valid(cls, doc[name]) for name, cls in _SECTIONS.items() if name in doc},
+    )
+    bad = [problem.split(": ", 1)[0] for problem in found]
+    return [
+        problem
+        for problem in cross_field_problems(fleet)
+        if not any(re.search(_names(path), problem) for path in bad)
+    ]
+
+
+def _names(path: str) -> str:
+    """A pattern for ``path`` named in a problem: a key anywhere (``engines[1].id``), a
+    section as the head of a path or of a problem (``engine.x``, ``engines:``)."""
+    after = r"(?!\w)" if "." in path or "[" in path else r"(?=[.\[:])"
+    return r"(?<![\w.\[])" + re.escape(path) + after
 
 
 def _check_engines(value: object, problems: list[str]) -> tuple[EngineSpec, ...]:
@@ -281,13 +326,6 @@ def cross_field_problems(fleet: FleetConfig) -> list[str]:
             problems.append(
                 f"{path}: must not exceed serving.request_timeout_s ({value} > {limit})"
             )
-    engine = fleet.engine
-    if engine.lease_limit_s <= 0:
-        problems.append(
-            f"engine.kv_lease_s: must leave room for a decode's first token "
-            f"(kv_lease_s={engine.kv_lease_s} is at most "
-            f"engine.first_token_timeout_s={engine.first_token_timeout_s} plus 2%)"
-        )
     seen: dict[str, int] = {}
     for i, spec in enumerate(fleet.engines):
         if spec.id in seen:
@@ -304,3 +342,15 @@ def cross_field_problems(fleet: FleetConfig) -> list[str]:
             "recovery.restart_policy: 'whole_wave' requires an [engine_contract] section"
         )
     return problems
+
+
+def _ca_file_problems(ca_file: str) -> list[str]:
+    """``engine.ca_file`` must load as the engine client will load it."""
+    if not ca_file:
+        return []
+    try:
+        ssl.create_default_context(cafile=ca_file)
+    except OSError as exc:  # ssl.SSLError too: not a PEM bundle, no certificate in it
+        reason = exc.strerror if isinstance(exc.strerror, str) else str(exc)
+        return [f"engine.ca_file: cannot load CA bundle {ca_file!r}: {reason}"]
+    return []

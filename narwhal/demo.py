@@ -1,32 +1,58 @@
 """The newcomer's demo: two fake engines and the router on 127.0.0.1, one streamed chat.
 
-Uses the official ``openai`` client (a test dependency: ``make demo`` installs it).
+Needs nothing beyond narwhal's own dependencies: the chat is streamed with the standard
+library's ``http.client`` and read with narwhal's SSE parser, so ``pip install narwhal``
+then ``narwhal demo`` works.
 """
 
 from __future__ import annotations
 
+import http.client
+import signal
 import sys
 from functools import partial
+from typing import Any
+from urllib.parse import urlsplit
 
+import msgspec
 import trio
 import trio.lowlevel
+from hypercorn.config import Sockets
 
 from narwhal.config import EngineSpec, FleetConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.logs import configure as configure_logs
 from narwhal.router.service import Router
-from narwhal.server import serve
+from narwhal.server import bind_sockets, hypercorn_config, serve
+from narwhal.sse import DONE, SSEParser
 
 MODEL = "fake-model"
+HOST = "127.0.0.1"
 
 
-def run_demo(*, keep: bool = False, port: int = 8000) -> int:
+def listen(port: int) -> Sockets:
+    """The router's socket on ``HOST:port``, bound now: the ``OSError`` when it cannot be
+    (the command line names it, as for ``narwhal serve``); the engines take any free port."""
+    return bind_sockets(hypercorn_config(FleetConfig(MODEL, ()), HOST, port))
+
+
+def run_demo(*, keep: bool = False, port: int = 8000, sockets: Sockets | None = None) -> int:
+    """0 when the chat streamed to its end, 1 (and why, on stderr) when it did not."""
     configure_logs("text", "error")  # the demo's output is the stream, not the router's log
-    trio.run(partial(_demo, keep=keep, port=port))
+    if sockets is None:
+        sockets = listen(port)
+    failure = None
+    try:
+        failure = trio.run(partial(_demo, keep=keep, port=port, sockets=sockets))
+    except* KeyboardInterrupt:  # Ctrl-C before the chat ended (--keep waits for it: 0)
+        failure = "interrupted"
+    if failure:
+        print(f"narwhal demo: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
-async def _demo(*, keep: bool, port: int) -> None:
+async def _demo(*, keep: bool, port: int, sockets: Sockets) -> str | None:
     producer = FakeEngine(FakeEngineConfig(model=MODEL, role="prefill"))
     consumer = FakeEngine(FakeEngineConfig(model=MODEL, role="decode", itl_s=0.04))
     stop = trio.Event()
@@ -41,12 +67,21 @@ async def _demo(*, keep: bool, port: int) -> None:
             ),
         )
         url = await nursery.start(
-            partial(serve, fleet, port=port, router=Router(fleet), shutdown_trigger=stop.wait)
+            partial(
+                serve,
+                fleet,
+                host=HOST,
+                port=port,
+                router=Router(fleet),
+                shutdown_trigger=stop.wait,
+                sockets=sockets,
+            )
         )
         print(f"fake producer {p_url}, fake consumer {d_url}, router {url}", file=sys.stderr)
-        await trio.to_thread.run_sync(_stream_one_chat, url)
-        _who_served(producer, consumer)
-        if keep:
+        failure = await trio.to_thread.run_sync(_stream_one_chat, url)
+        if not failure:
+            _who_served(producer, consumer)
+        if keep and not failure:
             print(
                 f"\nThe fleet stays up; try:\n  curl -N {url}/v1/chat/completions "
                 f'-H \'content-type: application/json\' -d \'{{"model": "{MODEL}", '
@@ -54,31 +89,55 @@ async def _demo(*, keep: bool, port: int) -> None:
                 f"  curl {url}/narwhal/engines\nCtrl-C to stop.",
                 file=sys.stderr,
             )
-            await trio.sleep_forever()
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    break
         stop.set()
         await trio.lowlevel.checkpoint()
         nursery.cancel_scope.deadline = trio.current_time() + 2
         # engines have no graceful path to wait for; the router drains via stop
         await trio.sleep(0.2)
         nursery.cancel_scope.cancel()
+    return failure
 
 
-def _stream_one_chat(url: str) -> None:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Tell me about the narwhal."}],
-        max_tokens=24,
-        stream=True,
+def _stream_one_chat(url: str) -> str | None:
+    """POST one streamed chat completion and print its tokens as they arrive; what went
+    wrong, or None."""
+    body = msgspec.json.encode(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell me about the narwhal."}],
+            "max_tokens": 24,
+            "stream": True,
+        }
     )
-    print(f"request id: {raw.headers.get('x-request-id')}")
-    for chunk in raw.parse():
-        if chunk.choices and chunk.choices[0].delta.content:
-            print(chunk.choices[0].delta.content, end="", flush=True)
-    print()
-    client.close()
+    conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        resp = conn.getresponse()
+        print(f"request id: {resp.getheader('x-request-id')}")
+        if resp.status != 200:
+            return f"the router answered {resp.status}: {resp.read()!r}"
+        parser = SSEParser()
+        while chunk := resp.read1(65536):  # as the bytes arrive, chunked framing undone
+            for data in parser.feed(chunk):
+                if data == DONE:
+                    print()
+                    return None
+                event: Any = msgspec.json.decode(data)
+                if "error" in event:
+                    print()
+                    return f"the stream ended with an error: {event['error']}"
+                for choice in event.get("choices") or ():
+                    if content := (choice.get("delta") or {}).get("content"):
+                        print(content, end="", flush=True)
+        print()
+        return "the stream ended before [DONE]"
+    except OSError as exc:
+        return f"cannot talk to the router at {url}: {exc}"
+    finally:
+        conn.close()
 
 
 def _who_served(producer: FakeEngine, consumer: FakeEngine) -> None:

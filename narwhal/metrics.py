@@ -148,6 +148,12 @@ class Metrics:
         self.streak = gauge(
             "narwhal_engine_breaker_streak", "Consecutive engine-side failures.", engine, "livemax"
         )
+        self.up = gauge(
+            "narwhal_engine_up",
+            "1 while the engine answers its active /health checks (placeable only then).",
+            engine,
+            "livemax",
+        )
         self.ejected = gauge(
             "narwhal_engine_ejected", "1 while the engine is out of placement.", engine, "livemax"
         )
@@ -201,7 +207,7 @@ class Metrics:
             self.leg_failures.labels(engine, cls)
         for outcome in PROBE_OUTCOMES:
             self.probes.labels(engine, outcome)
-        for metric in (self.streak, self.ejected, self.quarantined, self.held_in):
+        for metric in (self.streak, self.ejected, self.quarantined, self.held_in, self.up):
             metric.labels(engine).set(0)
         self.ejections.labels(engine)
         self.readmissions.labels(engine)

@@ -10,7 +10,9 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
 
 from narwhal import client_connection, hypercorn_fixes, trio_accept
 from narwhal.client_connection import ClientConnection
@@ -48,9 +50,19 @@ LOG_FORMAT_ENV = "NARWHAL_LOG_FORMAT"
 LOG_LEVEL_ENV = "NARWHAL_LOG_LEVEL"
 
 
-def hypercorn_config(fleet: FleetConfig, host: str, port: int) -> HypercornConfig:
+def hypercorn_config(
+    fleet: FleetConfig,
+    host: str,
+    port: int,
+    *,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> HypercornConfig:
+    """Hypercorn's settings for the router; with ``certfile`` and ``keyfile`` it serves TLS."""
     hc = HypercornConfig()
     hc.bind = [f"{host}:{port}"]
+    hc.certfile, hc.keyfile = certfile, keyfile  # TLS when both are set (hypercorn's rule)
+    hc.keyfile_password = ""  # an encrypted key fails at start; OpenSSL never asks a terminal
     hc.worker_class = "trio"
     # the router ends stragglers itself at graceful_timeout_s (with a terminal event);
     # hypercorn's own limit only backs that up
@@ -65,8 +77,30 @@ def hypercorn_config(fleet: FleetConfig, host: str, port: int) -> HypercornConfi
     hc.backlog = 4096
     # Our own limit applies to the body; this bounds headers and the h11 buffer.
     hc.h11_max_incomplete_size = 64 * 1024
-    hc.alpn_protocols = ["http/1.1"]  # HTTP/2 is not served (narwhal.client_connection)
+    # HTTP/2 is not served (narwhal.client_connection): a TLS client is never offered h2
+    hc.alpn_protocols = ["http/1.1"]
     return hc
+
+
+def bind_sockets(hc: HypercornConfig) -> Sockets:
+    """Bind and listen on ``hc.bind`` now, as hypercorn's worker would (``create_sockets``,
+    then ``listen(backlog)``), so that a taken port or a bad host is the ``OSError`` of this
+    call (``socket.gaierror`` for a name that does not resolve), raised before any task
+    starts, and not an exception group out of a nursery."""
+    sockets = hc.create_sockets()
+    every = (*sockets.secure_sockets, *sockets.insecure_sockets)
+    try:
+        for sock in every:
+            sock.listen(hc.backlog)
+    except OSError:
+        close_sockets(sockets)
+        raise
+    return sockets
+
+
+def close_sockets(sockets: Sockets) -> None:
+    for sock in (*sockets.secure_sockets, *sockets.insecure_sockets, *sockets.quic_sockets):
+        sock.close()
 
 
 async def serve(
@@ -76,13 +110,22 @@ async def serve(
     port: int = 8000,
     router: Router | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    sockets: Sockets | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until ``shutdown_trigger`` returns; report the base URL through ``nursery.start``."""
+    """Serve until ``shutdown_trigger`` returns; report the base URL through ``nursery.start``.
+
+    ``sockets``: already listening, from ``bind_sockets`` on the same host, port and TLS
+    files (the command line binds before trio starts); bound here when None."""
     install_server_fixes()
     router = router or Router(fleet)
-    app: Any = RouterApp(router)  # hypercorn's ASGI types are structural
-    hc = hypercorn_config(fleet, host, port)
+    hc = hypercorn_config(fleet, host, port, certfile=certfile, keyfile=keyfile)
+    asgi: Any = RouterApp(router)  # hypercorn's ASGI types are structural
+    app = wrap_app(asgi, hc.wsgi_max_body_size, "asgi")  # as hypercorn.trio.serve wraps it
+    if sockets is None:
+        sockets = bind_sockets(hc)
     wait = shutdown_trigger or trio.sleep_forever
 
     async def trigger() -> None:
@@ -91,8 +134,8 @@ async def serve(
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
-            lambda task_status: hypercorn_serve(
-                app, hc, shutdown_trigger=trigger, task_status=task_status
+            lambda task_status: worker_serve(
+                app, hc, sockets=sockets, shutdown_trigger=trigger, task_status=task_status
             )
         )
         task_status.started(binds[0])
@@ -119,8 +162,11 @@ def run_workers(
     journal_path: str | None = None,
     log_format: str = "text",
     log_level: str = "info",
+    certfile: str | None = None,
+    keyfile: str | None = None,
 ) -> int:
-    """N worker processes sharing one listening socket (hypercorn's multiprocess runner)."""
+    """N worker processes sharing one listening socket (hypercorn's multiprocess runner,
+    which binds it itself: the command line checks the address with ``bind_sockets`` first)."""
     from hypercorn.run import run
 
     os.environ[CONFIG_ENV] = os.path.abspath(config_path)
@@ -131,7 +177,7 @@ def run_workers(
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # every worker writes its metrics here; a scrape of any worker sums them all
         own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="narwhal-prom-")
-    hc = hypercorn_config(fleet, host, port)
+    hc = hypercorn_config(fleet, host, port, certfile=certfile, keyfile=keyfile)
     hc.workers = workers
     hc.application_path = "narwhal.server:app_from_environment()"
     try:

@@ -96,8 +96,10 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
                 urllib.request.urlopen(bad, timeout=20)
             assert info.value.code == 404
             info.value.close()
-        # one JSON line per request, written as each finished
-        lines = [json.loads(line) for line in journal.read_text().splitlines()]
+        # one JSON line per request, written as each finished; engine events between them
+        everything = [json.loads(line) for line in journal.read_text().splitlines()]
+        assert sorted(e["engine"] for e in everything if e.get("event") == "joined") == ["d0", "p0"]
+        lines = [x for x in everything if "event" not in x]
         assert [(x["outcome"], x["status"]) for x in lines] == [
             ("completed", 200),
             ("rejected", 404),

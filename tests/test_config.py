@@ -56,6 +56,8 @@ def test_every_default() -> None:
         "health_timeout_s": 5.0,
         "api_key_env": "",
         "max_connections": 512,
+        "ca_file": "",
+        "health_interval_s": 5.0,
         "kv_lease_s": 480.0,
         "reclaim_orphans": True,
     }
@@ -147,6 +149,7 @@ def test_engine_entries_are_checked_one_by_one() -> None:
         "engines[1].url: must be an http:// or https:// URL, got 'ftp://h'",
         "engines[2].weight: unknown key in [engines[2]] (known: id, role, url)",
         "engines[2].id: required key is missing",
+        "engines[1].id: duplicate id 'a' (also engines[0])",  # cross-field, same pass
     ]
 
 

@@ -300,10 +300,13 @@ async def test_engine_connections_are_kept_alive(pd: Harness) -> None:
             "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": stream}
         )
         assert reply.status == 200
-    # one connection per engine serves every leg: [DONE] is followed by the end of the body,
-    # which the router reads so the connection goes back to the pool
-    assert pd.engines["p0"].counters["connections"] == 1
-    assert pd.engines["d0"].counters["connections"] == 1
+    # one data connection per engine serves every leg: [DONE] is followed by the end of the
+    # body, which the router reads so the connection goes back to the pool (the active
+    # health checks keep one connection of their own)
+    opened = {url: n for url, (n, _) in pd.router.client.connections().items()}
+    assert opened == {pd.router.fleet.by_id[e].url: 1 for e in ("p0", "d0")}
+    assert pd.engines["p0"].counters["connections"] == 2
+    assert pd.engines["d0"].counters["connections"] == 2
 
 
 async def test_json_bombs_are_400_not_500(pd: Harness) -> None:

@@ -1,13 +1,15 @@
 """EngineClient: the two data legs over pooled keep-alive connections (SPEC 7).
 
 Timeouts are the caller's cancel scopes; the only timeout applied here is the connect
-timeout. The transport (``narwhal.engines.transport``, h11 on trio) bounds each engine's
-pool with a capacity limiter and returns what each socket read brought as one batch.
+timeout (the TCP connect and, for an ``https://`` engine, the TLS handshake). The transport
+(``narwhal.engines.transport``, h11 on trio) bounds each engine's pool with a capacity
+limiter and returns what each socket read brought as one batch.
 Transport errors become engine faults here, at the boundary.
 """
 
 from __future__ import annotations
 
+import ssl
 from types import TracebackType
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -25,6 +27,8 @@ from narwhal.engines.transport import (
     Response,
     TransportError,
     tcp_connect,
+    tls_connect,
+    tls_context,
 )
 from narwhal.faults import (
     ConnectTimeout,
@@ -76,10 +80,15 @@ class _EnginePool:
         self.base_url = base_url.rstrip("/")
         parts = urlsplit(self.base_url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
+        connect = client.connect  # http: the plain path, nothing added
+        if parts.scheme == "https":
+            connect = tls_connect(connect, client.tls_context())
+        elif parts.scheme != "http":  # the config refuses these: never a silent downgrade
+            connect = _refuse_scheme(parts.scheme)
         self.pool = Pool(
             parts.hostname or "",
             port,
-            client.connect,
+            connect,
             client.connect_timeout_s,
             client.max_connections,
         )
@@ -113,8 +122,20 @@ class _EnginePool:
             raise fault from None
 
 
+def _refuse_scheme(scheme: str) -> Connect:
+    async def refuse(host: str, port: int) -> trio.abc.Stream:
+        raise ConnectFailed(f"unsupported URL scheme {scheme!r} (http and https only)")
+
+    return refuse
+
+
 class EngineClient:
-    """Talks to engines; one pool per engine base URL, created on first use."""
+    """Talks to engines; one pool per engine base URL, created on first use.
+
+    ``https://`` engines are reached over TLS, verified against ``ca_file`` ("" = the
+    system trust store); the context is built once per client: at once from a ``ca_file``
+    (one that cannot be loaded fails here, not on a request), else on the first https
+    engine (loading the system store takes tens of ms, which an http fleet never pays)."""
 
     def __init__(
         self,
@@ -123,14 +144,22 @@ class EngineClient:
         max_connections: int = 512,
         connect_timeout_s: float = 5.0,
         api_key: str | None = None,
+        ca_file: str = "",
         connect: Connect | None = None,
     ) -> None:
         self.connector = connector or NixlConnector()
         self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
         self.api_key = api_key
+        self.ca_file = ca_file
+        self._tls: ssl.SSLContext | None = tls_context(ca_file) if ca_file else None
         self.connect: Connect = connect or tcp_connect  # tests pass an in-memory network
         self._engines: dict[str, _EnginePool] = {}
+
+    def tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = tls_context(self.ca_file)
+        return self._tls
 
     def _engine(self, url: str) -> _EnginePool:
         engine = self._engines.get(url)

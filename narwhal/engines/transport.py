@@ -9,7 +9,8 @@ cancellation simple: a response closed early closes its connection, nothing is l
 pool's wait queue (the httpcore pool-slot leak under contended cancellation,
 encode/httpcore#1093, cannot happen), and the capacity limiter in front bounds the pool.
 
-Timeouts are the caller's cancel scopes, except the connect timeout.
+Timeouts are the caller's cancel scopes, except the connect timeout, which bounds the TCP
+connect and, for an ``https://`` engine, the TLS handshake together (``tls_connect``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Self
@@ -58,15 +60,60 @@ async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
     return stream
 
 
+def tls_context(ca_file: str = "") -> ssl.SSLContext:
+    """Certificate and host name verification against ``ca_file``, or the system trust store
+    when it is "" (``ssl.create_default_context``: TLS 1.2 at least); HTTP/1.1 offered by
+    ALPN, so a front end that also speaks h2 answers in the protocol we speak."""
+    context = ssl.create_default_context(cafile=ca_file or None)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+def tls_connect(connect: Connect, context: ssl.SSLContext) -> Connect:
+    """``connect``, then a TLS handshake verifying the engine's certificate for the host it
+    was reached by. Its failure (an untrusted or mismatched certificate, a peer that does
+    not speak TLS) is a ConnectFailed like a refused connection; the pool's connect timeout
+    bounds the handshake too. Nothing is sent before the handshake has verified the peer."""
+
+    async def connect_tls(host: str, port: int) -> trio.abc.Stream:
+        stream = await connect(host, port)
+        tls = trio.SSLStream(stream, context, server_hostname=host, https_compatible=True)
+        try:
+            await tls.do_handshake()
+        except trio.BrokenResourceError as exc:
+            await trio.aclose_forcefully(stream)
+            raise ConnectFailed(f"TLS handshake failed: {_tls_problem(exc)}") from None
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        return tls
+
+    return connect_tls
+
+
+def _tls_problem(exc: trio.BrokenResourceError) -> str:
+    cause = exc.__cause__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f"certificate verify failed: {cause.verify_message}"
+    return _describe(cause or exc)
+
+
 class _Connection:
-    __slots__ = ("fd", "h11", "idle_since", "stream")
+    __slots__ = ("fd", "h11", "idle_since", "poll_fd", "stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
-        sock = getattr(stream, "socket", None)  # None: an in-memory stream (tests)
-        self.fd = sock.fileno() if isinstance(stream, trio.SocketStream) and sock else -1
+        # fd: read directly (plain TCP only); poll_fd: the socket under TLS too, which
+        # ``looks_alive`` polls (readable while idle: closed, or a TLS alert); -1: in memory
+        self.fd = self.poll_fd = -1
+        if isinstance(stream, trio.SocketStream):
+            self.fd = self.poll_fd = stream.socket.fileno()
+        elif isinstance(stream, trio.SSLStream) and isinstance(
+            stream.transport_stream, trio.SocketStream
+        ):
+            self.poll_fd = stream.transport_stream.socket.fileno()
 
     async def receive(self) -> bytes:
         """What one read brings. On a socket: wait until readable, then read once. Trio's
@@ -86,12 +133,11 @@ class _Connection:
         """Fresh enough and with nothing to read (readable while idle means closed)."""
         if now - self.idle_since > IDLE_EXPIRY_S:
             return False
-        sock = getattr(self.stream, "socket", None)
-        if sock is None:
+        if self.poll_fd < 0:
             return True  # an in-memory stream (tests)
         # poll, not select: a busy router has descriptors beyond select's 1024 limit
         poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(self.poll_fd, select.POLLIN)
         return not poller.poll(0)
 
 

@@ -249,6 +249,9 @@ class RequestRun(RunRecord):
         attempt = AttemptLine(number=len(self.attempts) + 1, choice=self.choice)
         self.attempts.append(attempt)
         producer = self._place("prefill")
+        if not self.router.fleet.placeable("decode", trio.current_time())[0]:
+            # no consumer to decode: refuse now rather than pin KV nobody will read
+            raise NoCapacity("no placeable consumer engine", phase=Phase.ADMISSION)
         self.router.fleet.turn += 1
         attempt.producer = producer.id
         self.lifecycle.advance(Input.PREFILL)

@@ -14,17 +14,21 @@ from narwhal.config import EngineSpec, RecoveryConfig
 from narwhal.router.breaker import Breaker
 
 Leg = Literal["prefill", "decode"]  # the two legs of an attempt; an engine serves one as it
+HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engine is gone
 
 
 class EngineState:
     __slots__ = (
         "breaker",
+        "checked_at",
         "failed_as",
         "failed_with",
+        "health_failures",
         "index",
         "inflight",
         "inflight_gauges",
         "spec",
+        "up",
     )
 
     def __init__(self, spec: EngineSpec, index: int, recovery: RecoveryConfig) -> None:
@@ -37,6 +41,26 @@ class EngineState:
         # that failed a crossed decode is probed with a handoff from that same producer
         self.failed_as: Leg | None = None
         self.failed_with: str | None = None
+        # active health (SPEC 3, /ready): placeable only once it answered /health, and no
+        # longer after HEALTH_FAILS_TO_LEAVE checks in a row went unanswered
+        self.up = False
+        self.health_failures = 0
+        self.checked_at: float | None = None
+
+    def note_health(self, ok: bool, now: float) -> str | None:
+        """Record one active health check; the transition it caused ("joined", "left")."""
+        self.checked_at = now
+        if ok:
+            self.health_failures = 0
+            if not self.up:
+                self.up = True
+                return "joined"
+            return None
+        self.health_failures += 1
+        if self.up and self.health_failures >= HEALTH_FAILS_TO_LEAVE:
+            self.up = False
+            return "left"
+        return None
 
     @property
     def id(self) -> str:
@@ -70,6 +94,11 @@ class EngineState:
             "ejected_for_s": None if b.ejected_at is None else round(now - b.ejected_at, 3),
             "quarantined_for_s": round(max(0.0, b.quarantined_until - now), 3) or None,
             "held_in": held_in,
+            "up": self.up,
+            "health_failures": self.health_failures,
+            "last_health_ago_s": None
+            if self.checked_at is None
+            else round(now - self.checked_at, 3),
             "last_probe": b.last_probe,
             "last_probe_ago_s": None
             if b.last_probe_at is None
@@ -112,6 +141,9 @@ class Fleet:
         self.producers: list[EngineState] = []
         self.consumers: list[EngineState] = []
         self.turn = 0  # rotates ties so equal engines share load
+        # active health checks run (the server's background nursery): placement then takes
+        # only engines that answered; without them (a bare Router) every engine is taken
+        self.health_checked = False
         # (producer id, consumer id) pairs that moved KV: the consumer knows the producer
         self.paired: set[tuple[str, str]] = set()
         self.reload(specs, recovery)
@@ -149,8 +181,10 @@ class Fleet:
         quarantined or probe-held out, since refusing all traffic helps nobody.
         """
         engines = self.producers if leg == "prefill" else self.consumers
+        if self.health_checked:  # an engine that never answered, or stopped, is not taken
+            engines = [e for e in engines if e.up]
         healthy = [e for e in engines if e.breaker.healthy(now)]
-        return (healthy, False) if healthy else (engines, True)
+        return (healthy, False) if healthy else (engines, bool(engines))
 
     def held_in(self, now: float) -> set[str]:
         """Ids of unhealthy engines that stay placeable as the last of a role."""
@@ -162,5 +196,9 @@ class Fleet:
         return held
 
     def ready(self, now: float) -> bool:
-        """At least one healthy producer and one healthy consumer."""
-        return not (self.placeable("prefill", now)[1] or self.placeable("decode", now)[1])
+        """At least one healthy producer and one healthy consumer that answer."""
+        for leg in ("prefill", "decode"):
+            engines, held_in = self.placeable(leg, now)
+            if held_in or not engines:
+                return False
+        return True

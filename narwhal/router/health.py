@@ -21,6 +21,7 @@ instead, until every engine passes lifecycle validation together.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ from narwhal.router.fleet import EngineState, Fleet, Leg
 from narwhal.router.journal import Journal
 
 log = logging.getLogger("narwhal.health")
-_ROUTINE = frozenset({"probe", "readmitted", "held_in_ended"})
+_ROUTINE = frozenset({"probe", "readmitted", "held_in_ended", "joined"})
 
 
 class HealthHost(Protocol):
@@ -66,6 +67,8 @@ class Health:
         # crossed handoffs of probes in flight: each holds a producer and a consumer leg, so
         # an audit of reservations after a drain can tell them from a client's
         self.probe_handoffs = 0
+        self._jitter = random.Random()
+        self._checks: EngineClient | None = None
 
     # ---- evidence from the data path -----------------------------------------------------
 
@@ -175,14 +178,42 @@ class Health:
     # ---- background ----------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The server-owned nursery every probe runs in; lives as long as the server."""
+        """The server-owned nursery every probe runs in; lives as long as the server.
+
+        Active health starts here: one round of checks before the server reports itself
+        started (an engine joins placement only after it answered), then a round every
+        ``engine.health_interval_s``, jittered so that routers do not beat in step."""
         try:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
+                self.router.fleet.health_checked = True
+                await self.check_all()
+                nursery.start_soon(self._checks_forever)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             self.nursery = None
+            if self._checks is not None:
+                await self._checks.aclose()  # shielded and bounded inside
+
+    async def _checks_forever(self) -> None:
+        while True:
+            interval = self.router.config.engine.health_interval_s
+            await trio.sleep(interval * self._jitter.uniform(0.8, 1.2))
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        """Every engine of the fleet, at once: each check bounded by health_timeout_s."""
+        async with trio.open_nursery() as nursery:
+            for engine in self.router.fleet.engines:
+                nursery.start_soon(self.check, engine)
+
+    async def check(self, engine: EngineState) -> None:
+        ok = await self._health_check(engine, self._checks_client()) == "pass"
+        change = engine.note_health(ok, trio.current_time())
+        self.router.metrics.up.labels(engine.id).set(int(engine.up))
+        if change is not None:
+            self.event(change, engine, failures=engine.health_failures)
 
     async def _readmission_loop(self, engine: EngineState) -> None:
         interval = self.router.config.recovery.readmit_interval_s
@@ -216,10 +247,28 @@ class Health:
         leg: Leg = engine.failed_as or ("decode" if engine.spec.can_decode else "prefill")
         return await self._inference_probe(engine, leg)
 
-    async def _health_check(self, engine: EngineState) -> ProbeOutcome:
+    def _checks_client(self) -> EngineClient:
+        """Active checks have their own small pool: they never take a data leg's connection
+        slot, and a data leg never rides on a connection a check opened (a stale one would
+        hide an engine that no longer accepts connections)."""
+        if self._checks is None:
+            data = self.router.client
+            self._checks = EngineClient(
+                connector=data.connector,
+                max_connections=2,
+                connect_timeout_s=data.connect_timeout_s,
+                api_key=data.api_key,
+                ca_file=data.ca_file,  # https:// engines verified as the data legs verify
+                connect=data.connect,
+            )
+        return self._checks
+
+    async def _health_check(
+        self, engine: EngineState, client: EngineClient | None = None
+    ) -> ProbeOutcome:
         with trio.move_on_after(self.router.config.engine.health_timeout_s):
             try:
-                status, _ = await self.router.client.get(engine.url, "/health")
+                status, _ = await (client or self.router.client).get(engine.url, "/health")
             except RequestFault:
                 return "fail"
             return "pass" if status == 200 else "fail"

@@ -64,6 +64,7 @@ class Router:
             max_connections=config.engine.max_connections,
             connect_timeout_s=config.engine.connect_timeout_s,
             api_key=api_key,
+            ca_file=config.engine.ca_file,  # https:// engines verified against it (SPEC 2)
             connect=connect,  # None: real sockets; tests pass an in-memory network
         )
         self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
@@ -184,6 +185,8 @@ class Router:
         for engine in self.fleet.engines:
             if engine.id not in before:
                 self.metrics.add_engine(engine.id)
+                if self.health.nursery is not None:  # it joins placement once it answers
+                    self.health.start_background(self.health.check, engine)
         self._bind_gauges()
         self.retry_budget.cap = new.serving.retry_budget
         self.retry_budget.replenish = new.serving.retry_replenish

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BENCH_VENV ?= .bench-venv
 VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick e2e-vllm faults soak fuzz clean
+.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick e2e-vllm e2e-lb faults soak fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ soak: venv           ## 20,000 requests at c=64 with 5% mixed engine faults: RSS
 e2e-vllm: venv       ## our router between two real vLLM engines moving real KV (3.7 GB, minutes)
 	bash e2e/vllm/setup.sh $(VLLM_DIR)
 	NARWHAL_VLLM_DIR=$(VLLM_DIR) $(PY) -m pytest -m vllm -p no:cacheprovider -s e2e/vllm
+
+e2e-lb: venv         ## two router replicas behind HAProxy: rolling restart and a SIGKILL under load
+	command -v haproxy >/dev/null || (apt-get update -qq && apt-get install -y -qq haproxy)
+	$(PY) -m pytest -m lb -p no:cacheprovider -s e2e/lb
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,317 @@
+"""Router replicas behind a real load balancer (issue "deployable", item 4; SPEC 9).
+
+Two ``narwhal serve`` replicas in front of two fake engines, behind HAProxy (Debian
+package) on loopback, HAProxy checking ``/ready``. Thirty-two clients, streaming and not,
+run through every phase: steady, a rolling restart (each replica in turn: SIGTERM, wait for
+its exit, start it again, wait until HAProxy sees it up), then one replica killed with
+SIGKILL and started again. The rolling restart must lose no request; the kill loses at
+most the requests that replica held. Prints the table of requests per phase.
+
+``make e2e-lb`` installs HAProxy when it is missing and runs this file.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.lb
+
+CLIENTS = 32
+GRACE_S = 10.0  # the replicas' serving.graceful_timeout_s
+URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
+MODEL = "fake-model"
+RESULTS: list[str] = []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    """One process of ours, its output in a log file."""
+
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = GRACE_S + 10) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+
+
+def get(port: int, path: str, timeout: float = 2.0) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
+
+
+def wait_until(check: Any, budget_s: float, what: str) -> None:
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline:  # bounded: a process boundary, nothing to wait on
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not within {budget_s:g}s: {what}")
+
+
+def fake_engine(logs: Path, role: str) -> tuple[Child, int]:
+    port = free_port()
+    child = Child(
+        [
+            sys.executable,
+            "-m",
+            "narwhal",
+            "fake-engine",
+            "--port",
+            str(port),
+            "--role",
+            role,
+            "--itl-s",
+            "0.01",
+        ],
+        logs / f"engine-{role}.log",
+    )
+    child.start()
+    wait_until(lambda: get(port, "/health") == 200, 30, f"fake {role} engine up")
+    return child, port
+
+
+FLEET = """\
+model = "{model}"
+
+[[engines]]
+id = "p0"
+url = "http://127.0.0.1:{prefill}"
+role = "prefill"
+
+[[engines]]
+id = "d0"
+url = "http://127.0.0.1:{decode}"
+role = "decode"
+
+[serving]
+graceful_timeout_s = {grace}
+
+[engine]
+health_interval_s = 1.0
+"""
+
+HAPROXY = """\
+global
+    maxconn 1024
+    log stdout format raw local0
+defaults
+    mode http
+    log global
+    option httplog
+    option dontlog-normal
+    timeout connect 2s
+    timeout check 2s
+    timeout client 60s
+    timeout server 60s
+    option http-buffer-request
+    retries 3
+    option redispatch 1
+    # a replica that is draining answers 503 at admission, before any engine leg: safe
+    # to send again; a replica gone (killed, restarting) refuses the connection
+    retry-on conn-failure empty-response 503
+frontend narwhal
+    bind 127.0.0.1:{port}
+    default_backend routers
+backend routers
+    balance roundrobin
+    option httpchk GET /ready
+    http-check expect status 200
+    default-server inter 300ms fall 2 rise 2
+{servers}
+"""
+
+
+@dataclass
+class Phase:
+    name: str
+    sent: int = 0
+    ok: int = 0
+    failed: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class Load:
+    """CLIENTS threads sending requests through HAProxy until stopped; each request is
+    counted in the phase it ended in."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.phases: list[Phase] = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(i,)) for i in range(CLIENTS)]
+
+    def phase(self, name: str) -> None:
+        with self.lock:
+            self.phases.append(Phase(name))
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+    def _client(self, i: int) -> None:
+        n = 0
+        while not self.stop.is_set() and n < 100_000:  # bounded in count and by the phases
+            n += 1
+            stream = (i + n) % 2 == 0
+            outcome = self._one(stream, f"client {i} request {n}")
+            with self.lock:  # counted in the phase it ended in: a kill cuts what is in flight
+                phase = self.phases[-1]
+                phase.sent += 1
+                if outcome == "ok":
+                    phase.ok += 1
+                else:
+                    phase.failed[outcome] += 1
+
+    def _one(self, stream: bool, prompt: str) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": stream}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(
+                "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+            )
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                return f"HTTP {resp.status}"
+            if stream:
+                return "ok" if data.rstrip().endswith(b"data: [DONE]") else "stream cut"
+            return "ok" if json.loads(data).get("choices") else "bad JSON"
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            return type(exc).__name__
+        finally:
+            conn.close()
+
+
+@pytest.fixture
+def logs() -> Iterator[Path]:
+    path = Path(os.environ.get("NARWHAL_LB_LOGS", "") or tempfile.mkdtemp(prefix="narwhal-lb-"))
+    path.mkdir(parents=True, exist_ok=True)
+    yield path
+    print(f"\nlogs: {path}")
+
+
+def test_a_rolling_restart_behind_haproxy_loses_no_request(logs: Path) -> None:
+    haproxy = shutil.which("haproxy")
+    assert haproxy, "HAProxy is not installed: run `make e2e-lb` (it installs it)"
+    children: list[Child] = []
+    try:
+        prefill, p_port = fake_engine(logs, "prefill")
+        decode, d_port = fake_engine(logs, "decode")
+        children += [prefill, decode]
+        fleet = logs / "fleet.toml"
+        fleet.write_text(FLEET.format(model=MODEL, prefill=p_port, decode=d_port, grace=GRACE_S))
+        ports = [free_port(), free_port()]
+        replicas = [
+            Child(
+                [
+                    sys.executable,
+                    "-m",
+                    "narwhal",
+                    "serve",
+                    "--config",
+                    str(fleet),
+                    "--port",
+                    str(port),
+                ],
+                logs / f"router-{i}.log",
+            )
+            for i, port in enumerate(ports)
+        ]
+        for r in replicas:
+            r.start()
+            children.append(r)
+        for port in ports:
+            wait_until(lambda p=port: get(p, "/ready") == 200, 30, f"replica :{port} ready")
+        front = free_port()
+        servers = "\n".join(
+            f"    server r{i} 127.0.0.1:{port} check" for i, port in enumerate(ports)
+        )
+        config = logs / "haproxy.cfg"
+        config.write_text(HAPROXY.format(port=front, servers=servers))
+        lb = Child([haproxy, "-f", str(config), "-db"], logs / "haproxy.log")
+        lb.start()
+        children.append(lb)
+        wait_until(lambda: get(front, "/ready") == 200, 30, "HAProxy up")
+
+        load = Load(front)
+        load.phase("steady")
+        load.start()
+        time.sleep(3)  # load runs: a phase is a span of time, not a wait for an event
+        for i, (replica, port) in enumerate(zip(replicas, ports, strict=True)):
+            load.phase(f"rolling restart of r{i}")
+            assert replica.stop(signal.SIGTERM) == 0, f"r{i} did not exit 0 on SIGTERM"
+            replica.start()
+            wait_until(lambda p=port: get(p, "/ready") == 200, 30, f"r{i} ready again")
+            time.sleep(1.5)  # HAProxy's rise: two checks 300 ms apart, and traffic on it
+        load.phase("r0 killed (SIGKILL) and started again")
+        replicas[0].stop(signal.SIGKILL)
+        time.sleep(1)
+        replicas[0].start()
+        wait_until(lambda: get(ports[0], "/ready") == 200, 30, "r0 ready after the kill")
+        time.sleep(1.5)
+        load.phase("after")
+        time.sleep(2)
+        load.finish()
+    finally:
+        for child in reversed(children):
+            if child.proc is not None:
+                child.stop(signal.SIGTERM, timeout_s=GRACE_S + 5)
+
+    lines = ["| phase | sent | succeeded | failed |", "|---|---|---|---|"]
+    for phase in load.phases:
+        failed = ", ".join(f"{k}: {v}" for k, v in phase.failed.items()) or "0"
+        lines.append(f"| {phase.name} | {phase.sent} | {phase.ok} | {failed} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    RESULTS.append(table)
+    for phase in load.phases:
+        assert phase.sent > 0, phase.name
+        if "killed" not in phase.name:
+            assert phase.ok == phase.sent, f"{phase.name}: {dict(phase.failed)}"

@@ -210,7 +210,9 @@ class Health:
 
     async def check(self, engine: EngineState) -> None:
         ok = await self._health_check(engine, self._checks_client()) == "pass"
-        change = engine.note_health(ok, trio.current_time())
+        self._noted(engine, engine.note_health(ok, trio.current_time()))
+
+    def _noted(self, engine: EngineState, change: str | None) -> None:
         self.router.metrics.up.labels(engine.id).set(int(engine.up))
         if change is not None:
             self.event(change, engine, failures=engine.health_failures)
@@ -231,6 +233,8 @@ class Health:
         metrics = self.router.metrics
         metrics.probes.labels(engine.id, outcome).inc()
         self.event("probe", engine, outcome=outcome, **fields)
+        if outcome == "pass":  # it answered: evidence for active health too
+            self._noted(engine, engine.note_health(True, trio.current_time()))
         if engine.breaker.state is BreakerState.CLOSED:
             metrics.readmissions.labels(engine.id).inc()
             metrics.ejected.labels(engine.id).set(0)

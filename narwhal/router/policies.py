@@ -1,0 +1,120 @@
+"""Placement policies (SPEC 4.4), pure: load-aware choice and prefix affinity.
+
+* ``least_loaded``: the lighter of two random candidates (power of two choices). A load is
+  this router's in-flight legs on the engine plus the engine's own queue as last scraped
+  (a scrape older than three intervals counts as nothing); a consumer's KV cache usage
+  weighs in, since a consumer near a full cache stalls every pull.
+* ``PrefixRing``: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam,
+  2018) over the producers, keyed by the leading part of the prompt, so requests that share
+  a prefix reach the producer that holds its KV cache, until it carries more than
+  ``load_factor`` times the mean load; then the next producer on the ring. Adding or
+  removing a producer moves only the keys of its own arcs.
+
+The trio shell (``narwhal.router.execute``) builds the views from fleet state and scrapes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+VNODES = 64  # points per producer on the ring: spreads each producer's share evenly
+PREFIX_CHARS = 512  # the leading part of a prompt that keys affinity (a system prompt)
+KV_WEIGHT = 8.0  # a consumer's full KV cache weighs as much as this many queued requests
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One candidate as placement sees it."""
+
+    id: str
+    inflight: int  # this router's legs on it
+    queued: float = 0.0  # the engine's running + waiting, from a fresh scrape (else 0)
+    kv_usage: float = 0.0  # 0..1, from a fresh scrape (else 0)
+
+    def cost(self, *, consumer: bool) -> float:
+        return self.inflight + self.queued + (KV_WEIGHT * self.kv_usage if consumer else 0.0)
+
+
+def least_loaded(
+    candidates: Sequence[EngineLoad], rng: random.Random, *, consumer: bool = False
+) -> EngineLoad | None:
+    """Power of two choices: two distinct random candidates, the lighter wins (ties: the
+    first drawn, so equal engines share the load at random)."""
+    if not candidates:
+        return None
+    if len(candidates) == 1:
+        return candidates[0]
+    a, b = rng.sample(range(len(candidates)), 2)
+    first, second = candidates[a], candidates[b]
+    return second if second.cost(consumer=consumer) < first.cost(consumer=consumer) else first
+
+
+def prefix_key(body: Mapping[str, Any], *, chat: bool) -> str:
+    """The leading part of what the producer computes first: the prompt, or the messages
+    as sent (roles and text), cut at ``PREFIX_CHARS``."""
+    if chat:
+        parts = []
+        for message in body.get("messages") or ():
+            if isinstance(message, dict):
+                content = message.get("content")
+                if isinstance(content, list):
+                    content = " ".join(
+                        str(p.get("text", "")) for p in content if isinstance(p, dict)
+                    )
+                parts.append(f"{message.get('role', '')}:{content}")
+            if sum(map(len, parts)) >= PREFIX_CHARS:
+                break
+        return "\n".join(parts)[:PREFIX_CHARS]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = " ".join(map(str, prompt[:PREFIX_CHARS]))
+    return str(prompt or "")[:PREFIX_CHARS]
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest())
+
+
+class PrefixRing:
+    """A consistent-hash ring of producer ids (``VNODES`` points each)."""
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        points = sorted((_hash(f"{pid}#{v}"), pid) for pid in set(ids) for v in range(VNODES))
+        self._hashes = [h for h, _ in points]
+        self._ids = [pid for _, pid in points]
+        self.ids = frozenset(ids)
+
+    def order(self, key: str) -> list[str]:
+        """Every producer once, in ring order from the key's point."""
+        if not self._ids:
+            return []
+        start = bisect.bisect(self._hashes, _hash(key)) % len(self._ids)
+        seen: dict[str, None] = {}
+        for i in range(len(self._ids)):
+            pid = self._ids[(start + i) % len(self._ids)]
+            seen.setdefault(pid, None)
+            if len(seen) == len(self.ids):
+                break
+        return list(seen)
+
+    def choose(
+        self, key: str, loads: Mapping[str, float], load_factor: float
+    ) -> tuple[str | None, bool]:
+        """(producer, spilled): the key's home producer unless its load passes the bound
+        ``ceil(load_factor * (total + 1) / n)``, then the next on the ring under it.
+        Only producers in ``loads`` (the placeable ones) are taken."""
+        placeable = [pid for pid in self.order(key) if pid in loads]
+        if not placeable:
+            return None, False
+        total = sum(loads[pid] for pid in placeable)
+        bound = math.ceil(load_factor * (total + 1) / len(placeable))
+        for i, pid in enumerate(placeable):
+            if loads[pid] + 1 <= bound:
+                return pid, i > 0
+        return min(placeable, key=lambda pid: loads[pid]), True

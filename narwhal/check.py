@@ -14,6 +14,7 @@ import os
 from narwhal.config import FleetConfig
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import crossed_handoff, identity_problem, probe_prompt
+from narwhal.router.discovery import resolve_once
 
 
 async def check_fleet(
@@ -32,8 +33,13 @@ async def check_fleet(
     )
     lines: list[str] = []
     reachable: dict[str, bool] = {}
+    engines = fleet.engines
+    if fleet.discover:  # the engines DNS names now, as the router's first round finds them
+        found, discovered = await resolve_once(fleet.discover, fleet.discovery)
+        engines = (*engines, *found)
+        lines += discovered
     try:
-        for spec in fleet.engines:
+        for spec in engines:
             problem = await identity_problem(
                 client,
                 spec.url,
@@ -47,8 +53,8 @@ async def check_fleet(
             lines.append(f"{spec.id} ({spec.role}, {spec.url}): " + (problem or "ok"))
         pairs = [
             (p, c)
-            for p in fleet.engines
-            for c in fleet.engines
+            for p in engines
+            for c in engines
             if p.can_prefill and c.can_decode and p.id != c.id
         ]
         passed = 0
@@ -84,9 +90,9 @@ async def check_fleet(
         lines.append(warning)
     if not pairs:
         lines.append("no pair of distinct engines can move KV (need a producer and a consumer)")
-    ok = engines_ok == len(fleet.engines) and passed == len(pairs) and bool(pairs)
+    ok = engines_ok == len(engines) and passed == len(pairs) and bool(pairs)
     lines.append(
-        f"{'PASS' if ok else 'FAIL'}: {engines_ok}/{len(fleet.engines)} engines ok, "
+        f"{'PASS' if ok else 'FAIL'}: {engines_ok}/{len(engines)} engines ok, "
         f"{passed}/{len(pairs)} transfers moved KV"
     )
     return lines, ok

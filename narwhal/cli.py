@@ -41,7 +41,8 @@ EXIT_VERSIONS = 8
 EXIT_STATUS_HELP = """\
 exit status:
   0  done (serve: drained after SIGTERM or SIGINT; check: everything passed)
-  1  check: an engine or a KV transfer failed
+  1  check: an engine or a KV transfer failed; serve --workers N: workers kept dying,
+     or one did not drain in time
   2  the fleet file is invalid (one "path: rule" line per problem), or the command line
   3  the fleet file cannot be read (missing, a directory, no permission)
   4  the journal cannot be opened (its directory missing, not writable, a FIFO nobody reads)
@@ -119,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address or name to listen on")
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any)")
     serve.add_argument(
-        "--workers", type=_positive, default=1, help="processes serving one socket as one router"
+        "--workers",
+        type=_positive,
+        default=1,
+        help="processes that act as one router (each with its own listener on the port)",
     )
     serve.add_argument("--journal", help="append one JSON line per finished request here")
     serve.add_argument(
@@ -311,23 +315,9 @@ def _serve(args: argparse.Namespace) -> int:
         fleet, args.host, args.port, certfile=args.ssl_certfile, keyfile=args.ssl_keyfile
     )
     check_tls(args.ssl_certfile, args.ssl_keyfile, hc)
-    sockets = listen(hc, args.host, args.port)
     if args.workers > 1:
-        from narwhal.server import run_workers
-
-        close_sockets(sockets)  # hypercorn's multiprocess runner binds the address itself
-        return run_workers(
-            args.config,
-            fleet,
-            args.host,
-            args.port,
-            args.workers,
-            args.journal,
-            args.log_format,
-            args.log_level,
-            certfile=args.ssl_certfile,
-            keyfile=args.ssl_keyfile,
-        )
+        return _serve_workers(args, fleet, hc)
+    sockets = listen(hc, args.host, args.port)
     from narwhal.router.journal import Journal
     from narwhal.router.service import Router
     from narwhal.server import serve
@@ -355,8 +345,9 @@ def _serve(args: argparse.Namespace) -> int:
                         sockets=sockets,
                     )
                 )
+                count = len(router.fleet.engines)  # discovered ones too
                 print(
-                    f"narwhal: serving {fleet.model} on {url} with {len(fleet.engines)} engine(s)",
+                    f"narwhal: serving {fleet.model} on {url} with {count} engine(s)",
                     file=sys.stderr,
                 )
             nursery.cancel_scope.cancel()  # the server is done (drained): stop listening for SIGHUP
@@ -364,6 +355,64 @@ def _serve(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(main)
     return 0
+
+
+def _serve_workers(args: argparse.Namespace, fleet: FleetConfig, hc: HypercornConfig) -> int:
+    """``--workers N``: the parent (``narwhal.workers.Supervisor``) binds one listener per
+    worker and supervises them; the workers are ``worker_main``."""
+    from narwhal.workers import Supervisor, WorkerSpec, bind_worker_sockets
+
+    try:
+        listeners = bind_worker_sockets(hc, args.workers)
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise listen_failure(exc, args.host, args.port) from None
+    spec = WorkerSpec(
+        index=0,
+        count=args.workers,
+        config=os.path.abspath(args.config),
+        host=args.host,
+        port=int(listeners[0].getsockname()[1]),
+        journal=os.path.abspath(args.journal) if args.journal else None,
+        log_format=args.log_format,
+        log_level=args.log_level,
+        certfile=args.ssl_certfile,
+        keyfile=args.ssl_keyfile,
+    )
+    supervisor = Supervisor(spec, fleet, hc, listeners)
+    with contextlib.suppress(KeyboardInterrupt):
+        return trio.run(supervisor.run)
+    return 0
+
+
+def worker_main() -> int:
+    """One worker of ``serve --workers N``: started by ``narwhal.workers.Supervisor`` with
+    its listener and control channel (``narwhal.workers.WORKER_COMMAND``), never by hand.
+    What keeps it from starting is the same one line and status as for ``serve``, and the
+    parent then exits with that status."""
+    from narwhal.logs import configure
+    from narwhal.router.journal import Journal
+    from narwhal.router.service import Router
+    from narwhal.workers import WorkerSpec, run_worker
+
+    spec = WorkerSpec.from_environment()
+    configure(spec.log_format, spec.log_level)
+    try:
+        fleet = load_fleet(spec.config)
+        _install_server_fixes()
+        try:
+            journal = Journal(spec.journal)
+        except OSError as exc:
+            raise StartupError(
+                EXIT_JOURNAL, f"narwhal: cannot open the journal {spec.journal}: {_why(exc)}"
+            ) from None
+        try:
+            router = Router(fleet, journal=journal, config_path=spec.config)
+        except ConfigError as exc:
+            raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
+    except StartupError as exc:
+        print(exc.message, file=sys.stderr, flush=True)
+        return exc.status
+    return run_worker(spec, fleet, router)
 
 
 def _check(args: argparse.Namespace) -> int:

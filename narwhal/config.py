@@ -9,6 +9,7 @@ the structs once nothing is wrong.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import re
 import ssl
@@ -29,10 +30,11 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 
 
-class EngineSpec(Struct, frozen=True, forbid_unknown_fields=True):
-    id: NonEmptyStr
-    url: NonEmptyStr
-    role: Role = "both"
+class _Roles:
+    """What an engine of ``role`` may serve (a mixin of the structs with a ``role``)."""
+
+    __slots__ = ()
+    role: Role
 
     @property
     def can_prefill(self) -> bool:
@@ -41,6 +43,12 @@ class EngineSpec(Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def can_decode(self) -> bool:
         return self.role != "prefill"
+
+
+class EngineSpec(Struct, _Roles, frozen=True, forbid_unknown_fields=True):
+    id: NonEmptyStr
+    url: NonEmptyStr
+    role: Role = "both"
 
 
 class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -100,9 +108,26 @@ class EngineContract(Struct, frozen=True, forbid_unknown_fields=True):
     kv_lease_s: PositiveFloat | None = None  # the engines' lease, when the operator pins it
 
 
+class DiscoverBlock(Struct, _Roles, frozen=True, forbid_unknown_fields=True):
+    """Engines from DNS: every A/AAAA record of ``dns`` is one engine at ``port``."""
+
+    name: NonEmptyStr  # discovered engine ids are "<name>/<ip>:<port>"
+    dns: NonEmptyStr
+    port: Annotated[int, Meta(ge=1, le=65535)] = 8000
+    role: Role = "both"
+    scheme: Literal["http", "https"] = "http"
+
+
+class DiscoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    interval_s: PositiveFloat = 5.0  # re-resolve period
+    nameserver: str = ""  # "ip" or "ip:port" ("[v6]:port"); "" = the system resolver
+
+
 class FleetConfig(Struct, frozen=True, forbid_unknown_fields=True):
     model: NonEmptyStr
-    engines: tuple[EngineSpec, ...]
+    engines: tuple[EngineSpec, ...] = ()  # may be empty when [[discover]] finds engines
+    discover: tuple[DiscoverBlock, ...] = ()
+    discovery: DiscoveryConfig = DiscoveryConfig()
     serving: ServingConfig = ServingConfig()
     engine: EngineConfig = EngineConfig()
     recovery: RecoveryConfig = RecoveryConfig()
@@ -124,6 +149,7 @@ class ConfigError(Exception):
 
 
 _SECTIONS: dict[str, type[Struct]] = {
+    "discovery": DiscoveryConfig,
     "serving": ServingConfig,
     "engine": EngineConfig,
     "recovery": RecoveryConfig,
@@ -175,10 +201,18 @@ def _check_fleet(doc: dict[str, Any], problems: list[str]) -> FleetConfig | None
         problems.append("model: required key is missing")
     else:
         values["model"] = _convert_field(FleetConfig, "model", doc["model"], "model", problems)
-    values["engines"] = _check_engines(doc.get("engines"), problems)
+    discovers = doc.get("discover") not in (None, [])  # a wrong one is its own problem
+    values["engines"] = _check_engines(doc.get("engines"), problems, discovers=discovers)
+    values["discover"] = _check_discover(doc.get("discover"), problems)
     for name, cls in _SECTIONS.items():
         if name in doc:
             values[name] = _check_struct(cls, doc[name], name, problems)
+    nameserver = (
+        doc["discovery"].get("nameserver") if isinstance(doc.get("discovery"), dict) else ""
+    )
+    nameserver_problem = _nameserver_problem(nameserver) if isinstance(nameserver, str) else None
+    if nameserver_problem:
+        problems.append(f"discovery.nameserver: {nameserver_problem}")
     if problems:
         problems.extend(_cross_field_over_valid_keys(doc, problems))  # the same pass (SPEC 2)
         return None
@@ -204,10 +238,13 @@ def _cross_field_over_valid_keys(doc: dict[str, Any], found: list[str]) -> list[
                 kept[key] = msgspec.convert(item, types[key])
         return cls(**kept)  # a Struct's __init__ checks no constraint: None may stand
 
-    engines = doc.get("engines")
+    engines, discover = doc.get("engines"), doc.get("discover")
     fleet = FleetConfig(
         model="",
         engines=tuple(valid(EngineSpec, e) for e in (engines if isinstance(engines, list) else ())),
+        discover=tuple(
+            valid(DiscoverBlock, d) for d in (discover if isinstance(discover, list) else ())
+        ),
         **{name: valid(cls, doc[name]) for name, cls in _SECTIONS.items() if name in doc},
     )
     bad = [problem.split(": ", 1)[0] for problem in found]
@@ -225,14 +262,18 @@ def _names(path: str) -> str:
     return r"(?<![\w.\[])" + re.escape(path) + after
 
 
-def _check_engines(value: object, problems: list[str]) -> tuple[EngineSpec, ...]:
+def _check_engines(
+    value: object, problems: list[str], *, discovers: bool = False
+) -> tuple[EngineSpec, ...]:
+    """``[[engines]]``: at least one, unless ``[[discover]]`` blocks find them."""
     if value is None:
-        problems.append("engines: required, at least one [[engines]] entry")
+        if not discovers:
+            problems.append("engines: required, at least one [[engines]] entry")
         return ()
     if not isinstance(value, list):
         problems.append(f"engines: must be an array of tables, got {type(value).__name__}")
         return ()
-    if not value:
+    if not value and not discovers:
         problems.append("engines: must list at least one engine")
     engines: list[EngineSpec] = []
     for i, item in enumerate(value):
@@ -243,6 +284,77 @@ def _check_engines(value: object, problems: list[str]) -> tuple[EngineSpec, ...]
                 problems.append(f"engines[{i}].url: {url_problem}")
             engines.append(spec)
     return tuple(engines)
+
+
+def _check_discover(value: object, problems: list[str]) -> tuple[DiscoverBlock, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        problems.append(f"discover: must be an array of tables, got {type(value).__name__}")
+        return ()
+    blocks: list[DiscoverBlock] = []
+    for i, item in enumerate(value):
+        block = _check_struct(DiscoverBlock, item, f"discover[{i}]", problems)
+        if isinstance(block, DiscoverBlock):
+            blocks.append(block)
+        for key, rule in (("name", _discover_name_problem), ("dns", _dns_name_problem)):
+            text = item.get(key) if isinstance(item, dict) else None
+            problem = rule(text) if isinstance(text, str) and text else None
+            if problem:  # told even when another key of the block is wrong
+                problems.append(f"discover[{i}].{key}: {problem}")
+    return tuple(blocks)
+
+
+_DISCOVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _discover_name_problem(name: str) -> str | None:
+    if not _DISCOVER_NAME.fullmatch(name):
+        return f"must be letters, digits, '.', '_' or '-' (it starts engine ids), got {name!r}"
+    return None
+
+
+def _dns_name_problem(name: str) -> str | None:
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(name)
+        return f"must be a DNS name, got the address {name!r} (list it in [[engines]])"
+    labels = name.removesuffix(".").split(".")
+    if len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return f"must be a DNS name (dot-separated labels of letters, digits, '-'), got {name!r}"
+    return None
+
+
+def nameserver_address(nameserver: str) -> tuple[str, int]:
+    """``discovery.nameserver`` as (IP, port): "10.0.0.2", "10.0.0.2:5353", "[fd00::2]:53";
+    raises ValueError for anything else."""
+    host, port = nameserver, 53
+    if nameserver.startswith("["):
+        host, sep, rest = nameserver[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(nameserver)
+        if rest:
+            port = int(rest[1:])
+    elif nameserver.count(":") == 1:
+        host, port_text = nameserver.split(":")
+        port = int(port_text)
+    ipaddress.ip_address(host)  # a name would need a resolver of its own
+    if not 1 <= port <= 65535:
+        raise ValueError(nameserver)
+    return host, port
+
+
+def _nameserver_problem(nameserver: str) -> str | None:
+    if not nameserver:
+        return None
+    try:
+        nameserver_address(nameserver)
+    except ValueError:
+        return (
+            'must be "" (the system resolver) or an IP address with an optional port '
+            f'("10.0.0.2:53", "[fd00::2]:53"), got {nameserver!r}'
+        )
+    return None
 
 
 def _check_struct(cls: type[Struct], value: object, path: str, problems: list[str]) -> Any:
@@ -333,10 +445,33 @@ def cross_field_problems(fleet: FleetConfig) -> list[str]:
                 f"engines[{i}].id: duplicate id {spec.id!r} (also engines[{seen[spec.id]}])"
             )
         seen.setdefault(spec.id, i)
-    if fleet.engines and not any(e.can_prefill for e in fleet.engines):
-        problems.append("engines: no engine can prefill (need role 'prefill' or 'both')")
-    if fleet.engines and not any(e.can_decode for e in fleet.engines):
-        problems.append("engines: no engine can decode (need role 'decode' or 'both')")
+    names: dict[str, int] = {}
+    for i, block in enumerate(fleet.discover):
+        if block.name in names:
+            also = names[block.name]
+            problems.append(
+                f"discover[{i}].name: duplicate name {block.name!r} (also discover[{also}])"
+            )
+        names.setdefault(block.name, i)
+    for i, spec in enumerate(fleet.engines):
+        name = spec.id.split("/", 1)[0] if spec.id and "/" in spec.id else None
+        if name in names:
+            problems.append(
+                f"engines[{i}].id: {spec.id!r} is in the ids of [[discover]] {name!r} "
+                f"(discovered engines are '{name}/<ip>:<port>')"
+            )
+    if fleet.discover:  # listed or discoverable (SPEC 2)
+        for able, role in (("can_prefill", "prefill"), ("can_decode", "decode")):
+            if not any(getattr(e, able) for e in (*fleet.engines, *fleet.discover)):
+                problems.append(
+                    f"discover: no engine listed or discoverable can {role} "
+                    f"(need role '{role}' or 'both' in [[engines]] or [[discover]])"
+                )
+    else:
+        if fleet.engines and not any(e.can_prefill for e in fleet.engines):
+            problems.append("engines: no engine can prefill (need role 'prefill' or 'both')")
+        if fleet.engines and not any(e.can_decode for e in fleet.engines):
+            problems.append("engines: no engine can decode (need role 'decode' or 'both')")
     if fleet.recovery.restart_policy == "whole_wave" and fleet.engine_contract is None:
         problems.append(
             "recovery.restart_policy: 'whole_wave' requires an [engine_contract] section"

@@ -7,14 +7,17 @@ alerts see them before the first incident.
 
 With ``--workers N`` each worker writes to the directory named by
 ``PROMETHEUS_MULTIPROC_DIR`` and a scrape of any worker sums them all (prometheus-client's
-multiprocess mode); gauges then say how they combine across workers.
+multiprocess mode); gauges then say how they combine across workers, always over live
+workers only (``live*`` modes: the parent, ``narwhal.workers``, marks a worker dead when
+it exits, and its gauges stop counting at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
-from typing import get_args
+from typing import Any, get_args
 
 from prometheus_client import (
     CollectorRegistry,
@@ -179,6 +182,24 @@ class Metrics:
             "narwhal_journal_dropped",
             "Journal lines never written: the writer was behind, or the disk or pipe failed.",
         )
+        # DNS discovery ([[discover]]), by block name (from the fleet file)
+        self.discovery_engines = gauge(
+            "narwhal_discovery_engines",
+            "Engines a [[discover]] name stands for: its last good set of addresses.",
+            ("name",),
+            "livemax",
+        )
+        self.discovery_failures = counter(
+            "narwhal_discovery_failures",
+            "Resolutions of a [[discover]] name that failed (the last good set was kept).",
+            ("name",),
+        )
+        self.discovery_last_success = gauge(
+            "narwhal_discovery_last_success_timestamp_seconds",
+            "Unix time of the latest resolution of a [[discover]] name that fully answered.",
+            ("name",),
+            "livemax",
+        )
         self.connection_errors = counter(
             "narwhal_connection_errors",
             "Client connections closed by their error boundary: an exception inside the "
@@ -211,6 +232,31 @@ class Metrics:
             metric.labels(engine).set(0)
         self.ejections.labels(engine)
         self.readmissions.labels(engine)
+
+    def remove_engine(self, engine: str) -> None:
+        """An engine left the fleet (reload, or gone from DNS): its series go with it, so
+        pods that come and go leave no series behind and no alert firing for an engine
+        that no longer exists. Its legs still in flight keep their gauge objects."""
+        labelled: list[tuple[Any, tuple[str, ...]]] = [
+            *((self.legs_inflight, (engine, phase)) for phase in ("prefill", "decode")),
+            *((self.leg_failures, (engine, cls)) for cls in BREAKER_CLASSES),
+            *((self.probes, (engine, outcome)) for outcome in PROBE_OUTCOMES),
+            *(
+                (metric, (engine,))
+                for metric in (
+                    self.streak,
+                    self.ejected,
+                    self.quarantined,
+                    self.held_in,
+                    self.up,
+                    self.ejections,
+                    self.readmissions,
+                )
+            ),
+        ]
+        for metric, labels in labelled:
+            with contextlib.suppress(KeyError):  # never created
+                metric.remove(*labels)
 
     def render(self) -> bytes:
         """The exposition text; under multiprocess mode, summed over every worker."""

@@ -1,10 +1,8 @@
-"""Serving the router with hypercorn's trio worker, in-process or as N worker processes."""
+"""Serving the router with hypercorn's trio worker (each process of ``--workers N`` runs
+``serve`` too: ``narwhal.workers``)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,10 +14,8 @@ from hypercorn.utils import wrap_app
 
 from narwhal import client_connection, hypercorn_fixes, trio_accept
 from narwhal.client_connection import ClientConnection
-from narwhal.config import FleetConfig, load_config
-from narwhal.logs import configure as configure_logs
-from narwhal.router.app import RouterApp
-from narwhal.router.journal import Journal
+from narwhal.config import FleetConfig
+from narwhal.router.app import RouterApp, WorkerGroup
 from narwhal.router.service import FAIL_SEND_BOUND_S, Router
 from narwhal.shapes import verify
 
@@ -42,12 +38,6 @@ def install_server_fixes() -> None:
     hypercorn_fixes.frame_body_chunks_directly()
     trio_accept.accept_in_bursts()
     _installed = True
-
-
-CONFIG_ENV = "NARWHAL_CONFIG_PATH"
-JOURNAL_ENV = "NARWHAL_JOURNAL_PATH"
-LOG_FORMAT_ENV = "NARWHAL_LOG_FORMAT"
-LOG_LEVEL_ENV = "NARWHAL_LOG_LEVEL"
 
 
 def hypercorn_config(
@@ -113,16 +103,18 @@ async def serve(
     certfile: str | None = None,
     keyfile: str | None = None,
     sockets: Sockets | None = None,
+    workers: WorkerGroup | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until ``shutdown_trigger`` returns; report the base URL through ``nursery.start``.
 
     ``sockets``: already listening, from ``bind_sockets`` on the same host, port and TLS
-    files (the command line binds before trio starts); bound here when None."""
+    files (the command line binds before trio starts); bound here when None. ``workers``:
+    this process is one worker of ``--workers N`` (``narwhal.workers.ParentLink``)."""
     install_server_fixes()
     router = router or Router(fleet)
     hc = hypercorn_config(fleet, host, port, certfile=certfile, keyfile=keyfile)
-    asgi: Any = RouterApp(router)  # hypercorn's ASGI types are structural
+    asgi: Any = RouterApp(router, workers)  # hypercorn's ASGI types are structural
     app = wrap_app(asgi, hc.wsgi_max_body_size, "asgi")  # as hypercorn.trio.serve wraps it
     if sockets is None:
         sockets = bind_sockets(hc)
@@ -139,49 +131,3 @@ async def serve(
             )
         )
         task_status.started(binds[0])
-
-
-def app_from_environment() -> RouterApp:
-    """The app each worker process builds (``--workers N``): config path from the env."""
-    install_server_fixes()  # hypercorn calls this before its worker serves
-    configure_logs(
-        os.environ.get(LOG_FORMAT_ENV, "text"),  # type: ignore[arg-type]
-        os.environ.get(LOG_LEVEL_ENV, "info"),
-    )
-    journal = Journal(os.environ.get(JOURNAL_ENV) or None)
-    path = os.environ[CONFIG_ENV]
-    return RouterApp(Router(load_config(path), journal=journal, config_path=path))
-
-
-def run_workers(
-    config_path: str,
-    fleet: FleetConfig,
-    host: str,
-    port: int,
-    workers: int,
-    journal_path: str | None = None,
-    log_format: str = "text",
-    log_level: str = "info",
-    certfile: str | None = None,
-    keyfile: str | None = None,
-) -> int:
-    """N worker processes sharing one listening socket (hypercorn's multiprocess runner,
-    which binds it itself: the command line checks the address with ``bind_sockets`` first)."""
-    from hypercorn.run import run
-
-    os.environ[CONFIG_ENV] = os.path.abspath(config_path)
-    os.environ[LOG_FORMAT_ENV], os.environ[LOG_LEVEL_ENV] = log_format, log_level
-    if journal_path:
-        os.environ[JOURNAL_ENV] = os.path.abspath(journal_path)
-    own_dir = None
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # every worker writes its metrics here; a scrape of any worker sums them all
-        own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="narwhal-prom-")
-    hc = hypercorn_config(fleet, host, port, certfile=certfile, keyfile=keyfile)
-    hc.workers = workers
-    hc.application_path = "narwhal.server:app_from_environment()"
-    try:
-        return int(run(hc))
-    finally:
-        if own_dir is not None:
-            shutil.rmtree(own_dir, ignore_errors=True)

@@ -11,6 +11,10 @@ journal. The patched ``SocketListener.accept`` takes up to ``ACCEPT_BURST`` more
 connections that are already queued, without waiting, and hands them out on the next
 calls (closing them if the listener closes first). Admitted requests then get the router's
 own answers (``max_inflight`` -> 429). Figures: ``bench/results/server-fixes.md``.
+
+With ``--workers N`` each worker has a listener of its own (``narwhal.workers``,
+``SO_REUSEPORT``): a burst takes only connections the kernel already gave that worker,
+never another worker's share, as it did when the workers shared one listening socket.
 """
 
 from __future__ import annotations

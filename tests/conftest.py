@@ -84,19 +84,34 @@ async def start_fleet(
         engines[eid] = engine
     config = fleet_config(urls, **sections)
     router = Router(config, journal=journal or Journal(keep=10_000))
+    return await serve_router(nursery, router, engines)
+
+
+async def serve_router(
+    nursery: trio.Nursery,
+    router: Router,
+    engines: dict[str, FakeEngine] | None = None,
+    *,
+    max_connections: int = 64,
+) -> Harness:
+    """Serve ``router`` on a free loopback port until the harness's ``stop`` is set."""
     stop, stopped = trio.Event(), trio.Event()
 
     async def run_router(task_status: trio.TaskStatus[str]) -> None:
         try:
             await serve(
-                config, port=0, router=router, shutdown_trigger=stop.wait, task_status=task_status
+                router.config,
+                port=0,
+                router=router,
+                shutdown_trigger=stop.wait,
+                task_status=task_status,
             )
         finally:
             stopped.set()
 
     url = await nursery.start(run_router)
-    http = httpcore.AsyncConnectionPool(max_connections=64)
-    return Harness(url, router, engines, http, stop, stopped)
+    http = httpcore.AsyncConnectionPool(max_connections=max_connections)
+    return Harness(url, router, engines or {}, http, stop, stopped)
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ PURE = (
     "narwhal.router.requests",
     "narwhal.router.assemble",
     "narwhal.router.handoff",
+    "narwhal.router.policies",
 )
 IO = ("trio", "hypercorn", "h11", "httpcore", "socket", "asyncio")
 

@@ -115,6 +115,10 @@ async def test_reload_adds_and_removes_engines(nursery: trio.Nursery, tmp_path: 
                 await harness.post("/v1/completions", {**STREAM, "max_tokens": 2})
             ).status == 200
     assert result[0][-1] == b"[DONE]"  # d0's in-flight leg finished normally
+    # a removed engine's series leave with it: no alert keeps firing for an engine gone
+    scrape = (await harness.get("/metrics")).body.decode()
+    assert 'engine="d0"' not in scrape
+    assert 'engine="d1"' in scrape
     assert len(d1.log) == 3  # every new request went to the added engine
     assert len(harness.engines["d0"].log) == 1
 

@@ -13,7 +13,6 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-import httpcore
 import pytest
 import trio
 import trustme
@@ -27,8 +26,7 @@ from narwhal.fake_engine.http import Exchange, Request, serve_connection
 from narwhal.faults import ConnectTimeout, EngineStatusError, EngineUnreachable
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
-from narwhal.server import serve
-from tests.conftest import MODEL, Harness, finish, fleet_config
+from tests.conftest import MODEL, Harness, finish, fleet_config, serve_router
 
 TOKEN = "engine-token-7f3a"
 TOKEN_ENV = "NARWHAL_TEST_TLS_ENGINE_KEY"
@@ -182,19 +180,7 @@ async def start_router(
 ) -> Harness:
     config = fleet_config(urls, engine=engine)
     router = Router(config, journal=Journal(keep=1000))
-    stop, stopped = trio.Event(), trio.Event()
-
-    async def run_router(task_status: trio.TaskStatus[str]) -> None:
-        try:
-            await serve(
-                config, port=0, router=router, shutdown_trigger=stop.wait, task_status=task_status
-            )
-        finally:
-            stopped.set()
-
-    url = await nursery.start(run_router)
-    http = httpcore.AsyncConnectionPool(max_connections=8)
-    return Harness(url, router, {}, http, stop, stopped)
+    return await serve_router(nursery, router, max_connections=8)
 
 
 @pytest.fixture

@@ -6,10 +6,11 @@ request does with engines lives in ``Router.handle`` and ``RequestRun``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import suppress
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -155,9 +156,22 @@ async def _linger(receive: Receive) -> None:
                 return
 
 
+class WorkerGroup(Protocol):
+    """This process is worker ``index`` of ``count`` (``serve --workers N``): what it knows
+    of the others (``narwhal.workers.ParentLink``)."""
+
+    index: int
+    count: int
+
+    async def reload_everywhere(self) -> tuple[int, bytes]:
+        """``POST /narwhal/reload`` applied on every worker: (status, JSON body)."""
+        ...
+
+
 class RouterApp:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, workers: WorkerGroup | None = None) -> None:
         self.router = router
+        self.workers = workers
         self.started = int(time.time())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -180,6 +194,7 @@ class RouterApp:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
                     await background.start(self.router.health.run)
+                    await background.start(self.router.discovery.run)  # [[discover]] names
                     background.start_soon(self.router.client.sweep_forever)
                     await background.start(self.router.reclaimer.run)
                     await send({"type": "lifespan.startup.complete"})
@@ -219,6 +234,10 @@ class RouterApp:
             await self._readmit_wave(receive, send)
             return
         complete = await _finish_reading(scope, receive)  # nothing below reads a body
+        if (method, path) == ("POST", "/narwhal/reload") and self.workers is not None:
+            status, body = await self.workers.reload_everywhere()  # every worker has answered
+            await _answer_read(receive, send, status, body, rid, complete)
+            return
         status, body, content_type = self._answer(method, path)
         await _answer_read(receive, send, status, body, rid, complete, content_type)
 
@@ -259,8 +278,21 @@ class RouterApp:
             router.health.refresh_gauges()
             return 200, router.metrics.render(), CONTENT_TYPE_LATEST.encode()
         if path == "/narwhal/engines":
-            return 200, router.engines_view(), _JSON[1]
+            return 200, self._engines_view(), _JSON[1]
         return 404, _not_found(method, path), _JSON[1]
+
+    def _engines_view(self) -> bytes:
+        """The engines as this process sees them, and which process that is: each worker
+        of ``--workers N`` keeps its own breakers and in-flight counts."""
+        group = self.workers
+        worker = {
+            "index": group.index if group else 0,
+            "of": group.count if group else 1,
+            "pid": os.getpid(),
+        }
+        return msgspec.json.encode(
+            {"worker": worker, **msgspec.json.decode(self.router.engines_view())}
+        )
 
     def _admin_refusal(self, scope: Scope) -> str | None:
         """SPEC 3: admin keys alone open ``/narwhal/*``; without them, loopback peers only."""

@@ -24,6 +24,7 @@ from narwhal.faults import DeadlineExpired, InternalError, RequestFault, Shuttin
 from narwhal.logs import log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
 from narwhal.router.auth import ApiKeys
+from narwhal.router.discovery import Discovery
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fanout import FanOutRun
 from narwhal.router.fleet import Fleet
@@ -55,6 +56,8 @@ class Router:
         self.metrics = Metrics(e.id for e in self.fleet.engines)
         self._bind_gauges()
         self.health = Health(self)
+        # [[discover]]: its loop runs in the server's background nursery, next to health
+        self.discovery = Discovery(self, config.discover)
         self.journal = journal or Journal()
         self.journal.count_drops(self.metrics.journal_dropped.inc)
         self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
@@ -81,14 +84,15 @@ class Router:
     def engines_view(self) -> bytes:
         now = trio.current_time()
         held = self.fleet.held_in(now)
-        return msgspec.json.encode(
-            {
-                "model": self.config.model,
-                "admitted": self.admitted,
-                "maintenance": self.health.maintenance,
-                "engines": [e.snapshot(now, held_in=e.id in held) for e in self.fleet.engines],
-            }
-        )
+        view: dict[str, object] = {
+            "model": self.config.model,
+            "admitted": self.admitted,
+            "maintenance": self.health.maintenance,
+            "engines": [e.snapshot(now, held_in=e.id in held) for e in self.fleet.engines],
+        }
+        if self.config.discover:
+            view["discovery"] = self.discovery.view()
+        return msgspec.json.encode(view)
 
     async def handle(
         self,
@@ -174,30 +178,43 @@ class Router:
     def reload(self, new: FleetConfig) -> dict[str, list[str]]:
         """Apply a new fleet file: added engines take traffic at once, removed ones get no
         new legs while their in-flight legs finish; timeouts and limits apply to new
-        requests."""
-        before = {e.id for e in self.fleet.engines}
+        requests. Discovered engines stay while their ``[[discover]]`` block does."""
         # an unset variable refuses the file
         api_keys = ApiKeys(new.serving.api_keys_env)
         admin_keys = ApiKeys(new.serving.admin_keys_env, "serving.admin_keys_env")
         self.api_keys, self.admin_keys = api_keys, admin_keys
         self.config = new
-        self.fleet.reload(new.engines, new.recovery)
+        self.discovery.state.configure(new.discover)
+        change = self._set_engines()
+        self.retry_budget.cap = new.serving.retry_budget
+        self.retry_budget.replenish = new.serving.retry_replenish
+        log_event(log, logging.WARNING, "fleet reloaded", dict(change))
+        return change
+
+    def apply_discovered(self) -> dict[str, list[str]]:
+        """The discovered engines changed: the fleet becomes ``[[engines]]`` plus them, by
+        the path of a reload (an added engine joins once it answers ``/health``, a removed
+        one drains)."""
+        return self._set_engines()
+
+    def _set_engines(self) -> dict[str, list[str]]:
+        before = {e.id for e in self.fleet.engines}
+        specs = (*self.config.engines, *self.discovery.state.specs())
+        self.fleet.reload(specs, self.config.recovery)
         for engine in self.fleet.engines:
             if engine.id not in before:
                 self.metrics.add_engine(engine.id)
                 if self.health.nursery is not None:  # it joins placement once it answers
                     self.health.start_background(self.health.check, engine)
         self._bind_gauges()
-        self.retry_budget.cap = new.serving.retry_budget
-        self.retry_budget.replenish = new.serving.retry_replenish
         after = {e.id for e in self.fleet.engines}
-        change = {
+        for gone in before - after:
+            self.metrics.remove_engine(gone)
+        return {
             "engines": [e.id for e in self.fleet.engines],
             "added": sorted(after - before),
             "removed": sorted(before - after),
         }
-        log_event(log, logging.WARNING, "fleet reloaded", dict(change))
-        return change
 
     def _bind_gauges(self) -> None:
         """Reservations move their engine's in-flight gauge (resolved once, not per leg)."""

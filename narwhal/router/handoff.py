@@ -1,7 +1,7 @@
 """A KV handoff's life, sans I/O (SPEC 5 "lease bound" and "orphaned handoffs").
 
 A producer holds a prefilled request's KV blocks until a consumer reads them or its lease
-(vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``) runs out. Past the lease the blocks may be
+(vLLM 0.32's ``kv_lease_duration``; ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` before) runs out. Past the lease the blocks may be
 freed or reused and a consumer reads garbage without an error, so a descriptor is never
 sent once it is too old. One that no decode will read is an orphan: left alone it pins
 its blocks for the rest of the lease, so it is reclaimed (``narwhal.router.reclaim``).

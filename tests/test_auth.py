@@ -3,6 +3,10 @@ Admin endpoints (``/narwhal/*``) follow their own rule: ``tests/test_front_door.
 
 from __future__ import annotations
 
+import hashlib
+import time
+
+import msgspec
 import pytest
 import trio
 
@@ -47,3 +51,29 @@ def test_an_unset_key_variable_fails_closed(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ConfigError, match="NARWHAL_TEST_NO_SUCH_VAR is unset or empty"):
         ApiKeys("NARWHAL_TEST_NO_SUCH_VAR")
     assert ApiKeys("").allows([])  # no variable named: an open router
+
+
+async def test_the_journal_says_who_asked_by_address_and_key_hash_never_the_key(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NARWHAL_TEST_CLIENT_KEYS", "key-one, key-two")
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        serving=ServingConfig(api_keys_env="NARWHAL_TEST_CLIENT_KEYS", graceful_timeout_s=0.5),
+    )
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    before = time.time()
+    ok = await harness.post("/v1/completions", body, {"authorization": "Bearer key-two"})
+    refused = await harness.post("/v1/completions", body, {"authorization": "Bearer nope"})
+    assert (ok.status, refused.status) == (200, 401)
+    await harness.router.wait_drained()
+    served, denied = harness.router.journal.lines
+    assert served.key == hashlib.sha256(b"key-two").hexdigest()[:12]
+    assert denied.key == hashlib.sha256(b"nope").hexdigest()[:12]
+    for line in (served, denied):
+        assert line.client is not None
+        assert line.client.startswith("127.0.0.1:")
+        assert before - 1 <= line.at <= time.time()
+        assert b"key-two" not in msgspec.json.encode(line)
+    await finish(harness)

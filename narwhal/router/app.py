@@ -30,6 +30,7 @@ from narwhal.faults import (
     TooLarge,
     error_json,
 )
+from narwhal.router.journal import Caller
 from narwhal.router.requests import parse_request
 from narwhal.router.service import Router
 
@@ -211,7 +212,7 @@ class RouterApp:
         rid = scope.setdefault(REQUEST_ID, request_id(scope)) if completion else None
         problem = _headers_problem(headers) or _framing_problem(headers)
         if problem is not None:
-            self._journal_refusal(rid, path, problem.status, problem.message)
+            self._journal_refusal(rid, path, problem.status, problem.message, scope)
             await respond_and_close(receive, send, problem.status, problem.error_json(), rid)
             return
         if path.startswith("/narwhal/"):
@@ -222,7 +223,7 @@ class RouterApp:
                 return
         elif path not in _OPEN_PATHS and not self.router.api_keys.allows(headers):
             message = "missing or invalid API key"
-            self._journal_refusal(rid, path, 401, message)
+            self._journal_refusal(rid, path, 401, message, scope)
             body = error_json(401, message, "authentication_error")
             await _answer_unread(scope, receive, send, 401, body, rid)
             return
@@ -306,11 +307,20 @@ class RouterApp:
             return None
         return "admin endpoint: loopback only when serving.admin_keys_env is not set"
 
-    def _journal_refusal(self, rid: bytes | None, path: str, status: int, message: str) -> None:
+    def _journal_refusal(
+        self, rid: bytes | None, path: str, status: int, message: str, scope: Scope
+    ) -> None:
         """A completion request (it has an id) refused before admission is journaled."""
         if rid is not None:
             self.router.received += 1
-            self.router.journal_unadmitted(rid.decode(), path, "rejected", status, message)
+            caller = self._caller(scope)
+            self.router.journal_unadmitted(rid.decode(), path, "rejected", status, message, caller)
+
+    def _caller(self, scope: Scope) -> Caller:
+        """Who sent the request, for its journal line (the key by a hash only)."""
+        peer = scope.get("client")
+        client = f"{peer[0]}:{peer[1]}" if peer else None
+        return Caller(client=client, key=self.router.api_keys.key_id(scope["headers"]))
 
     async def _completion(
         self, path: str, scope: Scope, receive: Receive, send: Send, rid: bytes
@@ -319,6 +329,7 @@ class RouterApp:
         router.received += 1
         rid_text = rid.decode()
         serving = router.config.serving
+        caller = self._caller(scope)
         try:
             raw = await _read_body_within(scope, receive, serving)
             if router.draining:
@@ -342,12 +353,15 @@ class RouterApp:
         except Disconnected:
             framing = scope.get(FRAMING_ERROR)
             if framing:  # the server answered 400 to a malformed body and closed
-                router.journal_unadmitted(rid_text, path, "rejected", 400, framing)
+                router.journal_unadmitted(rid_text, path, "rejected", 400, framing, caller)
             else:
-                router.journal_unadmitted(rid_text, path, "cancelled", None, "client left mid-body")
+                left = "client left mid-body"
+                router.journal_unadmitted(rid_text, path, "cancelled", None, left, caller)
             return
         except RequestFault as fault:
-            router.journal_unadmitted(rid_text, path, "rejected", fault.status, fault.message)
+            router.journal_unadmitted(
+                rid_text, path, "rejected", fault.status, fault.message, caller
+            )
             if isinstance(fault, TooLarge | BodyTimeout):  # the body is still arriving
                 slow = isinstance(fault, BodyTimeout)
                 body = fault.error_json()
@@ -360,7 +374,7 @@ class RouterApp:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        await router.handle(req, rid_text, AsgiSink(send, rid), wait_disconnect)
+        await router.handle(req, rid_text, AsgiSink(send, rid), wait_disconnect, caller)
 
     async def _readmit_wave(self, receive: Receive, send: Send) -> None:
         """Validate the whole engine set together (whole-wave policy's way back)."""

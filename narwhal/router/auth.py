@@ -8,6 +8,7 @@ answer's timing says nothing about how much of a key matched.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 
@@ -34,15 +35,29 @@ class ApiKeys:
     def required(self) -> bool:
         return bool(self.keys)
 
+    def key_id(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """Which key a request used, for the journal: the first 12 hex digits of its
+        SHA-256, never the key (None on an open router or without a key)."""
+        if not self.keys:
+            return None
+        offered = _offered(headers)
+        return hashlib.sha256(offered).hexdigest()[:12] if offered else None
+
     def allows(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """True when the request carries one of the keys (or none are configured)."""
         if not self.keys:
             return True
-        offered = b""
-        for name, value in headers:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                offered = value[7:].strip()
+        offered = _offered(headers)
         matched = False
         for key in self.keys:  # no early exit: the same work whatever matches
             matched |= hmac.compare_digest(key, offered)
         return matched
+
+
+def _offered(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The bearer key a request carries (the last ``authorization`` header), or b""."""
+    offered = b""
+    for name, value in headers:
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            offered = value[7:].strip()
+    return offered

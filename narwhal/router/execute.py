@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ from narwhal.router.assemble import Assembler, Echo, prompt_echo
 from narwhal.router.fleet import EngineState, Fleet, Leg
 from narwhal.router.handoff import Fate, Handoff, too_old
 from narwhal.router.health import Health
-from narwhal.router.journal import AttemptLine, JournalLine, Outcome
+from narwhal.router.journal import AttemptLine, Caller, JournalLine, Outcome
 from narwhal.router.lifecycle import Input, Lifecycle, State
 from narwhal.router.placement import pick
 from narwhal.router.reclaim import Reclaimer
@@ -102,6 +103,8 @@ class RunRecord:
         self.status: int | None = None
         self.fault: RequestFault | None = None
         self.cancelled_in: Phase | None = None
+        self.caller = Caller()  # who sent it (set by Router.handle)
+        self.arrived_at = time.time()  # wall clock, for the journal
 
     @property
     def phase(self) -> Phase:
@@ -157,6 +160,9 @@ class RunRecord:
             first_byte_s=first_byte_s,
             tokens=tokens,
             duration_s=self.elapsed,
+            at=round(self.arrived_at, 3),
+            client=self.caller.client,
+            key=self.caller.key,
         )
 
 

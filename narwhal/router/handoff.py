@@ -1,10 +1,11 @@
 """A KV handoff's life, sans I/O (SPEC 5 "lease bound" and "orphaned handoffs").
 
 A producer holds a prefilled request's KV blocks until a consumer reads them or its lease
-(vLLM 0.32's ``kv_lease_duration``; ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` before) runs out. Past the lease the blocks may be
-freed or reused and a consumer reads garbage without an error, so a descriptor is never
-sent once it is too old. One that no decode will read is an orphan: left alone it pins
-its blocks for the rest of the lease, so it is reclaimed (``narwhal.router.reclaim``).
+(vLLM 0.32's ``kv_lease_duration``; ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` before) runs out.
+Past the lease the blocks may be freed or reused and a consumer reads garbage without an
+error, so a descriptor is never sent once it is too old. One that no decode will read is
+an orphan: left alone it pins its blocks for the rest of the lease, so it is reclaimed
+(``narwhal.router.reclaim``).
 
 Every descriptor has exactly one fate: ``decoded`` (a consumer accepted its decode leg:
 from then on the consumer engine owns the read), ``expired`` (too old for

@@ -50,6 +50,13 @@ class AttemptLine(msgspec.Struct, omit_defaults=True):
     handoff: str | None = None  # the KV descriptor's fate (narwhal.router.handoff.Fate)
 
 
+class Caller(msgspec.Struct, frozen=True):
+    """Who sent a request: the peer's address and which API key, by a short hash."""
+
+    client: str | None = None  # "host:port" of the TCP peer (a load balancer, maybe)
+    key: str | None = None  # narwhal.router.auth.key_id: never the key itself
+
+
 class JournalLine(msgspec.Struct):
     request_id: str
     endpoint: str
@@ -63,6 +70,9 @@ class JournalLine(msgspec.Struct):
     first_byte_s: float | None
     tokens: int
     duration_s: float
+    at: float = 0.0  # wall clock (Unix seconds) of the request's arrival
+    client: str | None = None
+    key: str | None = None
 
 
 class Journal:

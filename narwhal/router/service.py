@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -29,7 +30,7 @@ from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fanout import FanOutRun
 from narwhal.router.fleet import Fleet
 from narwhal.router.health import Health
-from narwhal.router.journal import Journal, JournalLine, Outcome
+from narwhal.router.journal import Caller, Journal, JournalLine, Outcome
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget
@@ -100,6 +101,7 @@ class Router:
         rid: str,
         sink: ClientSink,
         wait_disconnect: Callable[[], Awaitable[None]],
+        caller: Caller | None = None,
     ) -> Run:
         """Serve one admitted request to its single terminal outcome."""
         run: Run = (
@@ -107,6 +109,7 @@ class Router:
             if req.fanout > 1
             else RequestRun(self, self.config, req, rid, sink)
         )
+        run.caller = caller or run.caller
         if not self.admitted:
             self._drained = trio.Event()
         self.admitted += 1
@@ -231,7 +234,13 @@ class Router:
         return self.reload(load_config(self.config_path))
 
     def journal_unadmitted(
-        self, rid: str, endpoint: str, outcome: Outcome, status: int | None, message: str
+        self,
+        rid: str,
+        endpoint: str,
+        outcome: Outcome,
+        status: int | None,
+        message: str,
+        caller: Caller | None = None,
     ) -> None:
         """Journal a request that ended before admission (refused, or its client left)."""
         line = JournalLine(
@@ -247,6 +256,9 @@ class Router:
             first_byte_s=None,
             tokens=0,
             duration_s=0.0,
+            at=round(time.time(), 3),
+            client=caller.client if caller else None,
+            key=caller.key if caller else None,
         )
         self.journal.write(line)
         self._export(line)

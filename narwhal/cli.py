@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from narwhal.config import ConfigError, FleetConfig, parse_config
+from narwhal.logs import LogFormat
 
 if TYPE_CHECKING:
     from hypercorn.config import Config as HypercornConfig
@@ -303,7 +304,7 @@ def _why(exc: Exception) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from narwhal.logs import configure
+    from narwhal.logs import announce, configure
     from narwhal.server import close_sockets, hypercorn_config
 
     configure(args.log_format, args.log_level)
@@ -330,7 +331,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_reload_on_sighup, router)
+            nursery.start_soon(_reload_on_sighup, router, args.log_format)
             async with trio.open_nursery() as server:
                 url = await server.start(
                     partial(
@@ -346,9 +347,10 @@ def _serve(args: argparse.Namespace) -> int:
                     )
                 )
                 count = len(router.fleet.engines)  # discovered ones too
-                print(
+                announce(
                     f"narwhal: serving {fleet.model} on {url} with {count} engine(s)",
-                    file=sys.stderr,
+                    {"model": fleet.model, "url": url, "engines": count},
+                    args.log_format,
                 )
             nursery.cancel_scope.cancel()  # the server is done (drained): stop listening for SIGHUP
 
@@ -434,16 +436,19 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.run_demo(keep=args.keep, port=args.port, sockets=sockets)
 
 
-async def _reload_on_sighup(router: Any) -> None:
+async def _reload_on_sighup(router: Any, log_format: LogFormat = "text") -> None:
     """SIGHUP reopens the journal file (logrotate moved it) and re-reads the fleet file; an
     invalid fleet file is reported and the running fleet kept."""
+    from narwhal.logs import announce
+
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:
             router.journal.reopen()
             try:
                 router.reload_file()
             except ConfigError as exc:
-                print(exc.render() + "\nkeeping the running fleet", file=sys.stderr, flush=True)
+                text = exc.render() + "\nkeeping the running fleet"
+                announce(text, {"problems": exc.problems, "kept": True}, log_format)
 
 
 async def _signalled() -> None:

@@ -104,3 +104,14 @@ def log_request(line: Any) -> None:
 
 def log_event(logger: logging.Logger, level: int, message: str, fields: dict[str, Any]) -> None:
     logger.log(level, message, extra={"fields": fields})
+
+
+def announce(text: str, fields: dict[str, Any], fmt: LogFormat = "text") -> None:
+    """A line for the operator on stderr (the router is up, a reload was refused): ``text``
+    as it is in text mode, one JSON object in JSON mode, so that mode stays all JSON."""
+    if fmt == "json":
+        record = {"ts": round(time.time(), 3), "level": "info", "logger": "narwhal", "msg": text}
+        line = json_line(_encode({**record, **fields})).decode()
+    else:
+        line = escape_text(text)
+    print(line, file=sys.stderr, flush=True)

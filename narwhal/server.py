@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -58,6 +59,9 @@ def hypercorn_config(
     # hypercorn's own limit only backs that up
     hc.graceful_timeout = fleet.serving.graceful_timeout_s + FAIL_SEND_BOUND_S + 1.0
     hc.accesslog = None
+    # hypercorn's own lines ("Running on ...", its errors) go through our formatter: in
+    # JSON mode every line on stderr is JSON
+    hc.errorlog = logging.getLogger("narwhal.server")
     # Hypercorn's idle timer runs from the connection's start (or its last response) until a
     # request's headers are complete: it bounds idle keep-alive connections and slowloris
     # headers alike. Longer than the idle expiry of common clients (httpx: 5 s).

@@ -52,7 +52,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from narwhal.config import ConfigError, FleetConfig, load_config
 from narwhal.faults import error_json
-from narwhal.logs import log_event
+from narwhal.logs import announce, log_event
 from narwhal.router.service import Router
 from narwhal.server import hypercorn_config, serve
 
@@ -407,11 +407,11 @@ class Supervisor:
         if all(w.serving for w in self._workers) and not self.stopping:
             self._announced = True
             n, fleet = len(self._workers), self.fleet
-            print(
+            announce(
                 f"narwhal: serving {fleet.model} on {self.url} with {len(fleet.engines)} "
                 f"engine(s) in {n} workers",
-                file=sys.stderr,
-                flush=True,
+                {"model": fleet.model, "url": self.url, "workers": n},
+                self.spec.log_format,
             )
 
     def _fail(self, status: int) -> None:
@@ -496,7 +496,8 @@ class Supervisor:
         level = logging.ERROR if failed else logging.WARNING
         log_event(log, level, "workers reloaded", {"reason": reason, "workers": summary})
         if failed:
-            print(f"{failed[0]['error']}\nkeeping the running fleet", file=sys.stderr, flush=True)
+            text = f"{failed[0]['error']}\nkeeping the running fleet"
+            announce(text, {"kept": True}, self.spec.log_format)
             return
         with contextlib.suppress(ConfigError):
             self.fleet = load_config(self.spec.config)  # its graceful timeout bounds a stop

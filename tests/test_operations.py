@@ -210,7 +210,10 @@ async def test_sigterm_drains_a_real_process_and_exits_zero(tmp_path: Path) -> N
                     await router.wait()
     logs = log_path.read_text()
     assert "sk-engine-secret-42" not in logs
-    records = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+    # JSON mode: every line is one JSON object, hypercorn's and the SIGHUP refusal too
+    records = [json.loads(line) for line in logs.splitlines() if line.strip()]
+    assert any(r["msg"].startswith("Running on") for r in records)
+    assert any("keeping the running fleet" in r["msg"] for r in records)
     requests = [r for r in records if r["msg"] == "request"]
     assert sorted(r["outcome"] for r in requests) == ["completed", "failed"]
     assert all(len(r["request_id"]) == 16 and "ttft_s" in r for r in requests)

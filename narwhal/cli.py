@@ -95,6 +95,18 @@ def _port(text: str) -> int:
     return port
 
 
+MAX_WORKERS = 256  # far past any core count; each worker holds sockets and a process
+
+
+def _workers(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_WORKERS} (one per core is the rule), got {value}"
+        )
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -122,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any)")
     serve.add_argument(
         "--workers",
-        type=_positive,
+        type=_workers,
         default=1,
         help="processes that act as one router (each with its own listener on the port)",
     )

@@ -281,6 +281,10 @@ class ShuttingDown(RequestFault):
     kind = "service_unavailable"
 
 
+class BodyCut(ShuttingDown):
+    """The drain ended while a request's body was still arriving: answered and closed."""
+
+
 class NoCapacity(RequestFault):
     """No placeable producer or consumer (503 with Retry-After)."""
 

@@ -69,6 +69,7 @@ def multiprocess_dir() -> str | None:
 
 class Metrics:
     def __init__(self, engine_ids: Iterable[str]) -> None:
+        self.engines: set[str] = set()  # the fleet's engines: their series are exported
         self.registry = registry = CollectorRegistry()
         engine_ids = list(engine_ids)
 
@@ -222,6 +223,7 @@ class Metrics:
             self.add_engine(engine)
 
     def add_engine(self, engine: str) -> None:
+        self.engines.add(engine)
         for phase in ("prefill", "decode"):
             self.legs_inflight.labels(engine, phase)
         for cls in BREAKER_CLASSES:
@@ -237,6 +239,7 @@ class Metrics:
         """An engine left the fleet (reload, or gone from DNS): its series go with it, so
         pods that come and go leave no series behind and no alert firing for an engine
         that no longer exists. Its legs still in flight keep their gauge objects."""
+        self.engines.discard(engine)
         labelled: list[tuple[Any, tuple[str, ...]]] = [
             *((self.legs_inflight, (engine, phase)) for phase in ("prefill", "decode")),
             *((self.leg_failures, (engine, cls)) for cls in BREAKER_CLASSES),
@@ -264,5 +267,26 @@ class Metrics:
         if directory is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        collector = multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        # the workers' files cannot forget a label set: an engine that left the fleet is
+        # dropped here, as remove_engine drops it from a single process's registry
+        registry.unregister(collector)
+        registry.register(_CurrentEngines(collector, frozenset(self.engines)))
         return generate_latest(registry)
+
+
+class _CurrentEngines:
+    """A collector's metrics without the samples of engines no longer in the fleet."""
+
+    def __init__(self, inner: Any, engines: frozenset[str]) -> None:
+        self.inner = inner
+        self.engines = engines
+
+    def collect(self) -> Iterable[Any]:
+        for metric in self.inner.collect():
+            metric.samples = [
+                sample
+                for sample in metric.samples
+                if "engine" not in sample.labels or sample.labels["engine"] in self.engines
+            ]
+            yield metric

@@ -249,3 +249,10 @@ def test_every_help_shows_the_defaults() -> None:
             assert f"(default: {default})" in text, (name, action.dest)
         if name in ("serve", "check"):
             assert "exit status: 0" in text
+
+
+def test_absurd_worker_counts_are_a_command_line_error(fleet: Path) -> None:
+    done = _narwhal("serve", "--config", str(fleet), "--port", "0", "--workers", "100000")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "--workers: at most 256" in done.stderr

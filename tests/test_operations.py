@@ -220,3 +220,57 @@ async def test_sigterm_drains_a_real_process_and_exits_zero(tmp_path: Path) -> N
     assert any(r["msg"] == "draining" for r in records)
     assert "keeping the running fleet" in logs
     assert "bogus: unknown key" in logs
+
+
+async def test_a_body_still_arriving_when_the_drain_ends_gets_a_503_and_a_journal_line(
+    nursery: trio.Nursery,
+) -> None:
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        serving=ServingConfig(graceful_timeout_s=0.5),
+    )
+    host, port = harness.url.removeprefix("http://").split(":")
+    sock = await trio.open_tcp_stream(host, int(port))
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2}' % MODEL.encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    await sock.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body[:5])
+    await trio.testing.wait_all_tasks_blocked()  # the router is reading the body
+    harness.stop.set()  # SIGTERM: the drain starts; the rest of the body never comes
+    answer = b""
+    with trio.fail_after(10):
+        while chunk := await sock.receive_some(65536):
+            answer += chunk
+    await sock.aclose()
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    assert b"connection: close" in answer.lower()
+    assert b"still arriving" in answer
+    with trio.fail_after(10):
+        await harness.stopped.wait()
+    (line,) = harness.router.journal.lines
+    assert (line.outcome, line.status) == ("rejected", 503)
+
+
+async def test_an_admin_action_waits_for_its_whole_request(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
+    harness.router.config_path = str(tmp_path / "missing.toml")  # a reload would say 400
+    host, port = harness.url.removeprefix("http://").split(":")
+    sock = await trio.open_tcp_stream(host, int(port))
+    # a chunked body that never ends: no reload happens for a request not yet whole
+    await sock.send_all(
+        b"POST /narwhal/reload HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n"
+    )
+    answer = b""
+    with trio.fail_after(10):
+        while b"\r\n\r\n" not in answer and (chunk := await sock.receive_some(65536)):
+            answer += chunk
+    await sock.aclose()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    big = await harness.post("/narwhal/reload", b"x" * 5_000_000)
+    assert big.status == 413
+    empty = await harness.post("/narwhal/reload", b"")
+    assert empty.status == 400  # the whole (empty) request: the reload ran, and said why
+    await finish(harness)

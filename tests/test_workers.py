@@ -306,6 +306,12 @@ async def test_a_reload_reaches_every_worker_and_holds_up_nothing(
             assert done.count('"added":["d8"]') == 2, done
             seen = await _fleets(base, 20)
             assert seen == {(0, ("p0", "d0", "d8")), (1, ("p0", "d0", "d8"))}, seen
+            # d9 left: the workers' shared metric files still hold its series, and no
+            # scrape, by whichever worker, shows them (engine_up 1 would keep alerting)
+            for _ in range(6):
+                scrape = (await _get(base + "/metrics"))[1].decode()
+                assert 'engine="d9"' not in scrape
+                assert 'engine="d8"' in scrape
             longs = [out[rid] for rid in out if rid.startswith("long")]
             still = sum(isinstance(e, list) and _ending(e) == "cut" for e in longs)
             print(f"\nreload with a 20 s stream on each worker: requests took {took}")

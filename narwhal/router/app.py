@@ -20,6 +20,7 @@ from narwhal.client_connection import FRAMING_ERROR, REQUEST_ID, request_id
 from narwhal.config import ConfigError, ServingConfig
 from narwhal.faults import (
     BadRequest,
+    BodyCut,
     BodyTimeout,
     HeadersTooLarge,
     Maintenance,
@@ -235,6 +236,12 @@ class RouterApp:
             await self._readmit_wave(receive, send)
             return
         complete = await _finish_reading(scope, receive)  # nothing below reads a body
+        if method == "POST" and path.startswith("/narwhal/") and not complete:
+            # an admin action happens for a whole request only, not for one still arriving
+            message = "an admin request's body must be empty or small, and complete"
+            body = error_json(413, message, "request_too_large")
+            await _answer_read(receive, send, 413, body, rid, complete)
+            return
         if (method, path) == ("POST", "/narwhal/reload") and self.workers is not None:
             status, body = await self.workers.reload_everywhere()  # every worker has answered
             await _answer_read(receive, send, status, body, rid, complete)
@@ -331,7 +338,14 @@ class RouterApp:
         serving = router.config.serving
         caller = self._caller(scope)
         try:
-            raw = await _read_body_within(scope, receive, serving)
+            with router.drain_bound() as drain:  # a trickling body does not outlive the drain
+                raw = await _read_body_within(scope, receive, serving)
+            if drain.cancelled_caught:
+                raise BodyCut(
+                    "router shutting down: the request body was still arriving when the "
+                    "graceful timeout ended",
+                    phase=Phase.ADMISSION,
+                )
             if router.draining:
                 raise ShuttingDown(
                     "router shutting down: not taking new requests", phase=Phase.ADMISSION
@@ -362,8 +376,8 @@ class RouterApp:
             router.journal_unadmitted(
                 rid_text, path, "rejected", fault.status, fault.message, caller
             )
-            if isinstance(fault, TooLarge | BodyTimeout):  # the body is still arriving
-                slow = isinstance(fault, BodyTimeout)
+            if isinstance(fault, TooLarge | BodyTimeout | BodyCut):  # the body is arriving
+                slow = isinstance(fault, BodyTimeout | BodyCut)
                 body = fault.error_json()
                 await respond_and_close(receive, send, fault.status, body, rid, linger=not slow)
             else:

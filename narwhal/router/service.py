@@ -13,7 +13,9 @@ import math
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import msgspec
 import trio
@@ -36,6 +38,7 @@ from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget
 
 log = logging.getLogger("narwhal.router")
+_LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 Run = RequestRun | FanOutRun  # one client request: one prefill/decode chain, or a fan-out
 FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
 
@@ -71,6 +74,8 @@ class Router:
             ca_file=config.engine.ca_file,  # https:// engines verified against it (SPEC 2)
             connect=connect,  # None: real sockets; tests pass an in-memory network
         )
+        if api_key:
+            _warn_plain_http_keys(config)
         self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
         self.config_path = config_path
         self.draining = False
@@ -163,6 +168,17 @@ class Router:
         if deadline.cancelled_caught:
             with trio.move_on_after(FAIL_SEND_BOUND_S):
                 await run.fail(DeadlineExpired(timeout, phase=run.phase))
+
+    @contextmanager
+    def drain_bound(self) -> Iterator[trio.CancelScope]:
+        """A scope that a graceful shutdown ends at its deadline, like an admitted request's
+        (for work before admission: a body still arriving when the drain ends)."""
+        with trio.CancelScope(deadline=self.drain_deadline) as scope:
+            self._running.add(scope)
+            try:
+                yield scope
+            finally:
+                self._running.discard(scope)
 
     def begin_drain(self) -> None:
         """Graceful shutdown: refuse new requests (``/ready`` 503) and give the running ones
@@ -300,3 +316,22 @@ class Router:
     async def aclose(self) -> None:
         await self.client.aclose()
         self.journal.close()
+
+
+def _warn_plain_http_keys(config: FleetConfig) -> None:
+    """The engines' bearer token goes over plain HTTP to an ``http://`` engine off this
+    machine: the operator asked for it (the URL says so), but should know."""
+    exposed = [
+        e.id
+        for e in config.engines
+        if e.url.startswith("http://") and urlsplit(e.url).hostname not in _LOCAL_HOSTS
+    ]
+    exposed += [d.name for d in config.discover if d.scheme == "http"]
+    if exposed:
+        log_event(
+            log,
+            logging.WARNING,
+            "engine.api_key_env is set and these engines are reached over plain http://: "
+            "the token travels unencrypted (use https:// and engine.ca_file)",
+            {"engines": exposed},
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any, get_args
 
@@ -85,16 +86,48 @@ class Metrics:
         self.requests = counter(
             "narwhal_requests", "Finished client requests.", ("endpoint", "outcome", "status")
         )
-        self.ttft = histogram(
-            "narwhal_ttft_seconds", "Arrival to producer (prefill) completion.", TTFT_BUCKETS
+        # SPEC 5's two measurements, named as the ecosystem reads them: vLLM's and Dynamo's
+        # "time to first token" is the client's first token (the journal's first_byte_s);
+        # the producer's answer (the journal's ttft_s) is the prefill's completion
+        self.prefill_completion = histogram(
+            "narwhal_prefill_completion_seconds",
+            "Arrival to the producer's answer (prefill done): the journal's ttft_s.",
+            TTFT_BUCKETS,
         )
-        self.first_byte = histogram(
-            "narwhal_first_byte_seconds", "Arrival to the first generated token.", TTFT_BUCKETS
+        self.time_to_first_token = histogram(
+            "narwhal_time_to_first_token_seconds",
+            "Arrival to the first generated token relayed to the client (vLLM's and Dynamo's "
+            "time to first token): the journal's first_byte_s.",
+            TTFT_BUCKETS,
         )
         self.kv_transfer = histogram(
             "narwhal_kv_transfer_seconds",
-            "first_byte - ttft: KV transfer plus decode queueing.",
+            "Time to first token less prefill completion: KV transfer plus decode queueing.",
             TRANSFER_BUCKETS,
+        )
+        self.in_flight = gauge(
+            "narwhal_requests_in_flight",
+            "Admitted client requests not yet finished.",
+            (),
+            "livesum",
+        )
+        self.generation_tokens = counter(
+            "narwhal_generation_tokens", "Generated tokens relayed to clients."
+        )
+        self.reloads = counter(
+            "narwhal_config_reloads", "Fleet file reloads, by result.", ("result",)
+        )
+        self.reloaded_at = gauge(
+            "narwhal_config_last_reload_success_timestamp_seconds",
+            "When the fleet file was last applied (start or reload), Unix seconds.",
+            (),
+            "livemax",
+        )
+        self.build_info = gauge(
+            "narwhal_build_info",
+            "1, labelled with the versions running.",
+            ("version", "python", "trio", "hypercorn"),
+            "livemax",
         )
         self.token_gap = histogram(
             "narwhal_inter_token_gap_seconds",
@@ -215,6 +248,10 @@ class Metrics:
             self.retries_denied.labels(reason)
         for phase in PHASES:
             self.disconnects.labels(phase)
+        for result in ("success", "failure"):
+            self.reloads.labels(result)
+        self.reloaded_at.set_to_current_time()
+        self.build_info.labels(*_versions()).set(1)
         for fate in FATES:
             self.handoffs.labels(fate)
         for reason in DROP_REASONS:
@@ -290,3 +327,18 @@ class _CurrentEngines:
                 if "engine" not in sample.labels or sample.labels["engine"] in self.engines
             ]
             yield metric
+
+
+def _versions() -> tuple[str, str, str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import narwhal
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "unknown"
+
+    python = ".".join(map(str, sys.version_info[:3]))
+    return narwhal.__version__, python, of("trio"), of("hypercorn")

@@ -7,6 +7,7 @@ import re
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+import narwhal
 from narwhal.config import EngineConfig, RecoveryConfig, ServingConfig
 from narwhal.fake_engine.faults import Fault
 from tests.conftest import MODEL, Harness, finish, start_fleet
@@ -56,7 +57,7 @@ async def test_series_exist_from_start(nursery: trio.Nursery) -> None:
         assert value(samples, "narwhal_handoffs_total", fate=fate) == 0
     for reason in ("not_transient", "after_output", "attempts", "deadline", "budget"):
         assert value(samples, "narwhal_retries_denied_total", reason=reason) == 0
-    assert value(samples, "narwhal_ttft_seconds_count") == 0
+    assert value(samples, "narwhal_prefill_completion_seconds_count") == 0
     await finish(harness)
 
 
@@ -102,10 +103,17 @@ async def test_traffic_and_faults_move_the_right_series(nursery: trio.Nursery) -
         value(s, "narwhal_requests_total", endpoint="completions", outcome="rejected", status="404")
         == 1
     )
-    assert value(s, "narwhal_ttft_seconds_count") == 5
-    assert value(s, "narwhal_first_byte_seconds_count") == 3
+    assert value(s, "narwhal_prefill_completion_seconds_count") == 5
+    assert value(s, "narwhal_time_to_first_token_seconds_count") == 3
     assert value(s, "narwhal_kv_transfer_seconds_count") == 3
     assert value(s, "narwhal_inter_token_gap_seconds_count") >= 0
+    tokens = sum(line.tokens for line in harness.router.journal.lines)
+    assert value(s, "narwhal_generation_tokens_total") == tokens > 0
+    assert value(s, "narwhal_requests_in_flight") == 0
+    assert value(s, "narwhal_config_reloads_total", result="failure") == 0
+    versions = [labels for name, labels in s if name == "narwhal_build_info"]
+    assert versions
+    assert dict(versions[0])["version"] == narwhal.__version__
     assert value(s, "narwhal_handoffs_total", fate="produced") == 5
     # the hung decode never answered: its descriptor is an orphan, reclaimed at once
     assert value(s, "narwhal_handoffs_total", fate="decoded") == 4

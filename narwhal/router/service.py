@@ -118,6 +118,7 @@ class Router:
         if not self.admitted:
             self._drained = trio.Event()
         self.admitted += 1
+        self.metrics.in_flight.inc()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, run)
@@ -148,6 +149,7 @@ class Router:
             self._export(line)
             log_request(line)
             self.admitted -= 1
+            self.metrics.in_flight.dec()
             if not self.admitted:
                 self._drained.set()
         return run
@@ -245,9 +247,16 @@ class Router:
 
     def reload_file(self) -> dict[str, list[str]]:
         """Re-read the fleet file; a ConfigError leaves the running fleet untouched."""
-        if self.config_path is None:
-            raise ConfigError("<none>", ["the router was not started from a fleet file"])
-        return self.reload(load_config(self.config_path))
+        try:
+            if self.config_path is None:
+                raise ConfigError("<none>", ["the router was not started from a fleet file"])
+            change = self.reload(load_config(self.config_path))
+        except ConfigError:
+            self.metrics.reloads.labels("failure").inc()
+            raise
+        self.metrics.reloads.labels("success").inc()
+        self.metrics.reloaded_at.set_to_current_time()
+        return change
 
     def journal_unadmitted(
         self,
@@ -285,10 +294,12 @@ class Router:
         endpoint = ENDPOINTS.get(line.endpoint, "other")
         m.requests.labels(endpoint, line.outcome, str(line.status or 0)).inc()
         m.duration.observe(line.duration_s)
+        if line.tokens:
+            m.generation_tokens.inc(line.tokens)
         if line.ttft_s is not None:
-            m.ttft.observe(line.ttft_s)
+            m.prefill_completion.observe(line.ttft_s)
         if line.first_byte_s is not None:
-            m.first_byte.observe(line.first_byte_s)
+            m.time_to_first_token.observe(line.first_byte_s)
             if line.ttft_s is not None:
                 m.kv_transfer.observe(line.first_byte_s - line.ttft_s)
         if line.outcome == "cancelled" and line.phase:

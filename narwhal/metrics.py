@@ -114,6 +114,9 @@ class Metrics:
         self.generation_tokens = counter(
             "narwhal_generation_tokens", "Generated tokens relayed to clients."
         )
+        self.prompt_tokens = counter(
+            "narwhal_prompt_tokens", "Prompt tokens the producers computed (their own count)."
+        )
         self.reloads = counter(
             "narwhal_config_reloads", "Fleet file reloads, by result.", ("result",)
         )

@@ -109,6 +109,8 @@ async def test_traffic_and_faults_move_the_right_series(nursery: trio.Nursery) -
     assert value(s, "narwhal_inter_token_gap_seconds_count") >= 0
     tokens = sum(line.tokens for line in harness.router.journal.lines)
     assert value(s, "narwhal_generation_tokens_total") == tokens > 0
+    prompt = sum(line.prompt_tokens or 0 for line in harness.router.journal.lines)
+    assert value(s, "narwhal_prompt_tokens_total") == prompt > 0
     assert value(s, "narwhal_requests_in_flight") == 0
     assert value(s, "narwhal_config_reloads_total", result="failure") == 0
     versions = [labels for name, labels in s if name == "narwhal_build_info"]

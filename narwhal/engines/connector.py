@@ -37,6 +37,7 @@ class PrefillResult(msgspec.Struct, frozen=True):
     # an echo: the producer's text (the prompt and its one token) and its logprobs
     text: str | None = None
     logprobs: msgspec.Raw = msgspec.Raw()
+    prompt_tokens: int | None = None  # as the producer counted them (its usage)
 
     def parameters(self) -> dict[str, Any]:
         """A fresh, detached copy of the descriptor."""
@@ -53,6 +54,7 @@ class _Choice(msgspec.Struct):
 
 class _PrefillResponse(msgspec.Struct):
     choices: list[_Choice] | None = None
+    usage: Any = None  # the producer's count of the prompt (an engine's garbage is ignored)
     kv_transfer_params: msgspec.Raw = msgspec.Raw()
     prompt_logprobs: msgspec.Raw = msgspec.Raw()  # chat carries them at the top
 
@@ -158,7 +160,13 @@ class NixlConnector:
             prompt_logprobs=prompt_logprobs if _present(prompt_logprobs) else msgspec.Raw(),
             text=first.text if isinstance(first.text, str) else None,
             logprobs=first.logprobs if _present(first.logprobs) else msgspec.Raw(),
+            prompt_tokens=_prompt_tokens(parsed.usage),
         )
+
+
+def _prompt_tokens(usage: Any) -> int | None:
+    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return count if type(count) is int and count >= 0 else None
 
 
 def validate_descriptor(raw: msgspec.Raw | bytes) -> None:

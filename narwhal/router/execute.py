@@ -144,6 +144,10 @@ class RunRecord:
         """(attempts, ttft_s, first_byte_s, tokens) for the journal."""
         raise NotImplementedError
 
+    def prompt_tokens(self) -> int | None:
+        """The prompt tokens the producers computed for this request (None: not known)."""
+        return None
+
     def journal_line(self) -> JournalLine:
         fault = self.fault
         attempts, ttft_s, first_byte_s, tokens = self.measures()
@@ -160,6 +164,7 @@ class RunRecord:
             first_byte_s=first_byte_s,
             tokens=tokens,
             duration_s=self.elapsed,
+            prompt_tokens=self.prompt_tokens(),
             at=round(self.arrived_at, 3),
             client=self.caller.client,
             key=self.caller.key,
@@ -195,6 +200,9 @@ class RequestRun(RunRecord):
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
+
+    def prompt_tokens(self) -> int | None:
+        return None if self.prefill_result is None else self.prefill_result.prompt_tokens
 
     async def execute(self) -> None:
         """Run attempts until one succeeds or a fault may not be retried (then it is raised)."""

@@ -89,6 +89,11 @@ class FanOutRun(RunRecord):
             sum(c.tokens for c in self.children),
         )
 
+    def prompt_tokens(self) -> int | None:
+        counts = [c.prompt_tokens() for c in self.children]
+        known = [n for n in counts if n is not None]
+        return sum(known) if known else None
+
     async def execute(self) -> None:
         """Run every child; the first fault cancels the others and is raised."""
         failed: list[RequestFault] = []

@@ -296,6 +296,8 @@ class Router:
         m.duration.observe(line.duration_s)
         if line.tokens:
             m.generation_tokens.inc(line.tokens)
+        if line.prompt_tokens:
+            m.prompt_tokens.inc(line.prompt_tokens)
         if line.ttft_s is not None:
             m.prefill_completion.observe(line.ttft_s)
         if line.first_byte_s is not None:

@@ -112,7 +112,7 @@ async def output_reads(url: str) -> float:
     async with httpcore.AsyncConnectionPool() as pool:
         text = (await pool.request("GET", url + "/metrics")).content.decode()
     for line in text.splitlines():
-        if line.startswith("narwhal_inter_token_gap_seconds_count"):
+        if line.startswith("narwhal_inter_token_latency_seconds_count"):
             return float(line.split()[-1]) + 1050  # + the first token's read, per request
     return 0.0
 

@@ -133,8 +133,9 @@ class Metrics:
             "livemax",
         )
         self.token_gap = histogram(
-            "narwhal_inter_token_gap_seconds",
-            "Gap between engine reads carrying output, after the first token.",
+            "narwhal_inter_token_latency_seconds",
+            "Time between generated tokens, per token (vLLM's inter-token latency): a read "
+            "that brings k tokens after a gap counts k tokens a k-th of it apart.",
             GAP_BUCKETS,
         )
         self.duration = histogram(

@@ -106,7 +106,7 @@ async def test_traffic_and_faults_move_the_right_series(nursery: trio.Nursery) -
     assert value(s, "narwhal_prefill_completion_seconds_count") == 5
     assert value(s, "narwhal_time_to_first_token_seconds_count") == 3
     assert value(s, "narwhal_kv_transfer_seconds_count") == 3
-    assert value(s, "narwhal_inter_token_gap_seconds_count") >= 0
+    assert value(s, "narwhal_inter_token_latency_seconds_count") >= 0
     tokens = sum(line.tokens for line in harness.router.journal.lines)
     assert value(s, "narwhal_generation_tokens_total") == tokens > 0
     prompt = sum(line.prompt_tokens or 0 for line in harness.router.journal.lines)

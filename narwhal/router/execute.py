@@ -435,7 +435,11 @@ class RequestRun(RunRecord):
             if self.tokens != tokens_before:
                 now = trio.current_time()
                 if last_output_at is not None:
-                    token_gap.observe(now - last_output_at)
+                    # per token, as vLLM's inter-token latency: a read that brought k
+                    # tokens after a gap g is k tokens g/k apart
+                    k = self.tokens - tokens_before
+                    for _ in range(k):
+                        token_gap.observe((now - last_output_at) / k)
                 last_output_at = now
             if not isinstance(action, Hold):
                 clock.deadline = math.inf  # a slow client is not a silent engine

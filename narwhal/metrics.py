@@ -69,7 +69,8 @@ def multiprocess_dir() -> str | None:
 
 
 class Metrics:
-    def __init__(self, engine_ids: Iterable[str]) -> None:
+    def __init__(self, engine_ids: Iterable[str], model: str = "") -> None:
+        self.model = model  # the one model a router serves: a bounded label
         self.engines: set[str] = set()  # the fleet's engines: their series are exported
         self.registry = registry = CollectorRegistry()
         engine_ids = list(engine_ids)
@@ -84,7 +85,9 @@ class Metrics:
             return Histogram(name, doc, registry=registry, buckets=buckets)
 
         self.requests = counter(
-            "narwhal_requests", "Finished client requests.", ("endpoint", "outcome", "status")
+            "narwhal_requests",
+            "Finished client requests.",
+            ("model", "endpoint", "outcome", "status"),
         )
         # SPEC 5's two measurements, named as the ecosystem reads them: vLLM's and Dynamo's
         # "time to first token" is the client's first token (the journal's first_byte_s);
@@ -112,10 +115,12 @@ class Metrics:
             "livesum",
         )
         self.generation_tokens = counter(
-            "narwhal_generation_tokens", "Generated tokens relayed to clients."
+            "narwhal_generation_tokens", "Generated tokens relayed to clients.", ("model",)
         )
         self.prompt_tokens = counter(
-            "narwhal_prompt_tokens", "Prompt tokens the producers computed (their own count)."
+            "narwhal_prompt_tokens",
+            "Prompt tokens the producers computed (their own count).",
+            ("model",),
         )
         self.reloads = counter(
             "narwhal_config_reloads", "Fleet file reloads, by result.", ("result",)
@@ -247,7 +252,9 @@ class Metrics:
 
     def _initialise(self, engine_ids: list[str]) -> None:
         for endpoint in ENDPOINTS.values():
-            self.requests.labels(endpoint, "completed", "200")
+            self.requests.labels(self.model, endpoint, "completed", "200")
+        self.generation_tokens.labels(self.model)
+        self.prompt_tokens.labels(self.model)
         for reason in DENIALS:
             self.retries_denied.labels(reason)
         for phase in PHASES:

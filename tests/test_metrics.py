@@ -30,6 +30,17 @@ def value(samples: dict, name: str, **labels: str) -> float:  # type: ignore[typ
     return samples[(name, tuple(sorted(labels.items())))]
 
 
+def finished(samples: dict, endpoint: str, outcome: str, status: str) -> float:  # type: ignore[type-arg]
+    return value(
+        samples,
+        "narwhal_requests_total",
+        model=MODEL,
+        endpoint=endpoint,
+        outcome=outcome,
+        status=status,
+    )
+
+
 async def test_series_exist_from_start(nursery: trio.Nursery) -> None:
     harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
     samples = await scrape(harness)
@@ -37,6 +48,7 @@ async def test_series_exist_from_start(nursery: trio.Nursery) -> None:
         value(
             samples,
             "narwhal_requests_total",
+            model=MODEL,
             endpoint="completions",
             outcome="completed",
             status="200",
@@ -88,29 +100,18 @@ async def test_traffic_and_faults_move_the_right_series(nursery: trio.Nursery) -
     assert (await harness.post("/v1/completions", {"model": "nope", "prompt": "x"})).status == 404
     await harness.router.wait_drained()
     s = await scrape(harness)
-    assert (
-        value(
-            s, "narwhal_requests_total", endpoint="completions", outcome="completed", status="200"
-        )
-        == 3
-    )
-    assert (
-        value(s, "narwhal_requests_total", endpoint="completions", outcome="failed", status="504")
-        == 1
-    )
-    assert value(s, "narwhal_requests_total", endpoint="chat", outcome="failed", status="502") == 1
-    assert (
-        value(s, "narwhal_requests_total", endpoint="completions", outcome="rejected", status="404")
-        == 1
-    )
+    assert finished(s, "completions", "completed", "200") == 3
+    assert finished(s, "completions", "failed", "504") == 1
+    assert finished(s, "chat", "failed", "502") == 1
+    assert finished(s, "completions", "rejected", "404") == 1
     assert value(s, "narwhal_prefill_completion_seconds_count") == 5
     assert value(s, "narwhal_time_to_first_token_seconds_count") == 3
     assert value(s, "narwhal_kv_transfer_seconds_count") == 3
     assert value(s, "narwhal_inter_token_latency_seconds_count") >= 0
     tokens = sum(line.tokens for line in harness.router.journal.lines)
-    assert value(s, "narwhal_generation_tokens_total") == tokens > 0
+    assert value(s, "narwhal_generation_tokens_total", model=MODEL) == tokens > 0
     prompt = sum(line.prompt_tokens or 0 for line in harness.router.journal.lines)
-    assert value(s, "narwhal_prompt_tokens_total") == prompt > 0
+    assert value(s, "narwhal_prompt_tokens_total", model=MODEL) == prompt > 0
     assert value(s, "narwhal_requests_in_flight") == 0
     assert value(s, "narwhal_config_reloads_total", result="failure") == 0
     versions = [labels for name, labels in s if name == "narwhal_build_info"]

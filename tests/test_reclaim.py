@@ -237,7 +237,7 @@ async def test_a_failed_reclaim_counts_against_no_breaker_and_no_client_metric(
     assert (
         value(
             "narwhal_requests_total",
-            {"endpoint": "completions", "outcome": "failed", "status": "502"},
+            {"model": MODEL, "endpoint": "completions", "outcome": "failed", "status": "502"},
         )
         == 1
     )

@@ -57,7 +57,7 @@ class Router:
         self.api_keys = ApiKeys(config.serving.api_keys_env)
         self.admin_keys = ApiKeys(config.serving.admin_keys_env, "serving.admin_keys_env")
         self.fleet = Fleet(config.engines, config.recovery)
-        self.metrics = Metrics(e.id for e in self.fleet.engines)
+        self.metrics = Metrics((e.id for e in self.fleet.engines), model=config.model)
         self._bind_gauges()
         self.health = Health(self)
         # [[discover]]: its loop runs in the server's background nursery, next to health
@@ -292,12 +292,13 @@ class Router:
     def _export(self, line: JournalLine) -> None:
         m = self.metrics
         endpoint = ENDPOINTS.get(line.endpoint, "other")
-        m.requests.labels(endpoint, line.outcome, str(line.status or 0)).inc()
+        model = m.model
+        m.requests.labels(model, endpoint, line.outcome, str(line.status or 0)).inc()
         m.duration.observe(line.duration_s)
         if line.tokens:
-            m.generation_tokens.inc(line.tokens)
+            m.generation_tokens.labels(model).inc(line.tokens)
         if line.prompt_tokens:
-            m.prompt_tokens.inc(line.prompt_tokens)
+            m.prompt_tokens.labels(model).inc(line.prompt_tokens)
         if line.ttft_s is not None:
             m.prefill_completion.observe(line.ttft_s)
         if line.first_byte_s is not None:

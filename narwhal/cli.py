@@ -331,10 +331,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers > 1:
         return _serve_workers(args, fleet, hc)
     sockets = listen(hc, args.host, args.port)
+    from narwhal import tracing
     from narwhal.router.journal import Journal
     from narwhal.router.service import Router
     from narwhal.server import serve
 
+    tracing.setup()  # OTEL_* environment; off unless it asks for an exporter
     try:
         router = Router(fleet, journal=Journal(args.journal), config_path=args.config)
     except ConfigError as exc:
@@ -403,6 +405,7 @@ def worker_main() -> int:
     its listener and control channel (``narwhal.workers.WORKER_COMMAND``), never by hand.
     What keeps it from starting is the same one line and status as for ``serve``, and the
     parent then exits with that status."""
+    from narwhal import tracing
     from narwhal.logs import configure
     from narwhal.router.journal import Journal
     from narwhal.router.service import Router
@@ -410,6 +413,7 @@ def worker_main() -> int:
 
     spec = WorkerSpec.from_environment()
     configure(spec.log_format, spec.log_level)
+    tracing.setup()  # each worker exports its own spans (OTEL_* environment)
     try:
         fleet = load_fleet(spec.config)
         _install_server_fixes()

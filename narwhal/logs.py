@@ -20,6 +20,7 @@ import logging
 import re
 import sys
 import time
+from contextvars import ContextVar
 from typing import Any, Literal
 
 import msgspec
@@ -27,6 +28,9 @@ import msgspec
 LogFormat = Literal["text", "json"]
 requests_log = logging.getLogger("narwhal.requests")
 _encode = msgspec.json.Encoder().encode
+# the request a record belongs to ({"request_id", "trace_id"}), set by Router.handle while
+# tracing is on; trio tasks started inside a request inherit it
+log_context: ContextVar[dict[str, str] | None] = ContextVar("narwhal_log_context", default=None)
 
 # what a client could use to forge a line or drive a terminal: C0, DEL, C1, and the
 # characters str.splitlines() and some viewers also break lines on
@@ -54,6 +58,17 @@ def json_line(encoded: bytes) -> bytes:
     return _JSON_UNSAFE.sub(_json_escape, encoded.decode()).encode()
 
 
+def _fields(record: logging.LogRecord) -> dict[str, Any] | None:
+    """The record's fields, after the ids of the request it was logged in (tracing on)."""
+    fields = getattr(record, "fields", None)
+    if not isinstance(fields, dict):
+        fields = None
+    context = log_context.get()
+    if context is None:
+        return fields
+    return {**context, **fields} if fields else dict(context)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -62,8 +77,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
+        fields = _fields(record)
+        if fields:
             line.update(fields)
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
@@ -74,8 +89,8 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         text = f"{stamp} {record.levelname.lower()} {record.name}: {record.getMessage()}"
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
+        fields = _fields(record)
+        if fields:
             text += " " + " ".join(
                 f"{k}={_encode(v).decode() if isinstance(v, (dict, list)) else v}"
                 for k, v in fields.items()

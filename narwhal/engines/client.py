@@ -38,6 +38,7 @@ from narwhal.faults import (
     Phase,
     StreamBroken,
 )
+from narwhal.tracing import NO_HEADERS, Headers
 
 MAX_PREFILL_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
@@ -97,10 +98,15 @@ class _EnginePool:
             headers.append((b"authorization", b"Bearer " + client.api_key.encode()))
         self.headers = headers
 
-    def headers_for(self, request_id: str) -> list[tuple[bytes, bytes]]:
-        if not request_id:
+    def headers_for(
+        self, request_id: str, trace: Headers = NO_HEADERS
+    ) -> list[tuple[bytes, bytes]]:
+        """The precomputed headers, the backend request id, and the leg's W3C trace context
+        (``traceparent``/``tracestate``; empty unless tracing is on)."""
+        if not request_id and not trace:
             return self.headers
-        return [*self.headers, (b"x-request-id", request_id.encode())]
+        rid = [(b"x-request-id", request_id.encode())] if request_id else []
+        return [*self.headers, *rid, *trace]
 
     async def request(
         self,
@@ -110,10 +116,11 @@ class _EnginePool:
         request_id: str,
         phase: Phase,
         broken: str = "",
+        trace: Headers = NO_HEADERS,
     ) -> Response:
         try:
             return await self.pool.request(
-                method, path.encode(), self.headers_for(request_id), body
+                method, path.encode(), self.headers_for(request_id, trace), body
             )
         except BaseException as exc:
             fault = translate(exc, phase, self.base_url, broken)
@@ -168,13 +175,19 @@ class EngineClient:
         return engine
 
     async def prefill(
-        self, url: str, endpoint: str, body: dict[str, Any], *, request_id: str = ""
+        self,
+        url: str,
+        endpoint: str,
+        body: dict[str, Any],
+        *,
+        request_id: str = "",
+        trace: Headers = NO_HEADERS,
     ) -> PrefillResult:
         """Run the one-token prefill leg; return the validated descriptor."""
         engine = self._engine(url)
         payload = _encode(self.connector.prefill_body(body))
         async with await engine.request(
-            b"POST", endpoint, payload, request_id, Phase.PREFILL
+            b"POST", endpoint, payload, request_id, Phase.PREFILL, trace=trace
         ) as response:
             data = await _read(response, engine, Phase.PREFILL, MAX_PREFILL_RESPONSE_BYTES)
         if response.status != 200:
@@ -194,6 +207,7 @@ class EngineClient:
         result: PrefillResult | None,
         *,
         request_id: str = "",
+        trace: Headers = NO_HEADERS,
     ) -> DecodeStream:
         """The decode leg's stream: each item is what one socket read brought.
 
@@ -205,7 +219,7 @@ class EngineClient:
         decode_body = self.connector.decode_body(
             body, None if same_worker else result, endpoint=endpoint
         )
-        return DecodeStream(self._engine(url), endpoint, _encode(decode_body), request_id)
+        return DecodeStream(self._engine(url), endpoint, _encode(decode_body), request_id, trace)
 
     async def reclaim(self, url: str, result: PrefillResult, *, request_id: str) -> int:
         """Send a consumer the reclaim request for an orphaned descriptor (the connector's
@@ -256,8 +270,16 @@ class EngineClient:
 class DecodeStream:
     """An open decode response; iterating yields what each socket read brought."""
 
-    def __init__(self, engine: _EnginePool, endpoint: str, payload: bytes, request_id: str) -> None:
+    def __init__(
+        self,
+        engine: _EnginePool,
+        endpoint: str,
+        payload: bytes,
+        request_id: str,
+        trace: Headers = NO_HEADERS,
+    ) -> None:
         self._engine = engine
+        self._trace = trace
         self._endpoint = endpoint
         self._payload = payload
         self._request_id = request_id
@@ -280,7 +302,12 @@ class DecodeStream:
         self._opened = True
         engine = self._engine
         response = await engine.request(
-            b"POST", self._endpoint, self._payload, self._request_id, Phase.DECODE
+            b"POST",
+            self._endpoint,
+            self._payload,
+            self._request_id,
+            Phase.DECODE,
+            trace=self._trace,
         )
         self._response = response
         if response.status != 200:

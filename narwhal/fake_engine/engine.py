@@ -266,6 +266,7 @@ class FakeEngine:
             "end": None,
             "tokens": 0,
             "disconnected": False,
+            "traceparent": req.headers.get("traceparent"),  # the router's tracing, when on
         }
         self.log.append(entry)
         # a reclaim leg's scripted fault strikes before the check that refuses it

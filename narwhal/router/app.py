@@ -388,7 +388,9 @@ class RouterApp:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        await router.handle(req, rid_text, AsgiSink(send, rid), wait_disconnect, caller)
+        await router.handle(
+            req, rid_text, AsgiSink(send, rid), wait_disconnect, caller, scope["headers"]
+        )
 
     async def _readmit_wave(self, receive: Receive, send: Send) -> None:
         """Validate the whole engine set together (whole-wave policy's way back)."""

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
+from opentelemetry.trace import Span, SpanKind
 
+from narwhal import tracing
 from narwhal.config import FleetConfig
 from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.engines.connector import PrefillResult
@@ -105,6 +107,7 @@ class RunRecord:
         self.cancelled_in: Phase | None = None
         self.caller = Caller()  # who sent it (set by Router.handle)
         self.arrived_at = time.time()  # wall clock, for the journal
+        self.span: Span | None = None  # the request's span (Router.handle), tracing on
 
     @property
     def phase(self) -> Phase:
@@ -197,6 +200,7 @@ class RequestRun(RunRecord):
         self.tokens = 0
         self.prefill_result: PrefillResult | None = None  # the last attempt's
         self._echo: Echo | None = None  # a streamed echo (completions)
+        self._attempt_span: Span | None = None  # the running attempt's, tracing on
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
@@ -209,10 +213,14 @@ class RequestRun(RunRecord):
         metrics = self.router.metrics
         while True:
             metrics.attempts.inc()
+            span = self._attempt_span = self._start_attempt_span()
+            outcome = "cancelled"  # until the attempt returns or raises a fault
             try:
                 await self._attempt()
+                outcome = "completed"
                 return
             except RequestFault as fault:
+                outcome = "failed"
                 decision = self._retry_decision(fault)
                 if decision.retry:
                     metrics.retries.inc()
@@ -226,8 +234,54 @@ class RequestRun(RunRecord):
                 )
                 if not decision.retry:
                     raise
+            except Exception:
+                outcome = "error"  # a bug of ours: Router.handle ends the request
+                raise
+            finally:
+                if span is not None:  # every exit, cancellation included; nothing awaits
+                    self._end_attempt_span(span, outcome)
             self.lifecycle.advance(Input.RETRY)
             await trio.sleep(decision.delay_s)
+
+    def _start_attempt_span(self) -> Span | None:
+        if self.span is None:
+            return None
+        attrs: dict[str, int | str] = {"narwhal.attempt": len(self.attempts) + 1}
+        if self.choice is not None:
+            attrs["narwhal.choice"] = self.choice
+        return tracing.child_span(self.span, "attempt", attrs)
+
+    def _end_attempt_span(self, span: Span, outcome: str) -> None:
+        record = self.attempts[-1] if self.attempts else None
+        if record is None:
+            tracing.end(span, outcome)
+            return
+        tracing.end(
+            span,
+            outcome,
+            record.error,
+            producer=record.producer,
+            consumer=record.consumer,
+            phase=record.phase,
+            retry=record.retry,
+            handoff=record.handoff,
+            tokens=self.tokens,
+        )
+
+    def _leg_span(self, leg: Leg, engine: EngineState, backend_id: str) -> Span | None:
+        parent = self._attempt_span
+        if parent is None:
+            return None
+        return tracing.child_span(
+            parent,
+            leg,
+            {
+                "narwhal.engine": engine.id,
+                "narwhal.engine_url": engine.url,
+                "narwhal.backend_request_id": backend_id,
+            },
+            SpanKind.CLIENT,
+        )
 
     def _retry_decision(self, fault: RequestFault) -> RetryDecision:
         if fault.engine_id is not None and fault.breaker is not BreakerClass.NONE:
@@ -326,25 +380,33 @@ class RequestRun(RunRecord):
     async def _prefill(self, producer: EngineState, number: int) -> PrefillResult:
         router = self.router
         budget = self.config.serving.prefill_timeout_s
-        with trio.move_on_after(budget) as prefill_clock:
-            async with router.fleet.reserve(producer, "prefill"):
-                try:
-                    return await router.client.prefill(
-                        producer.url,
-                        self.req.endpoint,
-                        self._prefill_body(),
-                        request_id=f"{self.rid}-a{number}-prefill",
-                    )
-                except RequestFault as fault:
-                    fault.engine_id = producer.id
-                    fault.engine_url = fault.engine_url or producer.url
-                    raise
-        assert prefill_clock.cancelled_caught
-        raise PrefillTimeout(
-            f"prefill on engine {producer.id} took longer than {budget:g}s",
-            phase=Phase.PREFILL,
-            engine_id=producer.id,
-        )
+        backend_id = f"{self.rid}-a{number}-prefill"
+        span = self._leg_span("prefill", producer, backend_id)
+        outcome, message = "cancelled", None
+        try:
+            with trio.move_on_after(budget) as prefill_clock:
+                async with router.fleet.reserve(producer, "prefill"):
+                    try:
+                        result = await router.client.prefill(
+                            producer.url,
+                            self.req.endpoint,
+                            self._prefill_body(),
+                            request_id=backend_id,
+                            trace=tracing.headers(span),
+                        )
+                        outcome = "completed"
+                        return result
+                    except RequestFault as fault:
+                        fault.engine_id = producer.id
+                        fault.engine_url = fault.engine_url or producer.url
+                        outcome, message = "failed", fault.message
+                        raise
+            assert prefill_clock.cancelled_caught
+            outcome = "failed"
+            message = f"prefill on engine {producer.id} took longer than {budget:g}s"
+            raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=producer.id)
+        finally:
+            tracing.end(span, outcome, message)
 
     def _prefill_body(self) -> dict[str, Any]:
         body = self.req.body
@@ -363,6 +425,32 @@ class RequestRun(RunRecord):
     async def _decode(
         self, consumer: EngineState, result: PrefillResult | None, handoff: Handoff
     ) -> None:
+        backend_id = f"{self.rid}-a{handoff.attempt}-decode"
+        span = self._leg_span("decode", consumer, backend_id)
+        outcome, message = "cancelled", None
+        try:
+            await self._decode_leg(consumer, result, handoff, backend_id, span)
+            outcome = "completed"
+        except RequestFault as fault:
+            outcome, message = "failed", fault.message
+            raise
+        finally:
+            tracing.end(
+                span,
+                outcome,
+                message,
+                tokens=self.tokens,
+                kv_transfer=result is not None,
+            )
+
+    async def _decode_leg(
+        self,
+        consumer: EngineState,
+        result: PrefillResult | None,
+        handoff: Handoff,
+        backend_id: str,
+        span: Span | None,
+    ) -> None:
         router = self.router
         engine_cfg = self.config.engine
         stream = router.client.decode(
@@ -370,7 +458,8 @@ class RequestRun(RunRecord):
             self.req.endpoint,
             self._decode_body(),
             result,
-            request_id=f"{self.rid}-a{handoff.attempt}-decode",
+            request_id=backend_id,
+            trace=tracing.headers(span),
         )
         # decode_clock: first-token budget until the first token, then silence budget.
         decode_clock = trio.CancelScope(

@@ -107,6 +107,7 @@ class FanOutRun(RunRecord):
 
         async with trio.open_nursery() as nursery:
             for run in self.children:
+                run.span = self.span  # their attempts are children of the request's span
                 nursery.start_soon(child, run, nursery.cancel_scope)
         if failed:
             raise failed[0]

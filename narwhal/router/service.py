@@ -13,18 +13,19 @@ import math
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import msgspec
 import trio
 
+from narwhal import tracing
 from narwhal.config import ConfigError, FleetConfig, load_config
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import Connect
 from narwhal.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
-from narwhal.logs import log_event, log_request
+from narwhal.logs import log_context, log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
 from narwhal.router.auth import ApiKeys
 from narwhal.router.discovery import Discovery
@@ -107,14 +108,31 @@ class Router:
         sink: ClientSink,
         wait_disconnect: Callable[[], Awaitable[None]],
         caller: Caller | None = None,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> Run:
-        """Serve one admitted request to its single terminal outcome."""
+        """Serve one admitted request to its single terminal outcome. ``headers``: the
+        client's, where an incoming W3C ``traceparent`` is read (tracing on only)."""
         run: Run = (
             FanOutRun(self, self.config, req, rid, sink)
             if req.fanout > 1
             else RequestRun(self, self.config, req, rid, sink)
         )
         run.caller = caller or run.caller
+        traced = None
+        if tracing.ENABLED:  # off: nothing is made, this is the only cost
+            run.span = tracing.server_span(
+                f"POST {req.endpoint}",
+                headers,
+                {
+                    "http.request.method": "POST",
+                    "url.path": req.endpoint,
+                    "narwhal.request_id": rid,
+                    "narwhal.endpoint": req.endpoint,
+                    "narwhal.stream": req.stream,
+                    "narwhal.fanout": req.fanout,
+                },
+            )
+            traced = log_context.set({"request_id": rid, "trace_id": tracing.trace_id(run.span)})
         if not self.admitted:
             self._drained = trio.Event()
         self.admitted += 1
@@ -152,6 +170,20 @@ class Router:
             self.metrics.in_flight.dec()
             if not self.admitted:
                 self._drained.set()
+            if run.span is not None:
+                if line.status is not None:
+                    run.span.set_attribute("http.response.status_code", line.status)
+                tracing.end(
+                    run.span,
+                    line.outcome,
+                    line.message,
+                    status=line.status,
+                    phase=line.phase,
+                    attempts=len(line.attempts),
+                    tokens=line.tokens,
+                )
+            if traced is not None:
+                log_context.reset(traced)
         return run
 
     async def _run_until_deadline(self, run: Run) -> None:

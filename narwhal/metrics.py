@@ -25,6 +25,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
     multiprocess,
 )
@@ -73,6 +74,9 @@ class Metrics:
         self.model = model  # the one model a router serves: a bounded label
         self.engines: set[str] = set()  # the fleet's engines: their series are exported
         self.registry = registry = CollectorRegistry()
+        # process_cpu_seconds_total, process_resident_memory_bytes, open fds (one process;
+        # with --workers each worker's own, which a multiprocess scrape cannot sum)
+        ProcessCollector(registry=registry)
         engine_ids = list(engine_ids)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:

@@ -114,6 +114,7 @@ async def test_traffic_and_faults_move_the_right_series(nursery: trio.Nursery) -
     assert value(s, "narwhal_prompt_tokens_total", model=MODEL) == prompt > 0
     assert value(s, "narwhal_requests_in_flight") == 0
     assert value(s, "narwhal_config_reloads_total", result="failure") == 0
+    assert value(s, "process_resident_memory_bytes") > 0
     versions = [labels for name, labels in s if name == "narwhal_build_info"]
     assert versions
     assert dict(versions[0])["version"] == narwhal.__version__

@@ -504,8 +504,20 @@ def _fake_engine(args: argparse.Namespace) -> int:
             await _signalled()
             nursery.cancel_scope.cancel()
 
-    with contextlib.suppress(KeyboardInterrupt):
-        trio.run(main)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            trio.run(main)
+    except BaseExceptionGroup as group:  # its listeners bind inside a nursery
+        failed = group.subgroup(OSError)
+        if failed is None:
+            raise
+        first: BaseException = failed
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        assert isinstance(first, OSError)
+        raise listen_failure(first, args.host, args.port) from None
+    except OSError as exc:
+        raise listen_failure(exc, args.host, args.port) from None
     return 0
 
 

@@ -256,3 +256,12 @@ def test_absurd_worker_counts_are_a_command_line_error(fleet: Path) -> None:
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "--workers: at most 256" in done.stderr
+
+
+def test_the_fake_engine_on_a_taken_port(taken_port: int) -> None:
+    _one_line(
+        _narwhal("fake-engine", "--port", str(taken_port)),
+        cli.EXIT_PORT,
+        re.escape(f"narwhal: cannot listen on 127.0.0.1:{taken_port}: port {taken_port} is taken")
+        + ".*",
+    )

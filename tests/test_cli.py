@@ -111,7 +111,7 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
         assert 0 < lines[0]["ttft_s"] <= lines[0]["first_byte_s"] <= lines[0]["duration_s"]
 
 
-def _narwhal(*args: str) -> subprocess.CompletedProcess[str]:
+def run_narwhal(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``narwhal ARGS`` to completion (bounded), capturing its output."""
     return subprocess.run(
         [sys.executable, "-m", "narwhal", *args],
@@ -139,12 +139,12 @@ def _fake_fleet(tmp_path: Path, extra: str = "") -> Iterator[Path]:
 
 def test_check_on_the_command_line(tmp_path: Path) -> None:
     with _fake_fleet(tmp_path, '[engine_contract]\nengine_version = "0.32.0"\n') as fleet:
-        ok = _narwhal("check", "--config", str(fleet))
+        ok = run_narwhal("check", "--config", str(fleet))
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert "p0 -> d0 moved KV, 4 tokens, first token" in ok.stdout
         assert ok.stdout.splitlines()[-1] == "PASS: 2/2 engines ok, 1/1 transfers moved KV"
     # the engines are gone now: clear lines, exit 1, no traceback
-    down = _narwhal("check", "--config", str(fleet))
+    down = run_narwhal("check", "--config", str(fleet))
     assert down.returncode == 1
     assert "Traceback" not in down.stdout + down.stderr
     assert "p0 (prefill, " in down.stdout
@@ -152,7 +152,7 @@ def test_check_on_the_command_line(tmp_path: Path) -> None:
     assert "p0 -> d0 skipped" in down.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "m"\n')
-    refused = _narwhal("check", "--config", str(bad))
+    refused = run_narwhal("check", "--config", str(bad))
     assert refused.returncode == 2
     assert "engines: required" in refused.stderr
 

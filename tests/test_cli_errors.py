@@ -8,7 +8,6 @@ import importlib.metadata
 import re
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,18 +17,9 @@ from cryptography.hazmat.primitives import serialization
 
 from narwhal import cli
 from narwhal.shapes import ShapeMismatch
+from tests.test_cli import run_narwhal
 
 FLEET = 'model = "m"\n[[engines]]\nid = "e0"\nurl = "http://127.0.0.1:9"\n'
-
-
-def _narwhal(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "narwhal", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def _one_line(done: subprocess.CompletedProcess[str], status: int, pattern: str) -> str:
@@ -72,12 +62,12 @@ def test_a_missing_fleet_file(tmp_path: Path) -> None:
     absent = tmp_path / "absent.toml"
     for command in ("serve", "check"):
         _one_line(
-            _narwhal(command, "--config", str(absent)),
+            run_narwhal(command, "--config", str(absent)),
             cli.EXIT_NO_FLEET_FILE,
             re.escape(f"narwhal: cannot read the fleet file {absent}: No such file or directory"),
         )
     _one_line(
-        _narwhal("serve", "--config", str(tmp_path)),
+        run_narwhal("serve", "--config", str(tmp_path)),
         cli.EXIT_NO_FLEET_FILE,
         re.escape(f"narwhal: cannot read the fleet file {tmp_path}: Is a directory"),
     )
@@ -86,7 +76,7 @@ def test_a_missing_fleet_file(tmp_path: Path) -> None:
 def test_an_invalid_fleet_file_lists_its_problems(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "m"\n[serving]\nmax_inflight = 0\n')
-    done = _narwhal("serve", "--config", str(bad))
+    done = run_narwhal("serve", "--config", str(bad))
     assert done.returncode == cli.EXIT_INVALID_FLEET == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.splitlines() == [
@@ -99,7 +89,7 @@ def test_an_invalid_fleet_file_lists_its_problems(tmp_path: Path) -> None:
 def test_a_journal_that_cannot_be_opened(tmp_path: Path, fleet: Path) -> None:
     missing = tmp_path / "no-such-dir" / "journal.jsonl"
     _one_line(
-        _narwhal("serve", "--config", str(fleet), "--port", "0", "--journal", str(missing)),
+        run_narwhal("serve", "--config", str(fleet), "--port", "0", "--journal", str(missing)),
         cli.EXIT_JOURNAL,
         re.escape(
             f"narwhal: cannot open the journal {missing}: "
@@ -108,7 +98,7 @@ def test_a_journal_that_cannot_be_opened(tmp_path: Path, fleet: Path) -> None:
     )
     # a directory stands in for an unwritable path (the tests may run as root)
     _one_line(
-        _narwhal("serve", "--config", str(fleet), "--port", "0", "--journal", str(tmp_path)),
+        run_narwhal("serve", "--config", str(fleet), "--port", "0", "--journal", str(tmp_path)),
         cli.EXIT_JOURNAL,
         re.escape(f"narwhal: cannot open the journal {tmp_path}: Is a directory"),
     )
@@ -118,7 +108,7 @@ def test_a_journal_that_cannot_be_opened(tmp_path: Path, fleet: Path) -> None:
 def test_a_taken_port(fleet: Path, taken_port: int, workers: str) -> None:
     args = ("--config", str(fleet), "--port", str(taken_port), "--workers", workers)
     _one_line(
-        _narwhal("serve", *args),
+        run_narwhal("serve", *args),
         cli.EXIT_PORT,
         re.escape(
             f"narwhal: cannot listen on 127.0.0.1:{taken_port}: "
@@ -129,7 +119,7 @@ def test_a_taken_port(fleet: Path, taken_port: int, workers: str) -> None:
 
 def test_the_demo_on_a_taken_port(taken_port: int) -> None:
     _one_line(
-        _narwhal("demo", "--port", str(taken_port)),
+        run_narwhal("demo", "--port", str(taken_port)),
         cli.EXIT_PORT,
         re.escape(f"narwhal: cannot listen on 127.0.0.1:{taken_port}: ") + ".*taken.*",
     )
@@ -137,7 +127,9 @@ def test_the_demo_on_a_taken_port(taken_port: int) -> None:
 
 def test_a_bad_host(fleet: Path) -> None:
     _one_line(
-        _narwhal("serve", "--config", str(fleet), "--port", "0", "--host", "no-such-host.invalid"),
+        run_narwhal(
+            "serve", "--config", str(fleet), "--port", "0", "--host", "no-such-host.invalid"
+        ),
         cli.EXIT_HOST,
         re.escape(
             "narwhal: cannot listen on no-such-host.invalid:0: "
@@ -147,7 +139,7 @@ def test_a_bad_host(fleet: Path) -> None:
     )
     # TEST-NET-1 (RFC 5737): an address, but never one of this machine's
     _one_line(
-        _narwhal("serve", "--config", str(fleet), "--port", "0", "--host", "192.0.2.1"),
+        run_narwhal("serve", "--config", str(fleet), "--port", "0", "--host", "192.0.2.1"),
         cli.EXIT_HOST,
         re.escape(
             "narwhal: cannot listen on 192.0.2.1:0: 192.0.2.1 is not an address of this machine"
@@ -212,7 +204,7 @@ def test_tls_files_that_cannot_be_used(
         args += ["--ssl-certfile", str(pems[cert])]
     if key:
         args += ["--ssl-keyfile", str(pems[key])]
-    _one_line(_narwhal(*args), cli.EXIT_TLS, pattern)
+    _one_line(run_narwhal(*args), cli.EXIT_TLS, pattern)
 
 
 def test_other_versions_of_the_patched_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -229,7 +221,7 @@ def test_other_versions_of_the_patched_libraries(monkeypatch: pytest.MonkeyPatch
 
 
 def test_version() -> None:
-    done = _narwhal("--version")
+    done = run_narwhal("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"narwhal {importlib.metadata.version('narwhal')}\n"
 
@@ -252,7 +244,7 @@ def test_every_help_shows_the_defaults() -> None:
 
 
 def test_absurd_worker_counts_are_a_command_line_error(fleet: Path) -> None:
-    done = _narwhal("serve", "--config", str(fleet), "--port", "0", "--workers", "100000")
+    done = run_narwhal("serve", "--config", str(fleet), "--port", "0", "--workers", "100000")
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "--workers: at most 256" in done.stderr
@@ -260,7 +252,7 @@ def test_absurd_worker_counts_are_a_command_line_error(fleet: Path) -> None:
 
 def test_the_fake_engine_on_a_taken_port(taken_port: int) -> None:
     _one_line(
-        _narwhal("fake-engine", "--port", str(taken_port)),
+        run_narwhal("fake-engine", "--port", str(taken_port)),
         cli.EXIT_PORT,
         re.escape(f"narwhal: cannot listen on 127.0.0.1:{taken_port}: port {taken_port} is taken")
         + ".*",

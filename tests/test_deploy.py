@@ -73,14 +73,19 @@ PROMQL_WORDS = {
 }
 
 
-def promtool() -> str:
-    """The promtool binary; skipped when absent, except in CI, which installs it."""
-    found = shutil.which("promtool")
+def prometheus_tool(name: str) -> str:
+    """A binary of Debian's prometheus package (``promtool``, ``prometheus``); skipped when
+    absent, except in CI, which installs it."""
+    found = shutil.which(name)
     if found:
         return found
     if os.environ.get("CI"):
-        pytest.fail("promtool is not installed: .ci/run installs Debian's prometheus package")
-    pytest.skip("promtool not installed (apt-get install prometheus)")
+        pytest.fail(f"{name} is not installed: .ci/run installs Debian's prometheus package")
+    pytest.skip(f"{name} not installed (apt-get install prometheus)")
+
+
+def promtool() -> str:
+    return prometheus_tool("promtool")
 
 
 # --- the command lines ----------------------------------------------------------------

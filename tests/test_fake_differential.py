@@ -23,12 +23,10 @@ import pytest
 import trio
 
 from e2e.vllm.capture_shapes import SHAPES
-from narwhal.engines.relay import Fault, Finish, StreamRelay
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
-from narwhal.router.assemble import Assembler
 from narwhal.sse import SSEParser
 from tests.conftest import MODEL, Harness, finish
-from tests.test_shape_captures import claimed, diff_answers
+from tests.test_shape_captures import diff_answers, fold, unexplained
 
 CAPTURES = Path(__file__).parent / "captures" / "shapes"
 
@@ -77,28 +75,8 @@ async def answer(h: Harness, base: str, endpoint: str, body: dict[str, Any]) -> 
 async def streamed(h: Harness, base: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """A streamed answer folded by the router's Assembler (itself checked against vLLM's
     non-streaming answers by tests/test_shape_captures.py), or the error."""
-    status, raw = await _post(h.http, f"{base}/v1/{endpoint}", body)
-    if status != 200 or not raw.startswith(b"data:"):
-        data: dict[str, Any] = msgspec.json.decode(raw)
-        return data
-    relay = StreamRelay(Assembler(chat=endpoint.startswith("chat"), model=MODEL))
-    action = relay.feed(raw)
-    if isinstance(action, Fault):
-        return {"error": action.fault.error_body()}
-    assert isinstance(action, Finish), raw[-300:]
-    folded: dict[str, Any] = msgspec.json.decode(action.data)
-    return folded
-
-
-def unexplained(
-    name: str, label: str, rows: list[tuple[str, bool, str]], known: dict[tuple[str, str], str]
-) -> list[tuple[str, str]]:
-    """Record the table row; the claimed fields that differ with no reason given."""
-    differ = [(f, d) for f, equal, d in rows if not equal]
-    reasons = "; ".join(f"{f} ({known.get((name, f), d)})" for f, d in differ) or "-"
-    ROWS.append(f"| {label} | {len(rows)} | {len(rows) - len(differ)} | {reasons} |")
-    print(ROWS[-1])
-    return [(f, d) for f, d in differ if claimed(f) and (name, f) not in known]
+    _, raw = await _post(h.http, f"{base}/v1/{endpoint}", body)
+    return fold(raw, chat=endpoint.startswith("chat"), model=MODEL)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -106,7 +84,7 @@ async def test_the_routed_answer_is_the_local_answer(pd: Harness, name: str) -> 
     endpoint, body = _body(name, stream=False)
     local = await answer(pd, pd.engines["d0"].url, endpoint, body)
     routed = await answer(pd, pd.url, endpoint, body)
-    assert unexplained(name, name, diff_answers(local, routed), KNOWN) == []
+    assert unexplained(ROWS, name, name, diff_answers(local, routed), KNOWN) == []
     await finish(pd)
 
 
@@ -116,7 +94,7 @@ async def test_the_routed_stream_is_the_local_stream(pd: Harness, name: str) -> 
     local = await streamed(pd, pd.engines["d0"].url, endpoint, body)
     routed = await streamed(pd, pd.url, endpoint, body)
     rows = diff_answers(local, routed)
-    assert unexplained(name, f"{name} (stream)", rows, STREAM_KNOWN) == []
+    assert unexplained(ROWS, name, f"{name} (stream)", rows, STREAM_KNOWN) == []
     await finish(pd)
 
 

@@ -13,8 +13,6 @@ under this load, which has the error, retry and ejection series an idle scrape l
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -31,23 +29,13 @@ import yaml
 from narwhal.config import RecoveryConfig, ServingConfig
 from narwhal.fake_engine.faults import Fault
 from tests.conftest import MODEL, Harness, finish, start_fleet
-from tests.test_deploy import ALERTS, alert_job, alert_rules, promtool
+from tests.test_deploy import ALERTS, alert_job, alert_rules, prometheus_tool, promtool
 
 pytestmark = pytest.mark.obs
 
 DASHBOARD = Path(__file__).parent.parent / "deploy" / "grafana-dashboard.json"
 # Grafana's variables, as Grafana would fill them at a 1 s scrape interval
 GRAFANA_VARIABLES = {"$__rate_interval": "30s", "$__interval": "5s", "$__range": "5m"}
-
-
-def prometheus_binary() -> str:
-    """The prometheus server; skipped when absent, except in CI (`.ci/run` installs it)."""
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    if os.environ.get("CI"):
-        pytest.fail("prometheus is not installed: .ci/run installs Debian's prometheus package")
-    pytest.skip("prometheus not installed (apt-get install prometheus)")
 
 
 def dashboard_queries() -> list[str]:
@@ -145,7 +133,7 @@ async def load(harness: Harness, until: trio.Event) -> dict[int, int]:
 async def test_prometheus_answers_every_dashboard_query_and_alert(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    binary, tool = prometheus_binary(), promtool()
+    binary, tool = prometheus_tool("prometheus"), promtool()
     started = time.monotonic()
     harness = await start_fleet(
         nursery,

@@ -47,6 +47,37 @@ def assembled(name: str) -> dict[str, Any] | None:
     return result
 
 
+def fold(raw: bytes, *, chat: bool, model: str) -> dict[str, Any]:
+    """A streamed answer folded by the router's Assembler (itself checked against vLLM's
+    non-streaming answers below), or the error: the body, when it is not a stream, or the
+    relay's error body on a fault."""
+    if not raw.startswith(b"data:"):
+        body: dict[str, Any] = msgspec.json.decode(raw)
+        return body
+    action = StreamRelay(Assembler(chat=chat, model=model)).feed(raw)
+    if isinstance(action, Fault):
+        return {"error": action.fault.error_body()}
+    assert isinstance(action, Finish), raw[-300:]
+    folded: dict[str, Any] = msgspec.json.decode(action.data)
+    return folded
+
+
+def unexplained(
+    table: list[str],
+    name: str,
+    label: str,
+    rows: list[tuple[str, bool, str]],
+    known: dict[tuple[str, str], str],
+) -> list[tuple[str, str]]:
+    """Record the differential table's row in ``table``; the claimed fields that differ
+    with no reason given in ``known`` ((shape, field) -> why)."""
+    differ = [(f, d) for f, equal, d in rows if not equal]
+    reasons = "; ".join(f"{f} ({known.get((name, f), d)})" for f, d in differ) or "-"
+    table.append(f"| {label} | {len(rows)} | {len(rows) - len(differ)} | {reasons} |")
+    print(table[-1])
+    return [(f, d) for f, d in differ if claimed(f) and (name, f) not in known]
+
+
 def tool_calls(calls: Any) -> Any:
     """Tool call ids are random per request: compare everything else."""
     if not isinstance(calls, list):

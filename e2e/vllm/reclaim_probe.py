@@ -33,7 +33,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from ports import free_port  # e2e/vllm/ports.py, beside this script (stdlib only)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -90,34 +91,6 @@ def check_bodies_match_router() -> str:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def _ephemeral_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_taken: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port below the ephemeral range (see conftest.free_port)."""
-    end = min(_ephemeral_start(), 32768)
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, end)
-        if port in _taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _taken.add(port)
-        return port
-    raise RuntimeError("no free port")
 
 
 class Engine:

@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.engines.relay import Fault, Finish, StreamRelay
-from narwhal.router.assemble import Assembler
-from tests.test_shape_captures import claimed, diff_answers
+from tests.test_shape_captures import diff_answers, fold, unexplained
 
 from .capture_shapes import SHAPES
 from .conftest import MODEL, Fleet, http
@@ -53,17 +51,8 @@ def streamed(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """A streamed answer, folded by the router's Assembler (itself checked against vLLM's
     non-streaming answers by tests/test_shape_captures.py), or the error."""
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    status, raw = http("POST", f"{url}/v1/{endpoint}", stream)
-    if status != 200 or not raw.startswith(b"data:"):
-        data: dict[str, Any] = json.loads(raw)
-        return data
-    relay = StreamRelay(Assembler(chat=endpoint.startswith("chat"), model=MODEL))
-    action = relay.feed(raw)
-    if isinstance(action, Fault):
-        return {"error": action.fault.error_body()}
-    assert isinstance(action, Finish), raw[-300:]
-    folded: dict[str, Any] = json.loads(action.data)
-    return folded
+    _, raw = http("POST", f"{url}/v1/{endpoint}", stream)
+    return fold(raw, chat=endpoint.startswith("chat"), model=MODEL)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -73,7 +62,7 @@ def test_the_routed_answer_is_the_local_answer(fleet: Fleet, name: str) -> None:
     body.pop("stream_options", None)  # asked of streams only
     local = answer(fleet.consumer.url, endpoint, body)
     routed = answer(fleet.router_url, endpoint, body)
-    assert unexplained(name, name, diff_answers(local, routed), KNOWN) == []
+    assert unexplained(ROWS, name, name, diff_answers(local, routed), KNOWN) == []
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -85,18 +74,7 @@ def test_the_routed_stream_is_the_local_stream(fleet: Fleet, name: str) -> None:
     local = streamed(fleet.consumer.url, endpoint, body)
     routed = streamed(fleet.router_url, endpoint, body)
     rows = diff_answers(local, routed)
-    assert unexplained(name, f"{name} (stream)", rows, STREAM_KNOWN) == []
-
-
-def unexplained(
-    name: str, label: str, rows: list[tuple[str, bool, str]], known: dict[tuple[str, str], str]
-) -> list[tuple[str, str]]:
-    """Record the table row; the claimed fields that differ with no reason given."""
-    differ = [(f, d) for f, equal, d in rows if not equal]
-    reasons = "; ".join(f"{f} ({known.get((name, f), d)})" for f, d in differ) or "-"
-    ROWS.append(f"| {label} | {len(rows)} | {len(rows) - len(differ)} | {reasons} |")
-    print(ROWS[-1])
-    return [(f, d) for f, d in differ if claimed(f) and (name, f) not in known]
+    assert unexplained(ROWS, name, f"{name} (stream)", rows, STREAM_KNOWN) == []
 
 
 # (shape, field) -> why a routed stream differs from the local one

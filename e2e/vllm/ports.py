@@ -1,0 +1,46 @@
+"""Loopback ports for the real-engine suite and its probe: stdlib only, so that a script
+run with the vLLM environment's Python can use it too."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+_handed_out: set[int] = set()
+_ports = random.Random()
+
+
+def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, never the same one twice.
+
+    A port the kernel hands out for ``bind(0)`` is free only until someone else takes it,
+    and two engines starting at once take ephemeral ports too (their own listeners, every
+    outgoing connection's local port). In CI one of those was already on the consumer's
+    NIXL side-channel port when its listener started: the listener thread died with
+    EADDRINUSE and the engine stayed unready. Ports below the ephemeral range are never
+    handed out by the kernel on its own, so they cannot collide that way.
+    """
+    end = min(_ephemeral_start(), 32768)
+    if end <= 20000 + 200:
+        raise RuntimeError(f"the ephemeral port range starts at {end}: no room below it")
+    for _ in range(200):  # bounded: the range holds thousands of ports
+        port = _ports.randrange(20000, end)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in 20000-{end}")

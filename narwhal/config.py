@@ -118,6 +118,16 @@ class DiscoverBlock(Struct, _Roles, frozen=True, forbid_unknown_fields=True):
     scheme: Literal["http", "https"] = "http"
 
 
+class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """Which engine takes a leg (SPEC 4.4)."""
+
+    policy: Literal["least_loaded", "round_robin"] = "least_loaded"
+    metrics_interval_s: NonNegativeFloat = 1.0  # scrape of each engine's /metrics; 0 = off
+    prefix_affinity: bool = True  # producers chosen by prompt prefix, bounded by load
+    # a producer may carry this times the mean load before its keys spill to the next
+    affinity_load_factor: Annotated[float, Meta(ge=1.0)] = 1.25
+
+
 class DiscoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
     interval_s: PositiveFloat = 5.0  # re-resolve period
     nameserver: str = ""  # "ip" or "ip:port" ("[v6]:port"); "" = the system resolver
@@ -131,6 +141,7 @@ class FleetConfig(Struct, frozen=True, forbid_unknown_fields=True):
     serving: ServingConfig = ServingConfig()
     engine: EngineConfig = EngineConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    placement: PlacementConfig = PlacementConfig()
     engine_contract: EngineContract | None = None
 
 
@@ -153,6 +164,7 @@ _SECTIONS: dict[str, type[Struct]] = {
     "serving": ServingConfig,
     "engine": EngineConfig,
     "recovery": RecoveryConfig,
+    "placement": PlacementConfig,
     "engine_contract": EngineContract,
 }
 

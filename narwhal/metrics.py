@@ -33,6 +33,7 @@ from prometheus_client import (
 from narwhal.faults import BreakerClass, Phase
 from narwhal.router.breaker import ProbeOutcome
 from narwhal.router.handoff import DROP_REASONS, FATES
+from narwhal.router.placement import REASONS
 from narwhal.router.retry import Denial
 
 # Buckets for LLM serving: handoffs are milliseconds to tens of seconds (KV stalls of
@@ -216,6 +217,37 @@ class Metrics:
             engine,
             "livemax",
         )
+        # placement (SPEC 4.4): each decision by its reason; each engine's own report
+        self.placements = counter(
+            "narwhal_placement_decisions",
+            "Legs placed, by leg and by why that engine: only, affinity, spill, "
+            "least_loaded, round_robin.",
+            ("leg", "reason"),
+        )
+        self.engine_requests = gauge(
+            "narwhal_engine_requests",
+            "The engine's own queue from its last scrape: running and waiting requests.",
+            ("engine", "state"),
+            "livemax",
+        )
+        self.engine_kv_usage = gauge(
+            "narwhal_engine_kv_cache_usage_ratio",
+            "The engine's KV cache usage (0..1) from its last scrape.",
+            engine,
+            "livemax",
+        )
+        self.engine_prefix_hit_ratio = gauge(
+            "narwhal_engine_prefix_cache_hit_ratio",
+            "The engine's prefix cache hits over queries (tokens, since it started).",
+            engine,
+            "livemax",
+        )
+        self.scrape_failures = counter(
+            "narwhal_engine_scrape_failures",
+            "Scrapes of the engine's /metrics that failed or timed out (placement then "
+            "weighs this router's legs alone; the breaker never hears of it).",
+            engine,
+        )
         self.tasks = gauge(
             "narwhal_tasks",
             "Live trio tasks in the worker; back to its idle level once traffic stops.",
@@ -271,6 +303,9 @@ class Metrics:
             self.handoffs.labels(fate)
         for reason in DROP_REASONS:
             self.reclaim_dropped.labels(reason)
+        for leg in ("prefill", "decode"):
+            for why in REASONS:
+                self.placements.labels(leg, why)
         for engine in engine_ids:
             self.add_engine(engine)
 
@@ -286,6 +321,7 @@ class Metrics:
             metric.labels(engine).set(0)
         self.ejections.labels(engine)
         self.readmissions.labels(engine)
+        self.scrape_failures.labels(engine)
 
     def remove_engine(self, engine: str) -> None:
         """An engine left the fleet (reload, or gone from DNS): its series go with it, so
@@ -296,6 +332,7 @@ class Metrics:
             *((self.legs_inflight, (engine, phase)) for phase in ("prefill", "decode")),
             *((self.leg_failures, (engine, cls)) for cls in BREAKER_CLASSES),
             *((self.probes, (engine, outcome)) for outcome in PROBE_OUTCOMES),
+            *((self.engine_requests, (engine, state)) for state in ("running", "waiting")),
             *(
                 (metric, (engine,))
                 for metric in (
@@ -306,6 +343,9 @@ class Metrics:
                     self.up,
                     self.ejections,
                     self.readmissions,
+                    self.engine_kv_usage,
+                    self.engine_prefix_hit_ratio,
+                    self.scrape_failures,
                 )
             ),
         ]

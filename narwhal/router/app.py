@@ -199,6 +199,7 @@ class RouterApp:
                     await background.start(self.router.discovery.run)  # [[discover]] names
                     background.start_soon(self.router.client.sweep_forever)
                     await background.start(self.router.reclaimer.run)
+                    await background.start(self.router.scraper.run)  # engines' /metrics
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     background.cancel_scope.cancel()

@@ -42,7 +42,8 @@ from narwhal.router.handoff import Fate, Handoff, too_old
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, Caller, JournalLine, Outcome
 from narwhal.router.lifecycle import Input, Lifecycle, State
-from narwhal.router.placement import pick
+from narwhal.router.placement import choose
+from narwhal.router.policies import prefix_key
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget, RetryDecision, decide
@@ -201,6 +202,7 @@ class RequestRun(RunRecord):
         self.prefill_result: PrefillResult | None = None  # the last attempt's
         self._echo: Echo | None = None  # a streamed echo (completions)
         self._attempt_span: Span | None = None  # the running attempt's, tracing on
+        self._prefix: str | None = None  # the prompt prefix that keys producer affinity
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
@@ -302,13 +304,32 @@ class RequestRun(RunRecord):
         fleet, health = self.router.fleet, self.router.health
         candidates, held_in = fleet.placeable(leg, trio.current_time())
         health.note_placement(leg, held_in)
-        engine = pick(candidates, turn=fleet.turn, avoid=self.failed_engines, prefer_not=prefer_not)
-        if engine is None:
+        choice = choose(
+            candidates,
+            leg,
+            self.config.placement,
+            rng=self.router.rng,
+            now=trio.current_time(),
+            turn=fleet.turn,
+            avoid=self.failed_engines,
+            prefer_not=prefer_not,
+            key=self._prefix_key() if leg == "prefill" else None,
+            ring=fleet.ring,
+        )
+        if choice is None:
             raise NoCapacity(
                 f"no placeable {'producer' if leg == 'prefill' else 'consumer'} engine",
                 phase=Phase.ADMISSION,
             )
-        return engine
+        self.router.metrics.placements.labels(leg, choice.reason).inc()
+        return choice.engine
+
+    def _prefix_key(self) -> str | None:
+        if not self.config.placement.prefix_affinity:
+            return None
+        if self._prefix is None:  # once per request: every retry keys the same
+            self._prefix = prefix_key(self.req.body, chat=self.req.chat)
+        return self._prefix
 
     async def _attempt(self) -> None:
         """One prefill leg, one handoff, one decode leg; each leg's result feeds its

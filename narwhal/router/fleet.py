@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from narwhal.config import EngineSpec, RecoveryConfig
 from narwhal.router.breaker import Breaker
+from narwhal.router.engine_report import EngineReport
+from narwhal.router.policies import PrefixRing
 
 Leg = Literal["prefill", "decode"]  # the two legs of an attempt; an engine serves one as it
 HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engine is gone
@@ -27,6 +29,8 @@ class EngineState:
         "index",
         "inflight",
         "inflight_gauges",
+        "report",
+        "scrape_failures",
         "spec",
         "up",
     )
@@ -46,6 +50,9 @@ class EngineState:
         self.up = False
         self.health_failures = 0
         self.checked_at: float | None = None
+        # its own account of its load, from its /metrics (placement.metrics_interval_s)
+        self.report: EngineReport | None = None
+        self.scrape_failures = 0  # in a row; a scrape never moves the breaker
 
     def note_health(self, ok: bool, now: float) -> str | None:
         """Record one active health check; the transition it caused ("joined", "left")."""
@@ -74,7 +81,7 @@ class EngineState:
     def load(self) -> int:
         return self.inflight["prefill"] + self.inflight["decode"]
 
-    def snapshot(self, now: float, held_in: bool) -> dict[str, object]:
+    def snapshot(self, now: float, held_in: bool, interval_s: float = 0.0) -> dict[str, object]:
         """The operator's view (``/narwhal/engines``); times are seconds from ``now``."""
         b = self.breaker
         return {
@@ -99,6 +106,8 @@ class EngineState:
             "last_health_ago_s": None
             if self.checked_at is None
             else round(now - self.checked_at, 3),
+            "report": None if self.report is None else self.report.view(now, interval_s),
+            "scrape_failures": self.scrape_failures,
             "last_probe": b.last_probe,
             "last_probe_ago_s": None
             if b.last_probe_at is None
@@ -165,6 +174,8 @@ class Fleet:
         self.by_id = {e.id: e for e in engines}
         self.producers = [e for e in engines if e.spec.can_prefill]
         self.consumers = [e for e in engines if e.spec.can_decode]
+        # prefix affinity's ring: a producer added or removed moves only its own keys
+        self.ring = PrefixRing([e.id for e in self.producers])
 
     def reserve(self, engine: EngineState, leg: Leg) -> Reservation:
         return Reservation(engine, leg)

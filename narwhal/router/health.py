@@ -209,7 +209,7 @@ class Health:
                 nursery.start_soon(self.check, engine)
 
     async def check(self, engine: EngineState) -> None:
-        ok = await self._health_check(engine, self._checks_client()) == "pass"
+        ok = await self._health_check(engine, self.checks_client()) == "pass"
         self._noted(engine, engine.note_health(ok, trio.current_time()))
 
     def _noted(self, engine: EngineState, change: str | None) -> None:
@@ -251,7 +251,7 @@ class Health:
         leg: Leg = engine.failed_as or ("decode" if engine.spec.can_decode else "prefill")
         return await self._inference_probe(engine, leg)
 
-    def _checks_client(self) -> EngineClient:
+    def checks_client(self) -> EngineClient:
         """Active checks have their own small pool: they never take a data leg's connection
         slot, and a data leg never rides on a connection a check opened (a stale one would
         hide an engine that no longer accepts connections)."""

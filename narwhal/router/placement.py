@@ -1,35 +1,81 @@
-"""Placement: which producer and which consumer, as a pure function of fleet state."""
+"""Placement: which producer and which consumer, as a pure function of fleet state (SPEC 4.4).
+
+The candidates are the placeable engines of the leg's role (``Fleet.placeable``). Engines
+a retry must avoid are used only when nothing else is left; then:
+
+* one candidate: it (reason ``only``);
+* a producer with prefix affinity: the prompt prefix's home on the ring unless it carries
+  more than ``affinity_load_factor`` x the mean load, then the next under the bound
+  (``affinity``, ``spill``);
+* ``least_loaded``: the lighter of two random candidates (``least_loaded``);
+* ``round_robin``: the next in rotation (``round_robin``).
+
+Load is this router's legs on the engine plus the engine's queue from a fresh scrape; a
+consumer's KV cache usage weighs in. Ties prefer a consumer other than the producer, then
+rotate with ``turn``, so equal engines share the load.
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
-from narwhal.router.fleet import EngineState
+from narwhal.config import PlacementConfig
+from narwhal.router.fleet import EngineState, Leg
+from narwhal.router.policies import EngineLoad, PrefixRing, least_loaded
+
+Reason = Literal["only", "affinity", "spill", "least_loaded", "round_robin"]
+REASONS: tuple[Reason, ...] = ("only", "affinity", "spill", "least_loaded", "round_robin")
 
 
-def pick(
+@dataclass(frozen=True, slots=True)
+class Choice:
+    engine: EngineState
+    reason: Reason
+
+
+def load_of(engine: EngineState, now: float, interval_s: float) -> EngineLoad:
+    """What placement weighs: the engine's own report counts only while it is fresh."""
+    report = engine.report
+    if report is None or not report.fresh(now, interval_s):
+        return EngineLoad(engine.id, engine.load)
+    return EngineLoad(engine.id, engine.load, report.queued, report.kv_usage)
+
+
+def choose(
     candidates: Sequence[EngineState],
+    leg: Leg,
+    config: PlacementConfig,
     *,
+    rng: random.Random,
+    now: float,
     turn: int = 0,
     avoid: Collection[str] = (),
     prefer_not: str | None = None,
-) -> EngineState | None:
-    """The least-loaded candidate not in ``avoid``.
-
-    Ties go to an engine other than ``prefer_not`` (a consumer distinct from the producer
-    keeps prefill and decode apart), then rotate with ``turn`` so equal engines share load.
-    Engines in ``avoid`` are used only when nothing else is left.
-    """
+    key: str | None = None,
+    ring: PrefixRing | None = None,
+) -> Choice | None:
+    """The engine for ``leg`` and why; None when there are no candidates. ``key`` is the
+    request's prompt prefix (producers only), ``ring`` the producers' ring."""
+    pool = [e for e in candidates if e.id not in avoid] or list(candidates)
+    if len(pool) <= 1:
+        return Choice(pool[0], "only") if pool else None
+    consumer = leg == "decode"
+    costs = {e.id: load_of(e, now, config.metrics_interval_s).cost(consumer=consumer) for e in pool}
+    if not consumer and config.prefix_affinity and key is not None and ring is not None:
+        home, spilled = ring.choose(key, costs, config.affinity_load_factor)
+        for engine in pool:
+            if engine.id == home:
+                return Choice(engine, "spill" if spilled else "affinity")
     n = len(candidates)
-    best: EngineState | None = None
-    best_key: tuple[int, int, int, int] | None = None
-    for engine in candidates:
-        key = (
-            engine.id in avoid,
-            engine.load,
-            engine.id == prefer_not,
-            (engine.index - turn) % n if n else 0,
-        )
-        if best_key is None or key < best_key:
-            best, best_key = engine, key
-    return best
+
+    def rotation(e: EngineState) -> tuple[bool, int]:
+        return e.id == prefer_not, (e.index - turn) % n
+
+    if config.policy == "round_robin":
+        return Choice(min(pool, key=rotation), "round_robin")
+    chosen = least_loaded(pool, rng, lambda e: (costs[e.id], *rotation(e)))
+    assert chosen is not None  # the pool has two or more
+    return Choice(chosen, "least_loaded")

@@ -19,13 +19,14 @@ import bisect
 import hashlib
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 VNODES = 64  # points per producer on the ring: spreads each producer's share evenly
 PREFIX_CHARS = 512  # the leading part of a prompt that keys affinity (a system prompt)
 KV_WEIGHT = 8.0  # a consumer's full KV cache weighs as much as this many queued requests
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,18 +42,13 @@ class EngineLoad:
         return self.inflight + self.queued + (KV_WEIGHT * self.kv_usage if consumer else 0.0)
 
 
-def least_loaded(
-    candidates: Sequence[EngineLoad], rng: random.Random, *, consumer: bool = False
-) -> EngineLoad | None:
-    """Power of two choices: two distinct random candidates, the lighter wins (ties: the
-    first drawn, so equal engines share the load at random)."""
-    if not candidates:
-        return None
-    if len(candidates) == 1:
-        return candidates[0]
+def least_loaded(candidates: Sequence[T], rng: random.Random, rank: Callable[[T], Any]) -> T | None:
+    """Power of two choices: two distinct random candidates, the one of lower ``rank``
+    wins (with two or fewer candidates, the lowest of all)."""
+    if len(candidates) <= 2:
+        return min(candidates, key=rank, default=None)
     a, b = rng.sample(range(len(candidates)), 2)
-    first, second = candidates[a], candidates[b]
-    return second if second.cost(consumer=consumer) < first.cost(consumer=consumer) else first
+    return min(candidates[a], candidates[b], key=rank)
 
 
 def prefix_key(body: Mapping[str, Any], *, chat: bool) -> str:

@@ -37,6 +37,7 @@ from narwhal.router.journal import Caller, Journal, JournalLine, Outcome
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget
+from narwhal.router.scraper import Scraper
 
 log = logging.getLogger("narwhal.router")
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -78,6 +79,7 @@ class Router:
         if api_key:
             _warn_plain_http_keys(config)
         self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
+        self.scraper = Scraper(self)  # engines' /metrics for placement, same nursery
         self.config_path = config_path
         self.draining = False
         self.drain_deadline = math.inf
@@ -95,7 +97,10 @@ class Router:
             "model": self.config.model,
             "admitted": self.admitted,
             "maintenance": self.health.maintenance,
-            "engines": [e.snapshot(now, held_in=e.id in held) for e in self.fleet.engines],
+            "engines": [
+                e.snapshot(now, e.id in held, self.config.placement.metrics_interval_s)
+                for e in self.fleet.engines
+            ],
         }
         if self.config.discover:
             view["discovery"] = self.discovery.view()

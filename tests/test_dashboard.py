@@ -36,6 +36,8 @@ def _metric_names(expr: str) -> set[str]:
 
 async def test_dashboard_queries_name_exported_metrics(nursery: trio.Nursery) -> None:
     harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
+    for engine in harness.router.fleet.engines:  # the engines' own queues, scraped once
+        assert await harness.router.scraper.scrape(engine)
     text = (await harness.get("/metrics")).body.decode()
     exported = set()
     for family in text_string_to_metric_families(text):

@@ -67,6 +67,12 @@ def test_every_default() -> None:
         "readmit_interval_s": 10.0,
         "restart_policy": "individual",
     }
+    assert msgspec.structs.asdict(fleet.placement) == {
+        "policy": "least_loaded",
+        "metrics_interval_s": 1.0,
+        "prefix_affinity": True,
+        "affinity_load_factor": 1.25,
+    }
     assert fleet.engine_contract is None
 
 
@@ -125,6 +131,14 @@ def test_wrong_type_names_the_path_and_the_rule() -> None:
         (
             '[recovery]\nrestart_policy = "sometimes"',
             "recovery.restart_policy: must be one of 'individual', 'whole_wave'",
+        ),
+        (
+            '[placement]\npolicy = "random"',
+            "placement.policy: must be one of 'least_loaded', 'round_robin'",
+        ),
+        (
+            "[placement]\naffinity_load_factor = 0.5",
+            "placement.affinity_load_factor: must be a number >= 1.0",
         ),
         (
             "[engine_contract]\nconnector = 'NixlConnector'",

@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument(
         "--max-model-len", type=int, default=32768, help="longest prompt plus output, in tokens"
     )
+    from narwhal.fake_engine import cost as fake_cost
+
+    fake_cost.add_arguments(fake)  # the cost model: --slots, --prefix-cache-blocks, ...
 
     check = add(
         "check", help="preflight: reach every engine, move KV across pairs", epilog=EXIT_STATUS_HELP
@@ -475,6 +478,7 @@ async def _signalled() -> None:
 
 
 def _fake_engine(args: argparse.Namespace) -> int:
+    from narwhal.fake_engine import cost as fake_cost
     from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 
     engine = FakeEngine(
@@ -489,6 +493,7 @@ def _fake_engine(args: argparse.Namespace) -> int:
             prefill_delay_per_token_s=args.prefill_delay_per_token_s,
             kv_lease_s=args.kv_lease_s,
             max_model_len=args.max_model_len,
+            **fake_cost.config_fields(args),
         )
     )
 

@@ -4,23 +4,28 @@ Start it in-process with ``url = await nursery.start(engine.serve)`` or from the
 ``narwhal fake-engine --port N``. Observability for tests: ``engine.counters``,
 ``engine.log`` (recent request bodies and backend ids), ``engine.store.events``; over HTTP:
 ``GET /fake/stats``, ``GET /fake/log``, ``POST /fake/faults``.
+
+An optional cost model (``cost``: slots and a FIFO queue, prefill time per uncached prompt
+token, a prefix cache, a slowdown) makes load and prefix placement measurable; its options
+default to off, and the engine is then as instant as ever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import time
 import uuid
 import zlib
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, Protocol
 
 import msgspec
 import trio
 
-from narwhal.fake_engine import answers
+from narwhal.fake_engine import answers, cost
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.faults import Fault, FaultQueue
 from narwhal.fake_engine.http import Exchange, Request, serve_connection
@@ -50,13 +55,25 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 0
     kv_port: int = 0  # side channel (remote_port in descriptors); ephemeral when 0
     itl_s: float = 0.0  # delay between generated tokens
-    prefill_delay_per_token_s: float = 0.0  # prompt computation time per prompt token
+    prefill_delay_per_token_s: float = 0.0  # prompt computation time per uncached token
     kv_lease_s: float = 30.0  # how long a producer holds blocks nobody pulled
     kv_blocks: int = 4096  # the KV cache, in 16-token blocks (vllm:kv_cache_usage_perc)
     transfer_delay_s: float = 0.0  # how long pulling the KV blocks takes on a consumer
     max_model_len: int = 32768
     default_max_tokens: int = 16
     log_size: int = 512
+    # the cost model (narwhal.fake_engine.cost), off by default
+    slots: int = 0  # requests computed at once, the rest queue (0: unlimited)
+    prefill_ms_per_token: float = 0.0  # per uncached prompt token, added to the delay above
+    prefix_cache_blocks: int = 0  # LRU of 16-token prompt blocks (0: no prefix cache)
+    slowdown: float = 1.0  # multiplier on prefill time and itl_s
+
+    @property
+    def cost_model(self) -> bool:
+        """Whether any of the cost model's options is on."""
+        return bool(self.slots or self.prefill_ms_per_token or self.prefix_cache_blocks) or (
+            self.slowdown != 1.0
+        )
 
 
 class FakeEngine:
@@ -77,7 +94,11 @@ class FakeEngine:
         self.url = ""
         self.kv_port = 0
         self.start_time = time.time()
-        self.running = 0
+        self.running = 0  # completions being answered, queued ones included
+        self.waiting = 0  # of which queued for a slot
+        self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
+        self.prefix_cache = cost.PrefixCache(cfg.prefix_cache_blocks)
+        self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
         self._idle = trio.Event()
         self._idle.set()
 
@@ -175,7 +196,15 @@ class FakeEngine:
             "role": self.config.role,
             "counters": dict(self.counters),
             "kv_leases_active": len(self.store.leases),
-            "running": self.running,
+            "running": self.running - self.waiting,
+            "waiting": self.waiting,
+            "prefix_cache": {
+                "capacity_blocks": self.prefix_cache.capacity,
+                "blocks": len(self.prefix_cache.blocks),
+                "queries": self.prefix_cache.queries,
+                "hits": self.prefix_cache.hits,
+                "evictions": self.prefix_cache.evictions,
+            },
             "faults_queued": len(self.faults),
         }
 
@@ -226,13 +255,20 @@ class FakeEngine:
             "# TYPE process_start_time_seconds gauge",
             f"process_start_time_seconds {self.start_time:.3f}",
             "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{label} {self.running}",
+            f"vllm:num_requests_running{label} {self.running - self.waiting}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} {self.waiting}",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{label} {self._kv_usage():.6f}",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{label} {c['prompt_tokens']}",
             "# TYPE vllm:generation_tokens_total counter",
             f"vllm:generation_tokens_total{label} {c['generation_tokens']}",
+            # counted in prompt tokens, as vLLM does; 0 without a prefix cache
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{label} {self.prefix_cache.queries}",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{label} {self.prefix_cache.hits}",
             "# TYPE vllm:nixl_xfer_time_seconds histogram",
             f"vllm:nixl_xfer_time_seconds_count{label} {c['kv_pull_ok']}",
             "# TYPE vllm:nixl_num_failed_transfers counter",
@@ -241,8 +277,11 @@ class FakeEngine:
         return ("\n".join(lines) + "\n").encode()
 
     def _kv_usage(self) -> float:
-        """The fraction of the KV cache that leases hold (vLLM's 0..1, despite the name)."""
-        return min(1.0, self.store.blocks_held() / max(1, self.config.kv_blocks))
+        """The fraction of the KV cache that leases hold, and with the cost model also the
+        prompts of admitted requests (vLLM's 0..1, despite the name). Prefix-cached blocks
+        nobody uses count as free, as in vLLM."""
+        held = self.store.blocks_held() + self.blocks_running
+        return min(1.0, held / max(1, self.config.kv_blocks))
 
     # ---- completions ---------------------------------------------------------------------
 
@@ -292,9 +331,10 @@ class FakeEngine:
                 if fault is not None and fault.kind in ("status", "hang"):
                     await self._refuse(fault, ex)
                 else:
-                    await self._generate(
-                        body, backend_id, ex, chat=chat, leg=leg, fault=fault, entry=entry
-                    )
+                    async with self._admitted(body, chat):
+                        await self._generate(
+                            body, backend_id, ex, chat=chat, leg=leg, fault=fault, entry=entry
+                        )
                 nursery.cancel_scope.cancel()
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
             # a write lost the race with the watcher: the client is gone all the same
@@ -366,6 +406,29 @@ class FakeEngine:
             return 400, gen.error_body(msg, "BadRequestError", 400)
         return None
 
+    @contextlib.asynccontextmanager
+    async def _admitted(self, body: dict[str, Any], chat: bool) -> AsyncIterator[None]:
+        """Hold one of ``slots`` while answering (the prefill, or the KV pull and the decode
+        stream); beyond them wait in FIFO order, counted in ``waiting`` (a client that
+        leaves while queued leaves the queue). With the cost model an admitted request's
+        prompt blocks count in ``vllm:kv_cache_usage_perc``."""
+        if self._slots is not None:
+            self.waiting += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                self.waiting -= 1
+        blocks = 0
+        if self.config.cost_model:
+            blocks = -(-gen.prompt_of(body, chat)[1] // cost.BLOCK_TOKENS)
+        self.blocks_running += blocks
+        try:
+            yield
+        finally:
+            self.blocks_running -= blocks
+            if self._slots is not None:
+                self._slots.release()
+
     async def _refuse(self, fault: Fault, ex: Exchange) -> None:
         """Faults that strike before the engine does any work."""
         if fault.kind == "status":
@@ -393,13 +456,9 @@ class FakeEngine:
         stream = body.get("stream") is True
         kv = body.get("kv_transfer_params")
         remote = isinstance(kv, dict) and kv.get("do_remote_prefill") is True
-        if isinstance(kv, dict) and remote and cfg.role != "prefill":
-            if not await self._pull(kv):
-                await self._transfer_failed(ex, stream)
-                return
-            self.counters["decode_remote"] += 1
-        else:
-            await self._compute_prompt(prompt_tokens)
+        if not await self._prompt(body, chat, prompt_tokens, kv if remote else None):
+            await self._transfer_failed(ex, stream)
+            return
         self.counters["prompt_tokens"] += prompt_tokens
         produce = leg == "prefill" and not stream and cfg.role != "decode"
         if produce:
@@ -429,8 +488,31 @@ class FakeEngine:
         await ex.respond(200, response)
         entry["tokens"] = tokens
 
-    async def _compute_prompt(self, prompt_tokens: int) -> None:
-        delay = self.config.prefill_delay_per_token_s * prompt_tokens
+    async def _prompt(
+        self, body: dict[str, Any], chat: bool, prompt_tokens: int, kv: dict[str, Any] | None
+    ) -> bool:
+        """Compute the prompt, or pull its KV when ``kv`` is a descriptor (False: the pull
+        failed). With a prefix cache, only the tokens it does not hold cost prefill time."""
+        cfg = self.config
+        cache = self.prefix_cache
+        tokens = cost.prompt_tokens(body, chat) if cache.enabled else []
+        cached = cache.lookup(tokens) if cache.enabled else 0
+        if kv is not None and cfg.role != "prefill":
+            if not await self._pull(kv):
+                return False
+            self.counters["decode_remote"] += 1
+        else:
+            if cached:
+                self.counters["prompt_tokens_cached"] += cached
+            await self._compute_prompt(prompt_tokens - cached)
+        cache.insert(tokens)
+        return True
+
+    async def _compute_prompt(self, uncached_tokens: int) -> None:
+        cfg = self.config
+        delay = cost.prefill_seconds(
+            uncached_tokens, cfg.prefill_ms_per_token, cfg.prefill_delay_per_token_s, cfg.slowdown
+        )
         if delay > 0:
             await trio.sleep(delay)
 
@@ -522,7 +604,10 @@ class FakeEngine:
         if fault is not None and kind == "script":
             await _play(fault.value, ex)
             return
-        itl = fault.interval_s if fault is not None and kind == "slow_drip" else self.config.itl_s
+        if fault is not None and kind == "slow_drip":
+            itl = fault.interval_s
+        else:
+            itl = self.config.itl_s * self.config.slowdown
         await ex.start_stream()
         if kind == "headers_then_silence":
             await trio.sleep_forever()

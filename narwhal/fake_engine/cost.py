@@ -1,0 +1,180 @@
+"""The fake engine's cost model, sans I/O: prompt tokens, prompt blocks and a prefix cache.
+
+What it models, all of it off by default (the engine then answers as fast as it always did):
+concurrent slots with a FIFO queue behind them (``vllm:num_requests_running`` and
+``vllm:num_requests_waiting``), prefill time proportional to the prompt tokens the prefix
+cache does not hold, and a per-engine ``slowdown`` on every modelled compute time (prefill and
+the delay between generated tokens; a KV transfer is the link's speed and is not scaled).
+The engine does the waiting; this module only decides how long.
+
+Tokenisation is the fake engine's usual one (``generation.prompt_of``): a token per
+whitespace-separated word of the prompt (a word's id is its CRC-32), a list of token ids as
+given, and for chat the rendered messages, each four framing tokens (its role) followed by
+its content's words. Prompt blocks are vLLM's 16 tokens; a block's hash chains the hash of
+the block before it, so a block matches only under the same whole prefix, as in vLLM's
+prefix caching. Only full blocks are cached, and a hit never covers the last prompt token
+(vLLM recomputes it to get the first output's logits). The cache is an LRU of block hashes:
+after a prompt is computed its blocks are touched from the last to the first, so the
+oldest prompt's tail is evicted first and its head last, as vLLM's free-block queue does.
+Blocks are hashed with Python's ``hash`` of int tuples, which does not depend on
+``PYTHONHASHSEED``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+BLOCK_TOKENS = 16  # vLLM's default block size
+_ROOT = 0x9E3779B97F4A7C15  # the parent hash of the first block
+
+
+def _word_id(word: str) -> int:
+    return zlib.crc32(word.encode("utf-8", "surrogatepass"))
+
+
+def prompt_tokens(body: dict[str, Any], chat: bool) -> list[int]:
+    """The prompt's token ids, as many as ``generation.prompt_of`` counts (see above)."""
+    if chat:
+        out: list[int] = []
+        for message in body.get("messages") or []:
+            role = message.get("role") if isinstance(message, dict) else None
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            marker = _word_id(f"<|{role}|>")
+            out += (1, marker, 2, 3)  # start, role, separator, end of the header
+            out += map(_word_id, str(content or "").split())
+        return out
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        if all(isinstance(p, int) for p in prompt):
+            return list(prompt)
+        prompt = " ".join(map(str, prompt))
+    return list(map(_word_id, str(prompt).split())) or [0]
+
+
+def block_hashes(tokens: Sequence[int], limit: int | None = None) -> list[int]:
+    """The chained hashes of the full 16-token blocks among the first ``limit`` tokens."""
+    count = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
+    out: list[int] = []
+    parent = _ROOT
+    for start in range(0, count - count % BLOCK_TOKENS, BLOCK_TOKENS):
+        parent = hash((parent, *tokens[start : start + BLOCK_TOKENS]))
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """An LRU of prompt-block hashes with a capacity in blocks (0: no cache). Counts as
+    vLLM does: ``queries`` and ``hits`` in prompt tokens."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.queries = 0
+        self.hits = 0
+        self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """How many leading prompt tokens are cached (whole blocks, never the last token);
+        counted in ``queries`` and ``hits``. Looking up touches nothing."""
+        if not self.enabled:
+            return 0
+        hit = 0
+        for block in block_hashes(tokens, len(tokens) - 1):
+            if block not in self.blocks:
+                break
+            hit += 1
+        self.queries += len(tokens)
+        self.hits += hit * BLOCK_TOKENS
+        return hit * BLOCK_TOKENS
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        """The prompt has been computed: its full blocks become the most recently used, the
+        first block last, and the least recently used blocks beyond capacity are evicted."""
+        if not self.enabled:
+            return
+        for block in reversed(block_hashes(tokens)):
+            self.blocks[block] = None
+            self.blocks.move_to_end(block)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+            self.evictions += 1
+
+
+def prefill_seconds(
+    uncached_tokens: int, ms_per_token: float, s_per_token: float, slowdown: float
+) -> float:
+    """Time to compute ``uncached_tokens`` prompt tokens (``--prefill-ms-per-token`` and the
+    older ``--prefill-delay-per-token-s`` add up), times the engine's slowdown."""
+    return uncached_tokens * (ms_per_token / 1000 + s_per_token) * slowdown
+
+
+# ---- the command line (``narwhal fake-engine``) ----------------------------------------------
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cost model's options; every default is off (today's instant engine)."""
+    parser.add_argument(
+        "--slots",
+        type=_count,
+        default=0,
+        help="requests computed at once, the rest wait in a FIFO queue (0: unlimited)",
+    )
+    parser.add_argument(
+        "--prefill-ms-per-token",
+        type=_non_negative,
+        default=0.0,
+        help="prefill time per prompt token the prefix cache does not hold, in ms",
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=_count,
+        default=0,
+        help="prefix cache (LRU) capacity in 16-token prompt blocks (0: no cache)",
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=_positive,
+        default=1.0,
+        help="multiplier on every modelled compute time (2: a 2x slower engine)",
+    )
+
+
+def config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``FakeEngineConfig`` fields the options above set."""
+    return {
+        "slots": args.slots,
+        "prefill_ms_per_token": args.prefill_ms_per_token,
+        "prefix_cache_blocks": args.prefix_cache_blocks,
+        "slowdown": args.slowdown,
+    }

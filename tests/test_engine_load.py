@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from functools import partial
 
+import httpcore
 import msgspec
+import pytest
 import trio
 
-from narwhal.config import EngineSpec
+from narwhal.config import EngineSpec, PlacementConfig
 from tests.conftest import MODEL, finish, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3}
@@ -71,4 +73,47 @@ async def test_an_engine_that_answers_garbage_is_weighed_by_our_legs_alone(
     assert not await harness.router.scraper.scrape(x0)
     assert (x0.report, x0.breaker.streak) == (None, 0)
     assert x0.scrape_failures >= 1  # the background loop may have tried too
+    await finish(harness)
+
+
+async def _tenant(url: str) -> None:
+    """Another tenant's request straight to an engine (it waits until cancelled)."""
+    async with httpcore.AsyncConnectionPool() as http:
+        body = msgspec.json.encode({"model": MODEL, "prompt": "x " * 500, "max_tokens": 1})
+        await http.request("POST", url + "/v1/completions", content=body)
+
+
+@pytest.mark.parametrize("affinity", [False, True])
+async def test_an_engine_queued_by_others_gets_no_new_prefills(
+    nursery: trio.Nursery, affinity: bool
+) -> None:
+    """Load this router cannot see in its own legs (another router, a direct client) is in
+    the engine's /metrics: placement sends new work to the other producer."""
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "p1": "prefill", "d0": "decode"},
+        engine_config={"slots": 1, "prefill_ms_per_token": 100.0},  # 50 s per tenant
+        placement=PlacementConfig(prefix_affinity=affinity),
+    )
+    p0, router = harness.engines["p0"], harness.router
+    async with trio.open_nursery() as tenants:  # held until the end
+        for _ in range(6):
+            tenants.start_soon(_tenant, p0.url)
+        with trio.fail_after(10):
+            await p0.wait_queued(5)  # one runs, five queue
+        assert await router.scraper.scrape(router.fleet.by_id["p0"])
+        assert await router.scraper.scrape(router.fleet.by_id["p1"])
+        assert harness.engines["p1"].counters["prefill"] == 0
+        for i in range(4):  # one word: 0.1 s of prefill on p1
+            body = {"model": MODEL, "prompt": f"q{i}", "max_tokens": 2}
+            assert (await harness.post("/v1/completions", body)).status == 200
+        assert harness.engines["p1"].counters["prefill"] == 4
+        reasons = {
+            line.split("reason=")[1].split("}")[0]
+            for line in (await harness.get("/metrics")).body.decode().splitlines()
+            if line.startswith('narwhal_placement_decisions_total{leg="prefill"')
+            and not line.endswith(" 0.0")
+        }
+        assert reasons <= {'"affinity"', '"spill"'} if affinity else reasons == {'"least_loaded"'}
+        tenants.cancel_scope.cancel()
     await finish(harness)

@@ -96,6 +96,7 @@ class FakeEngine:
         self.start_time = time.time()
         self.running = 0  # completions being answered, queued ones included
         self.waiting = 0  # of which queued for a slot
+        self._queued = trio.Event()  # set as each request joins the queue
         self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
         self.prefix_cache = cost.PrefixCache(cfg.prefix_cache_blocks)
         self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
@@ -184,6 +185,11 @@ class FakeEngine:
             await ex.respond(200, b"{}")
         else:
             await ex.respond(404, b'{"detail":"Not Found"}')
+
+    async def wait_queued(self, n: int) -> None:
+        """Return once ``n`` requests wait for a slot (tests: load from elsewhere)."""
+        while self.waiting < n:
+            await self._queued.wait()
 
     async def wait_idle(self) -> None:
         """Return once no completion is being answered (a cancelled leg has ended)."""
@@ -414,6 +420,8 @@ class FakeEngine:
         prompt blocks count in ``vllm:kv_cache_usage_perc``."""
         if self._slots is not None:
             self.waiting += 1
+            self._queued.set()  # wake wait_queued, then arm for the next arrival
+            self._queued = trio.Event()
             try:
                 await self._slots.acquire()
             finally:

@@ -71,6 +71,13 @@ def test_avoided_engines_only_when_nothing_else_is_left() -> None:
     assert choose([], "decode", LEAST, rng=random.Random(0), now=0.0) is None
 
 
+def test_round_robin_rotates_over_the_role_wherever_it_sits_in_the_fleet() -> None:
+    fleet = _fleet("prefill", "decode", "prefill", "decode", "prefill")
+    picks = [_id(fleet, "prefill", ROTATE, turn=t) for t in range(6)]
+    assert picks == ["e0", "e2", "e4", "e0", "e2", "e4"]
+    assert [_id(fleet, "decode", LEAST, turn=t) for t in range(4)] == ["e1", "e3", "e1", "e3"]
+
+
 def test_round_robin_rotates_whatever_the_load() -> None:
     fleet = _fleet("both", "both", "both")
     fleet.engines[1].inflight["prefill"] = 9

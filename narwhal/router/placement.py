@@ -69,10 +69,13 @@ def choose(
         for engine in pool:
             if engine.id == home:
                 return Choice(engine, "spill" if spilled else "affinity")
+    # the rotation is over the candidates' own order: fleet positions would tie producers
+    # that sit two apart in the fleet file (p0, d0, p1), and one of them would take all
+    position = {id(e): i for i, e in enumerate(candidates)}
     n = len(candidates)
 
     def rotation(e: EngineState) -> tuple[bool, int]:
-        return e.id == prefer_not, (e.index - turn) % n
+        return e.id == prefer_not, (position[id(e)] - turn) % n
 
     if config.policy == "round_robin":
         return Choice(min(pool, key=rotation), "round_robin")

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BENCH_VENV ?= .bench-venv
 VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick e2e-vllm e2e-lb faults soak fuzz clean
+.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick bench-placement e2e-vllm e2e-lb faults soak fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,9 @@ bench-quick: venv $(BENCH_VENV)/.installed   ## all four targets, scenarios a an
 
 bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in bench/results/
 	$(PY) bench/peers.py --peers-venv $(BENCH_VENV)
+
+bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies vs the peers, 3 workloads (~15 min)
+	$(PY) bench/placement.py --peers-venv $(BENCH_VENV)
 
 faults: venv         ## the fault matrix: every scenario, 200 requests at c=32, as a table
 	$(PY) -m tests.fault_matrix --requests 200 --concurrency 32

@@ -2,7 +2,9 @@
 
 Run with the peers venv's Python (it imports narwhal-inference 0.7.0, never our package):
 
-    .bench-venv/bin/python bench/narwhal07_config.py OUT_DIR MODEL PREFILL_URL DECODE_URL
+    .bench-venv/bin/python bench/narwhal07_config.py OUT_DIR MODEL PREFILL_URLS DECODE_URLS
+
+(each a URL, or several separated by commas)
 
 Narwhal 0.7.0 admits an engine only when a loaded profile's generation digest matches the
 live engine's identity (its ``/version`` and ``process_start_time_seconds``), so the
@@ -37,7 +39,9 @@ def live_identity(url: str) -> dict[str, object]:
 def main() -> None:
     out, model, prefill, decode = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     out.mkdir(parents=True, exist_ok=True)
-    engines = [("n0", prefill, "prefill"), ("n1", decode, "decode")]
+    urls = [(url, "prefill") for url in prefill.split(",")]
+    urls += [(url, "decode") for url in decode.split(",")]
+    engines = [(f"n{i}", url, role) for i, (url, role) in enumerate(urls)]
     profiles = []
     for iid, url, _ in engines:
         profiles.append(

@@ -225,6 +225,24 @@ def _failure(status: int, tail: bytes) -> str | None:
     return None
 
 
+async def prefill_leg(pool: Pool, body: dict) -> bytes:  # type: ignore[type-arg]
+    """A prefill leg as a router sends it (``max_tokens`` 1, ``do_remote_decode``); the
+    producer's answer."""
+    pre = {
+        **body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    async with await pool.request(
+        b"POST",
+        b"/v1/completions",
+        [(b"content-type", b"application/json")],
+        msgspec.json.encode(pre),
+    ) as resp:
+        return await resp.read_all(1 << 22)
+
+
 async def lower_bound_request(
     p_pool: Pool,
     d_pool: Pool,
@@ -233,20 +251,7 @@ async def lower_bound_request(
 ) -> tuple[str | None, float | None, float]:
     """What a router must do at minimum: prefill, then decode with the descriptor."""
     start = time.perf_counter()
-    pre = {
-        **body,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {"do_remote_decode": True},
-    }
-    async with await p_pool.request(
-        b"POST",
-        b"/v1/completions",
-        [(b"content-type", b"application/json")],
-        msgspec.json.encode(pre),
-    ) as resp:
-        data = await resp.read_all(1 << 22)
-    kv = msgspec.json.decode(data)["kv_transfer_params"]
+    kv = msgspec.json.decode(await prefill_leg(p_pool, body))["kv_transfer_params"]
     decode_start = time.perf_counter()
     failure, first, _ = await one_request(
         d_pool, msgspec.json.encode({**body, "kv_transfer_params": kv}), streaming
@@ -334,15 +339,30 @@ class Target:
     start: Callable[[str, str, Path], tuple[Proc, str]] | None  # None: the lower bound
 
 
-def start_narwhal(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
-    fleet = tmp / "fleet.toml"
-    fleet.write_text(
-        f'model = "{MODEL}"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
-        f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
-        "[serving]\nmax_inflight = 20000\n"
-        # the peers have no first-token timeout: measure routing, not our 2.5 s default
-        "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n"
+def engines_toml(prefills: list[str], decodes: list[str]) -> str:
+    """The ``[[engines]]`` blocks of a fleet file: producers p0.., consumers d0.."""
+    return "".join(
+        f'[[engines]]\nid = "{role[0]}{i}"\nurl = "{url}"\nrole = "{role}"\n'
+        for role, urls in (("prefill", prefills), ("decode", decodes))
+        for i, url in enumerate(urls)
     )
+
+
+def start_narwhal(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
+    return serve_narwhal(
+        f'model = "{MODEL}"\n'
+        + engines_toml([p_url], [d_url])
+        + "[serving]\nmax_inflight = 20000\n"
+        # the peers have no first-token timeout: measure routing, not our 2.5 s default
+        "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n",
+        tmp,
+    )
+
+
+def serve_narwhal(fleet_text: str, tmp: Path) -> tuple[Proc, str]:
+    """``narwhal serve`` on a fleet file of this text; (process, URL)."""
+    fleet = tmp / "fleet.toml"
+    fleet.write_text(fleet_text)
     proc = Proc(
         [
             sys.executable,
@@ -369,6 +389,13 @@ def peers_bin(name: str) -> Path:
 
 
 def start_vllm_router(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
+    return launch_vllm_router([p_url], [d_url], tmp)
+
+
+def launch_vllm_router(
+    prefills: list[str], decodes: list[str], tmp: Path, extra: tuple[str, ...] = ()
+) -> tuple[Proc, str]:
+    """vllm-router in PD mode over these engines (``extra``: e.g. its ``--policy``)."""
     port = free_port()
     proc = Proc(
         [
@@ -378,12 +405,14 @@ def start_vllm_router(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
             "--port",
             str(port),
             "--vllm-pd-disaggregation",
-            "--prefill",
-            p_url,
-            "--decode",
-            d_url,
+            *(arg for url in prefills for arg in ("--prefill", url)),
+            *(arg for url in decodes for arg in ("--decode", url)),
+            # its default 29000 may be taken (another run, another router)
+            "--prometheus-port",
+            str(free_port()),
             "--log-level",
             "warning",
+            *extra,
         ],
         tmp / "vllm-router.log",
     )
@@ -393,6 +422,10 @@ def start_vllm_router(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
 
 
 def start_narwhal07(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
+    return launch_narwhal07([p_url], [d_url], tmp)
+
+
+def launch_narwhal07(prefills: list[str], decodes: list[str], tmp: Path) -> tuple[Proc, str]:
     """narwhal-inference 0.7.0: a fleet file and synthetic profiles bound to the live
     engines' identity, written by its own digest code (bench/narwhal07_config.py)."""
     config_dir = tmp / "narwhal07"
@@ -402,8 +435,8 @@ def start_narwhal07(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
             str(Path(__file__).with_name("narwhal07_config.py")),
             str(config_dir),
             MODEL,
-            p_url,
-            d_url,
+            ",".join(prefills),
+            ",".join(decodes),
         ],
         check=True,
         capture_output=True,
@@ -443,26 +476,20 @@ TARGETS = [
 def start_engines(scenario: Scenario, tmp: Path) -> tuple[list[Proc], str, str]:
     procs, urls = [], []
     for role in ("prefill", "decode"):
-        proc = Proc(
-            [
-                sys.executable,
-                "-m",
-                "narwhal",
-                "fake-engine",
-                "--port",
-                "0",
-                "--role",
-                role,
-                "--itl-s",
-                str(scenario.itl_s),
-                "--max-model-len",
-                "65536",
-            ],
-            tmp / f"engine-{role}.log",
-        )
+        args = ["--itl-s", str(scenario.itl_s), "--max-model-len", "65536"]
+        proc, url = start_fake_engine(role, args, tmp / f"engine-{role}.log")
         procs.append(proc)
-        urls.append(proc.wait_for_url("fake-engine"))
+        urls.append(url)
     return procs, urls[0], urls[1]
+
+
+def start_fake_engine(role: str, args: list[str], log: Path) -> tuple[Proc, str]:
+    """``narwhal fake-engine`` on a free port of 127.0.0.1 in ``role``; (process, URL)."""
+    proc = Proc(
+        [sys.executable, "-m", "narwhal", "fake-engine", "--port", "0", "--role", role, *args],
+        log,
+    )
+    return proc, proc.wait_for_url("fake-engine")
 
 
 def measure(scenario: Scenario, target: Target, engines: tuple[str, str], tmp: Path) -> Result:
@@ -550,12 +577,13 @@ def _errors(r: Result) -> str:
     return f" failures: {kinds}" if kinds else ""
 
 
-def plot(results_json: Path, path: Path) -> bool:
-    """Draw the plot with the peers venv's matplotlib (bench/plot.py); False if it fails."""
+def plot(results_json: Path, path: Path, script: str = "plot.py") -> bool:
+    """Draw the plot with the peers venv's matplotlib (bench/plot.py, or another script
+    of bench/ that takes the results JSON and the PNG's path); False if it fails."""
     proc = subprocess.run(
         [
             str(peers_bin("python")),
-            str(Path(__file__).with_name("plot.py")),
+            str(Path(__file__).with_name(script)),
             str(results_json),
             str(path),
         ],

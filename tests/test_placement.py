@@ -55,6 +55,16 @@ def test_the_engines_own_queue_counts_while_fresh() -> None:
     assert stale.engine.id == "e0"
 
 
+def test_our_own_legs_count_once() -> None:
+    """The engine's queue counts the legs this router sent it: only the rest is added."""
+    fleet = _fleet("both", "both")
+    fleet.engines[0].inflight["prefill"] = 5  # ours, and all the engine runs
+    fleet.engines[0].report = EngineReport(at=0.0, running=5, waiting=0, kv_usage=0.0, ours=5)
+    fleet.engines[1].inflight["prefill"] = 2
+    fleet.engines[1].report = EngineReport(at=0.0, running=2, waiting=4, kv_usage=0.0, ours=2)
+    assert _id(fleet, "prefill") == "e0"  # 5 against 2 + 4 others (counted twice: 10 to 8)
+
+
 def test_a_full_kv_cache_steers_decode_only() -> None:
     fleet = _fleet("both", "both")
     fleet.engines[0].report = EngineReport(at=0.0, running=0, waiting=0, kv_usage=0.9)

@@ -9,9 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narwhal.router.policies import (
+    AFFINITY_SLACK,
     PREFIX_CHARS,
     EngineLoad,
     PrefixRing,
+    bound,
     least_loaded,
     prefix_key,
 )
@@ -104,13 +106,27 @@ def test_bounded_load_spills_only_past_the_bound(
     load = {pid: float(loads[i]) for i, pid in enumerate(producers)}
     chosen, spilled = ring.choose(key, load, factor)
     assert chosen in load
-    bound = math.ceil(factor * (sum(load.values()) + 1) / len(load))
+    limit = bound(list(load.values()), factor)
+    assert limit >= math.ceil(factor * (sum(load.values()) + 1) / len(load))
+    assert limit >= min(load.values()) + AFFINITY_SLACK
     home = ring.order(key)[0]
-    if load[home] + 1 <= bound:
+    if load[home] + 1 <= limit:
         assert (chosen, spilled) == (home, False)  # the prefix stays where its KV is
     else:
         assert spilled
-        assert load[chosen] + 1 <= bound or all(load[p] + 1 > bound for p in load)
+        assert load[chosen] + 1 <= limit or all(load[p] + 1 > limit for p in load)
+
+
+def test_a_few_requests_more_than_the_lightest_never_spill() -> None:
+    """At low load a spill (a full prefill elsewhere, and that producer's own prefixes
+    evicted) costs more than a short queue: the home keeps its prefix up to the slack."""
+    ring = PrefixRing(["p0", "p1"])
+    home, other = ring.order("system prompt")
+    assert ring.choose("system prompt", {home: 3.0, other: 0.0}, 1.25) == (home, False)
+    assert ring.choose("system prompt", {home: 4.0, other: 0.0}, 1.25) == (other, True)
+    # at high load the relative bound decides: 1.25 x the mean
+    assert ring.choose("system prompt", {home: 24.0, other: 16.0}, 1.25) == (home, False)
+    assert ring.choose("system prompt", {home: 30.0, other: 16.0}, 1.25) == (other, True)
 
 
 def test_a_ring_takes_only_placeable_producers() -> None:

@@ -3,8 +3,9 @@
 vLLM exports the queue it runs (``vllm:num_requests_running``), the queue it holds back
 (``vllm:num_requests_waiting``), how full its KV cache is (``vllm:kv_cache_usage_perc``,
 0..1 despite the name) and its prefix cache counters (``vllm:prefix_cache_queries`` and
-``vllm:prefix_cache_hits``, in tokens). Placement adds the queue to this router's own legs,
-so load from other routers and from clients that bypass this one counts too.
+``vllm:prefix_cache_hits``, in tokens). Placement adds the part of that queue which is
+not this router's own legs, so load from other routers and from clients that bypass this
+one counts too, and our own legs count once.
 
 The exposition is parsed with prometheus-client's parser, over the lines of these series
 only: a vLLM engine exports hundreds of histogram lines placement never reads.
@@ -39,6 +40,13 @@ class EngineReport:
     kv_usage: float  # 0..1
     prefix_queries: float | None = None  # tokens looked up in the prefix cache, ever
     prefix_hits: float | None = None  # of them, found
+    ours: int = 0  # this router's legs on the engine when the scrape was answered
+
+    @property
+    def others(self) -> float:
+        """The engine's queue that is not this router's: the engine counts our legs too,
+        and they are weighed from our own count, which is never stale."""
+        return max(0.0, self.queued - self.ours)
 
     @property
     def queued(self) -> float:
@@ -59,6 +67,7 @@ class EngineReport:
         return {
             "running": self.running,
             "waiting": self.waiting,
+            "ours": self.ours,
             "kv_cache_usage": round(self.kv_usage, 4),
             "prefix_cache_hit_ratio": None if ratio is None else round(ratio, 4),
             "age_s": round(now - self.at, 3),
@@ -66,7 +75,7 @@ class EngineReport:
         }
 
 
-def parse_report(text: str, at: float) -> EngineReport:
+def parse_report(text: str, at: float, ours: int = 0) -> EngineReport:
     """The report in a ``/metrics`` exposition. Several label sets of one series (vLLM's
     data-parallel ranks) add up; KV usage takes the fullest. Raise ``ReportError`` when
     the text does not parse or has no queue series."""
@@ -93,4 +102,5 @@ def parse_report(text: str, at: float) -> EngineReport:
         kv_usage=min(1.0, max([0.0, *values.get(KV_USAGE, ())])),
         prefix_queries=total(PREFIX_QUERIES),
         prefix_hits=total(PREFIX_HITS),
+        ours=ours,
     )

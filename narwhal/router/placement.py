@@ -10,8 +10,9 @@ a retry must avoid are used only when nothing else is left; then:
 * ``least_loaded``: the lighter of two random candidates (``least_loaded``);
 * ``round_robin``: the next in rotation (``round_robin``).
 
-Load is this router's legs on the engine plus the engine's queue from a fresh scrape; a
-consumer's KV cache usage weighs in. Ties prefer a consumer other than the producer, then
+Load is this router's legs on the engine plus the rest of the engine's queue from a fresh
+scrape (the engine counts our legs too: they count once); a consumer's KV cache usage
+weighs in. Ties prefer a consumer other than the producer, then
 rotate with ``turn``, so equal engines share the load.
 """
 
@@ -41,7 +42,7 @@ def load_of(engine: EngineState, now: float, interval_s: float) -> EngineLoad:
     report = engine.report
     if report is None or not report.fresh(now, interval_s):
         return EngineLoad(engine.id, engine.load)
-    return EngineLoad(engine.id, engine.load, report.queued, report.kv_usage)
+    return EngineLoad(engine.id, engine.load, report.others, report.kv_usage)
 
 
 def choose(

@@ -1,13 +1,15 @@
 """Placement policies (SPEC 4.4), pure: load-aware choice and prefix affinity.
 
 * ``least_loaded``: the lighter of two random candidates (power of two choices). A load is
-  this router's in-flight legs on the engine plus the engine's own queue as last scraped
-  (a scrape older than three intervals counts as nothing); a consumer's KV cache usage
-  weighs in, since a consumer near a full cache stalls every pull.
+  this router's in-flight legs on the engine plus the part of the engine's own queue, as
+  last scraped, that is not ours (other routers, other clients; a scrape older than three
+  intervals counts as nothing); a consumer's KV cache usage weighs in, since a consumer
+  near a full cache stalls every pull.
 * ``PrefixRing``: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam,
   2018) over the producers, keyed by the leading part of the prompt, so requests that share
   a prefix reach the producer that holds its KV cache, until it carries more than
-  ``load_factor`` times the mean load; then the next producer on the ring. Adding or
+  ``load_factor`` times the mean load (and ``AFFINITY_SLACK`` more than the lightest);
+  then the next producer on the ring. Adding or
   removing a producer moves only the keys of its own arcs.
 
 The trio shell (``narwhal.router.execute``) builds the views from fleet state and scrapes.
@@ -26,6 +28,7 @@ from typing import Any, TypeVar
 VNODES = 64  # points per producer on the ring: spreads each producer's share evenly
 PREFIX_CHARS = 512  # the leading part of a prompt that keys affinity (a system prompt)
 KV_WEIGHT = 8.0  # a consumer's full KV cache weighs as much as this many queued requests
+AFFINITY_SLACK = 4  # requests a prefix's home may carry over the lightest before spilling
 T = TypeVar("T")
 
 
@@ -35,11 +38,11 @@ class EngineLoad:
 
     id: str
     inflight: int  # this router's legs on it
-    queued: float = 0.0  # the engine's running + waiting, from a fresh scrape (else 0)
+    others: float = 0.0  # the engine's queue that is not ours, from a fresh scrape (else 0)
     kv_usage: float = 0.0  # 0..1, from a fresh scrape (else 0)
 
     def cost(self, *, consumer: bool) -> float:
-        return self.inflight + self.queued + (KV_WEIGHT * self.kv_usage if consumer else 0.0)
+        return self.inflight + self.others + (KV_WEIGHT * self.kv_usage if consumer else 0.0)
 
 
 def least_loaded(candidates: Sequence[T], rng: random.Random, rank: Callable[[T], Any]) -> T | None:
@@ -102,15 +105,26 @@ class PrefixRing:
     def choose(
         self, key: str, loads: Mapping[str, float], load_factor: float
     ) -> tuple[str | None, bool]:
-        """(producer, spilled): the key's home producer unless its load passes the bound
-        ``ceil(load_factor * (total + 1) / n)``, then the next on the ring under it.
-        Only producers in ``loads`` (the placeable ones) are taken."""
+        """(producer, spilled): the key's home producer unless its load passes the bound,
+        then the next on the ring under it. Only producers in ``loads`` (the placeable
+        ones) are taken."""
         placeable = [pid for pid in self.order(key) if pid in loads]
         if not placeable:
             return None, False
-        total = sum(loads[pid] for pid in placeable)
-        bound = math.ceil(load_factor * (total + 1) / len(placeable))
+        limit = bound([loads[pid] for pid in placeable], load_factor)
         for i, pid in enumerate(placeable):
-            if loads[pid] + 1 <= bound:
+            if loads[pid] + 1 <= limit:
                 return pid, i > 0
         return min(placeable, key=lambda pid: loads[pid]), True
+
+
+def bound(loads: Sequence[float], load_factor: float) -> float:
+    """The most a producer may carry, this request included, and keep its prefixes:
+    ``ceil(load_factor * (total + 1) / n)`` (bounded loads), but never under the lightest
+    producer's load plus ``AFFINITY_SLACK``. At low load the multiplicative bound alone
+    spills at 2 against 0, and every spill is a full prefill on a producer without the
+    prefix, which also evicts that producer's own prefixes: a few queued requests cost
+    less than that (vllm-router's cache_aware pairs a relative and an absolute threshold
+    the same way)."""
+    relative = math.ceil(load_factor * (sum(loads) + 1) / len(loads))
+    return max(relative, min(loads) + AFFINITY_SLACK)

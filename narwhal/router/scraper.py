@@ -72,7 +72,9 @@ class Scraper:
                 status, body = await client.get(engine.url, "/metrics")
                 if status != 200:
                     raise ReportError(f"/metrics answered {status}")
-                report = parse_report(body.decode("utf-8", "replace"), trio.current_time())
+                text = body.decode("utf-8", "replace")
+                # our legs as the engine answered: its queue counts them too
+                report = parse_report(text, trio.current_time(), ours=engine.load)
             except (RequestFault, ReportError):
                 pass
             else:

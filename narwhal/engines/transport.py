@@ -31,6 +31,7 @@ from narwhal.engines.chunked import ChunkedDecoder, ChunkedError
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never race its close
 READ_SIZE = 65536
+wait_readable = trio.lowlevel.wait_readable
 
 
 class TransportError(Exception):
@@ -182,7 +183,10 @@ class Pool:
         """Send a request and read the response head; the caller reads the body and closes
         the Response. Holds a capacity-limiter slot until then."""
         response = Response(self)
-        await self.limiter.acquire_on_behalf_of(response)
+        try:  # a free slot is taken without a checkpoint (the connect or send has its own)
+            self.limiter.acquire_on_behalf_of_nowait(response)
+        except trio.WouldBlock:
+            await self.limiter.acquire_on_behalf_of(response)
         try:
             for _ in range(2):  # a reused connection closed under us gets one fresh retry
                 conn, reused = await self._checkout()
@@ -308,12 +312,23 @@ class Response:
             raise TransportError(f"engine broke HTTP: {exc}") from None
 
     async def _next_chunked(self, decoder: ChunkedDecoder) -> bytes | None:
+        """The relay's read, in one function: wait until readable, read once, decode."""
         conn = self.conn
         assert conn is not None
-        parts, self._early = self._early, []
+        parts = self._early
+        if parts:
+            self._early = []
+        fd = conn.fd
         while not parts and not decoder.done:
             try:
-                data = await conn.receive()
+                if fd < 0:
+                    data = await conn.receive()
+                else:  # conn.receive's socket path, inlined: this runs once per token
+                    await wait_readable(fd)
+                    try:
+                        data = os.read(fd, READ_SIZE)
+                    except BlockingIOError:  # pragma: no cover - a spurious wakeup
+                        continue
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise TransportError(f"connection broke: {_describe(exc)}") from None
             if not data:
@@ -321,7 +336,10 @@ class Response:
                     "engine broke HTTP: peer closed connection without sending complete "
                     "message body (incomplete chunked read)"
                 )
-            parts = self._decode(data)
+            try:
+                parts = decoder.feed(data)  # never an empty part
+            except ChunkedError as exc:
+                raise TransportError(f"engine broke HTTP: {exc}") from None
         if decoder.done:
             self.done = True
             if not parts:

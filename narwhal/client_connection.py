@@ -74,6 +74,9 @@ SHAPES = {
     # the idle watcher stands in for these: the timer's task, and the Updated events
     # (idle at the connection's start and after each response, busy at each request)
     "hypercorn.trio.tcp_server:TCPServer._idle_timeout": "076077a62ad1c28f",
+    # where the app's disconnect is told (Http11Protocol._close_stream comes first)
+    "hypercorn.protocol.h11:H11Protocol._close_stream": "6250ae85040025b4",
+    "hypercorn.protocol.http_stream:HTTPStream.handle": "5cc61571acaf1005",
     "hypercorn.protocol.h11:H11Protocol._maybe_recycle": "dba7c077157520be",
     "hypercorn.protocol.h11:H11Protocol._handle_events": "ef9aeffc27380262",
 }
@@ -86,6 +89,9 @@ ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must
 # and the framing error that ended the request's body
 REQUEST_ID = "narwhal.request_id"
 FRAMING_ERROR = "narwhal.framing_error"
+# a callable the app puts in its scope: called once, when its stream closes (the client
+# went away, or the response ended), where hypercorn queues ``http.disconnect``
+ON_DISCONNECT = "narwhal.on_disconnect"
 
 
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
@@ -150,6 +156,18 @@ class Http11Protocol(H11Protocol):
         await self._send_h11_event(h11.Data(data=payload))
         await self._send_h11_event(h11.EndOfMessage())
 
+    async def _close_stream(self) -> None:
+        """Tells the app's ``ON_DISCONNECT`` callback, then hypercorn's ``http.disconnect``.
+        Not when the router closed the connection itself (``ClientConnection._abort``):
+        the request that made it close knows already, and ends with its own outcome."""
+        scope = getattr(self.stream, "scope", None)
+        notify = scope.pop(ON_DISCONNECT, None) if isinstance(scope, dict) else None
+        if notify is not None and not getattr(
+            getattr(self.send, "__self__", None), "aborted", False
+        ):
+            notify()
+        await super()._close_stream()
+
 
 class Http11Only:
     """Takes the place of hypercorn's ``ProtocolWrapper``, which switches to HTTP/2."""
@@ -185,6 +203,7 @@ class ClientConnection(TCPServer):
         self._corked: list[bytes] | None = None  # writes held back by cork()
         self._rest: bytes | memoryview | None = None  # what write_nowait left to write_rest
         self._rest_state = _REST_NONE
+        self.aborted = False  # _abort closed it: no disconnect is told for it
 
     async def run(self) -> None:
         try:
@@ -411,6 +430,7 @@ class ClientConnection(TCPServer):
 
     def _abort(self) -> None:
         """Close the socket now (a trio socket closes synchronously, waking its waiters)."""
+        self.aborted = True
         transport: Any = getattr(self.stream, "transport_stream", self.stream)  # TLS: beneath
         socket = getattr(transport, "socket", None)
         if socket is not None:

@@ -22,7 +22,7 @@ that the head goes out with the first chunk and the last chunk with the end.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import h11
@@ -31,7 +31,7 @@ from hypercorn.events import RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
-from narwhal.client_connection import ClientConnection
+from narwhal.client_connection import ON_DISCONNECT, ClientConnection, Http11Protocol
 
 PATCHED = "_narwhal_patched"  # marks a method already replaced (apply twice, patch once)
 ORIGINAL = "__narwhal_original__"  # on a replacement: what it replaced (narwhal.shapes reads it)
@@ -121,3 +121,25 @@ class DirectBody:
 
     def uncork_nowait(self) -> None:
         self._conn.uncork_nowait()
+
+
+def disconnect_hook(
+    send: Callable[..., Awaitable[None]], scope: MutableMapping[str, Any]
+) -> Callable[[Callable[[], None]], None] | None:
+    """For ``Router.handle``'s ``on_disconnect``: registers a callback that
+    ``Http11Protocol._close_stream`` calls when this request's stream closes (at once
+    when it has closed already). None off hypercorn's HTTP/1.1 stream (a watcher task
+    reads ``http.disconnect`` then)."""
+    stream = getattr(send, "__self__", None)
+    if not isinstance(stream, HTTPStream):
+        return None
+    if not isinstance(getattr(stream.send, "__self__", None), Http11Protocol):
+        return None
+
+    def register(callback: Callable[[], None]) -> None:
+        if stream.closed:
+            callback()
+        else:
+            scope[ON_DISCONNECT] = callback
+
+    return register

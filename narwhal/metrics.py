@@ -99,6 +99,24 @@ class RequestBuckets:
         self._sum = 0.0
 
 
+class Children:
+    """A labelled metric's children, each made once by its label values: ``labels()``
+    validates the values and takes the metric's lock on every call, and a request makes
+    several. Only for metrics whose label sets are never removed (not the engines')."""
+
+    __slots__ = ("_made", "_metric")
+
+    def __init__(self, metric: Counter) -> None:
+        self._metric = metric
+        self._made: dict[tuple[str, ...], Counter] = {}
+
+    def __call__(self, *values: str) -> Counter:
+        child = self._made.get(values)
+        if child is None:
+            child = self._made[values] = self._metric.labels(*values)
+        return child
+
+
 def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
@@ -287,6 +305,12 @@ class Metrics:
             "server (protocol or codec) that ended that connection only.",
         )
         self._initialise(engine_ids)
+        # per-request series, bound once (issue 19)
+        self.requests_of = Children(self.requests)
+        self.handoffs_of = Children(self.handoffs)
+        self.disconnects_of = Children(self.disconnects)
+        self.model_generation_tokens = self.generation_tokens.labels(self.model)
+        self.model_prompt_tokens = self.prompt_tokens.labels(self.model)
 
     def _initialise(self, engine_ids: list[str]) -> None:
         for endpoint in ENDPOINTS.values():

@@ -31,7 +31,7 @@ from narwhal.faults import (
     TooLarge,
     error_json,
 )
-from narwhal.hypercorn_fixes import DirectBody
+from narwhal.hypercorn_fixes import DirectBody, disconnect_hook
 from narwhal.router.journal import Caller
 from narwhal.router.requests import parse_request
 from narwhal.router.service import Router
@@ -439,7 +439,13 @@ class RouterApp:
                 pass
 
         await router.handle(
-            req, rid_text, AsgiSink(send, rid), wait_disconnect, caller, scope["headers"]
+            req,
+            rid_text,
+            AsgiSink(send, rid),
+            wait_disconnect,
+            caller,
+            scope["headers"],
+            disconnect_hook(send, scope),
         )
 
     async def _readmit_wave(self, receive: Receive, send: Send) -> None:

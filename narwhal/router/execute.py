@@ -363,8 +363,8 @@ class RequestRun(RunRecord):
         """Count the descriptor's fate; an orphan goes to the reclaim queue (invariant 7).
         Runs in a ``finally``, cancellation included: nothing here awaits."""
         metrics = self.router.metrics
-        metrics.handoffs.labels("produced").inc()
-        metrics.handoffs.labels(handoff.fate.value).inc()
+        metrics.handoffs_of("produced").inc()
+        metrics.handoffs_of(handoff.fate.value).inc()
         metrics.handoff_held.observe(handoff.age(trio.current_time()))
         attempt.handoff = handoff.fate.value
         if handoff.fate is not Fate.DECODED:  # within the lease still, a reclaim frees it

@@ -380,6 +380,9 @@ def start_narwhal(
             *(["--journal", str(tmp / f"{name}-journal.jsonl")] if KEEP_LOGS else []),
         ],
         tmp / f"{name}.log",
+        # python -m puts its working directory first on the import path, before PYTHONPATH:
+        # the baseline runs in its own checkout, or this tree's narwhal would be imported
+        cwd=None if root is None else Path(root).absolute(),
         env=None if root is None else {**os.environ, "PYTHONPATH": str(Path(root).absolute())},
     )
     return proc, proc.wait_for_url("narwhal: serving")
@@ -685,7 +688,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--peers-venv", default=os.environ.get("PEERS_VENV", ".bench-venv"))
-    parser.add_argument("--only", help="run only the scenarios whose name starts with this")
+    parser.add_argument(
+        "--only", help="run only the scenarios whose name starts with this (comma-separated)"
+    )
     parser.add_argument("--targets", help="comma-separated target names (default: all)")
     parser.add_argument(
         "--baseline",
@@ -720,7 +725,7 @@ def main() -> int:
             Scenario(f"e: {OPEN_MAX:,} open streams, ITL 50 ms", OPEN_MAX, OPEN_MAX, 16, 0.05),
         ]
     if args.only:
-        scenarios = [s for s in scenarios if s.name.startswith(args.only)]
+        scenarios = [s for s in scenarios if s.name.startswith(tuple(args.only.split(",")))]
     targets = list(TARGETS)
     if args.baseline:
         start = partial(start_narwhal, name="narwhal-main", root=args.baseline)

@@ -405,8 +405,9 @@ class Response:
                 conn.h11 = h11.Connection(h11.CLIENT)
                 if self.pool._checkin(conn, fresh=True):
                     return
-        elif h.our_state is h11.DONE and h.their_state is h11.DONE and self.done:
-            if self.pool._checkin(conn):  # noqa: SIM102 (the branch above does the same)
+        elif self.done and h.our_state is h11.DONE and h.their_state is h11.DONE:
+            kept = self.pool._checkin(conn)
+            if kept:
                 return
         await _close(conn)
 

@@ -46,8 +46,10 @@ $(BENCH_VENV)/.installed:   ## the peers we measure against: instruments, never 
 bench-quick: venv $(BENCH_VENV)/.installed   ## all four targets, scenarios a and b, under 3 minutes
 	$(PY) bench/peers.py --quick --peers-venv $(BENCH_VENV)
 
+BASELINE ?=   # a checkout of today's main: `make bench BASELINE=../main` adds it as narwhal-main, A/B
+ROUNDS ?=
 bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in bench/results/
-	$(PY) bench/peers.py --peers-venv $(BENCH_VENV)
+	$(PY) bench/peers.py --peers-venv $(BENCH_VENV) $(if $(strip $(BASELINE)),--baseline $(strip $(BASELINE))) $(if $(strip $(ROUNDS)),--rounds $(strip $(ROUNDS)))
 
 bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies vs the peers, 3 workloads (~15 min)
 	$(PY) bench/placement.py --peers-venv $(BENCH_VENV)

@@ -1,12 +1,15 @@
 """Routers side by side, in one run, over the same fake engines (issue: benchmarks).
 
     python bench/peers.py [--quick] [--peers-venv .bench-venv] [--out bench/results]
+                          [--baseline PATH] [--rounds N]
 
 Targets, measured in turn per scenario over the same pair of fake engines:
   lower-bound   a minimal client doing prefill then decode itself (kept-alive connections)
   narwhal       this router (``narwhal serve``)
   vllm-router   vllm-router 0.1.17 (``--vllm-pd-disaggregation``), from the peers venv
   narwhal-0.7   narwhal-inference 0.7.0, from the peers venv, when it can be configured
+  narwhal-main  with ``--baseline PATH``: the narwhal of another checkout (today's main),
+                run by this Python with PATH first on its import path: an A/B in one run
 
 Scenarios: (a) c=32, 64-token streams, no inter-token delay; (b) c=1 (time to first token
 added over the lower bound); (c) open streams, 50 ms between tokens; (d) 8k-token
@@ -15,7 +18,10 @@ prompts, 16 output tokens. ``--quick`` runs fewer requests and skips (c) and (d)
 Router CPU is user+system time of the router's process tree (from /proc) over the load
 phase only. The load generator reports its own CPU so it can be seen not to be the limit.
 Figures are reported as ratios to the peers measured in the same run; nothing here is
-asserted: the machine is shared and noisy.
+asserted: the machine is shared and noisy. With ``--rounds N`` (default 5 with
+``--baseline``, else 1) every scenario runs every target N times, interleaved (the order
+reverses every other round, over the same pair of engines), and each ratio is computed
+within a round, then reported as the median of the rounds with their spread (min-max).
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ import platform
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -68,6 +76,7 @@ class Streaming:
 class Result:
     target: str
     scenario: str
+    round: int = 0
     ok: int = 0
     failed: int = 0
     wall_s: float = 0.0
@@ -136,10 +145,18 @@ def children(pid: int) -> list[int]:
 class Proc:
     """A started process; stderr drained to a file so a full pipe never blocks it."""
 
-    def __init__(self, argv: list[str], log: Path, cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        log: Path,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log = log
         self.handle = log.open("w")
-        self.proc = subprocess.Popen(argv, stdout=self.handle, stderr=subprocess.STDOUT, cwd=cwd)
+        self.proc = subprocess.Popen(
+            argv, stdout=self.handle, stderr=subprocess.STDOUT, cwd=cwd, env=env
+        )
 
     def wait_for_url(self, pattern: str, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
@@ -269,8 +286,9 @@ async def drive(scenario: Scenario, send: Callable[[int], object], result: Resul
                 failure, first, e2e = await send(i)  # type: ignore[misc]
             except (ConnectFailed, TransportError, KeyError, msgspec.DecodeError) as exc:
                 # a request the target (or the machine) could not serve is a failure to
-                # report, not the end of the run
-                failure, first, e2e = type(exc).__name__, None, 0.0
+                # report, not the end of the run; why, with the numbers taken out (ports)
+                why = re.sub(r"\d+", "N", str(exc))[:100]
+                failure, first, e2e = f"{type(exc).__name__}: {why}", None, 0.0
             if failure is None:
                 result.ok += 1
                 result.e2e.append(e2e)
@@ -348,7 +366,10 @@ def engines_toml(prefills: list[str], decodes: list[str]) -> str:
     )
 
 
-def start_narwhal(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
+def start_narwhal(
+    p_url: str, d_url: str, tmp: Path, *, name: str = "narwhal", root: str | None = None
+) -> tuple[Proc, str]:
+    """This tree's narwhal, or with ``root`` the narwhal of that checkout (``--baseline``)."""
     return serve_narwhal(
         f'model = "{MODEL}"\n'
         + engines_toml([p_url], [d_url])
@@ -356,12 +377,17 @@ def start_narwhal(p_url: str, d_url: str, tmp: Path) -> tuple[Proc, str]:
         # the peers have no first-token timeout: measure routing, not our 2.5 s default
         "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n",
         tmp,
+        name=name,
+        root=root,
     )
 
 
-def serve_narwhal(fleet_text: str, tmp: Path) -> tuple[Proc, str]:
-    """``narwhal serve`` on a fleet file of this text; (process, URL)."""
-    fleet = tmp / "fleet.toml"
+def serve_narwhal(
+    fleet_text: str, tmp: Path, *, name: str = "narwhal", root: str | None = None
+) -> tuple[Proc, str]:
+    """``narwhal serve`` on a fleet file of this text; (process, URL). With ``root``, the
+    narwhal of that checkout runs (``--baseline``)."""
+    fleet = tmp / f"{name}-fleet.toml"
     fleet.write_text(fleet_text)
     proc = Proc(
         [
@@ -376,9 +402,13 @@ def serve_narwhal(fleet_text: str, tmp: Path) -> tuple[Proc, str]:
             "--log-level",
             "warning",
             # with --logs: one line per request, which says why each failed one failed
-            *(["--journal", str(tmp / "narwhal-journal.jsonl")] if KEEP_LOGS else []),
+            *(["--journal", str(tmp / f"{name}-journal.jsonl")] if KEEP_LOGS else []),
         ],
-        tmp / "narwhal.log",
+        tmp / f"{name}.log",
+        # python -m puts its working directory first on the import path, before PYTHONPATH:
+        # the baseline runs in its own checkout, or this tree's narwhal would be imported
+        cwd=None if root is None else Path(root).absolute(),
+        env=None if root is None else {**os.environ, "PYTHONPATH": str(Path(root).absolute())},
     )
     return proc, proc.wait_for_url("narwhal: serving")
 
@@ -407,7 +437,9 @@ def launch_vllm_router(
             "--vllm-pd-disaggregation",
             *(arg for url in prefills for arg in ("--prefill", url)),
             *(arg for url in decodes for arg in ("--decode", url)),
-            # its default 29000 may be taken (another run, another router)
+            # its default metrics port (29000) may be taken, and then it panics at start
+            "--prometheus-host",
+            "127.0.0.1",
             "--prometheus-port",
             str(free_port()),
             "--log-level",
@@ -541,13 +573,67 @@ def ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}x"
 
 
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def spread(values: list[float], scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+    """``median (min-max, n rounds)``."""
+    if not values:
+        return "—"
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return f"{mid * scale:.{digits}f}{unit}"
+    low, high = min(values) * scale, max(values) * scale
+    rounds = f"{low:.{digits}f}-{high:.{digits}f}, {len(values)} rounds"
+    return f"{mid * scale:.{digits}f}{unit} ({rounds})"
+
+
+def _ratio(values: list[float]) -> str:
+    return "—" if not values else spread(values, unit="x")
+
+
+def added_ttft(r: Result, base: Result | None) -> float | None:
+    p50, lower = pct(r.ttft, 0.5), None if base is None else pct(base.ttft, 0.5)
+    return None if p50 is None or lower is None else p50 - lower
+
+
+class Rounds:
+    """One scenario's results by (target, round): every figure is taken within a round."""
+
+    def __init__(self, rows: list[Result]) -> None:
+        self.by = {(r.target, r.round): r for r in rows}
+        self.rounds = sorted({r.round for r in rows})
+
+    def of(self, target: str) -> list[Result]:
+        return [r for n in self.rounds if (r := self.by.get((target, n))) is not None]
+
+    def each(self, target: str, value: Callable[[Result], float | None]) -> list[float]:
+        return [v for r in self.of(target) if (v := value(r)) is not None]
+
+    def cpu_ratio(self, target: str, peer: str) -> list[float]:
+        out = []
+        for r in self.of(target):
+            other = self.by.get((peer, r.round))
+            cpu, base = r.cpu_ms_per_request(), other.cpu_ms_per_request() if other else None
+            if cpu is not None and base:
+                out.append(cpu / base)
+        return out
+
+    def added(self, target: str) -> list[float]:
+        return self.each(target, lambda r: added_ttft(r, self.by.get(("lower-bound", r.round))))
+
+    def ok_failed(self, target: str) -> str:
+        rs = self.of(target)
+        return f"{sum(r.ok for r in rs)}/{sum(r.failed for r in rs)}" if rs else "—"
+
+
 def table(results: list[Result]) -> str:
+    """Per scenario, each target's figures: medians over the rounds (ok/failed: summed)."""
     lines = []
     for scenario in dict.fromkeys(r.scenario for r in results):
         rows = [r for r in results if r.scenario == scenario]
-        by = {r.target: r for r in rows}
-        base_ttft = pct(by["lower-bound"].ttft, 0.5) if "lower-bound" in by else None
-        vr, nw = by.get("vllm-router"), by.get("narwhal-0.7")
+        rs = Rounds(rows)
         lines += [
             f"\n### {scenario}\n",
             "| target | router CPU ms/req | vs vllm-router | vs Narwhal 0.7 | req/s | TTFT p50 ms "
@@ -555,25 +641,58 @@ def table(results: list[Result]) -> str:
             "| streams open at once | loadgen CPU s | ok/failed | note |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in rows:
-            cpu = r.cpu_ms_per_request()
-            p50 = pct(r.ttft, 0.5)
-            added = None if p50 is None or base_ttft is None else p50 - base_ttft
-            rps = (r.ok + r.failed) / r.wall_s if r.wall_s else None
+        for target in dict.fromkeys(r.target for r in rows):
+            mine = rs.of(target)
+            errors: dict[str, int] = {}
+            for r in mine:
+                for kind, count in r.errors.items():
+                    errors[kind] = errors.get(kind, 0) + count
+            notes = "; ".join(dict.fromkeys(r.note for r in mine if r.note))
+            rps = rs.each(target, lambda r: (r.ok + r.failed) / r.wall_s if r.wall_s else None)
             lines.append(
-                f"| {r.target} | {fmt(cpu, 1)} | "
-                f"{ratio(cpu, vr.cpu_ms_per_request() if vr else None)} | "
-                f"{ratio(cpu, nw.cpu_ms_per_request() if nw else None)} | "
-                f"{fmt(rps, 1, 0)} | {fmt(p50)} | {fmt(pct(r.ttft, 0.99))} | {fmt(added)} | "
-                f"{fmt(pct(r.e2e, 0.5))} | {fmt(pct(r.e2e, 0.99))} | {fmt(r.rss_mib, 1, 0)} | "
-                f"{r.streaming.peak} | "
-                f"{r.loadgen_cpu_s:.2f} | {r.ok}/{r.failed} | {r.note}{_errors(r)} |"
+                f"| {target} | {spread(rs.each(target, Result.cpu_ms_per_request))} | "
+                f"{_ratio(rs.cpu_ratio(target, 'vllm-router'))} | "
+                f"{_ratio(rs.cpu_ratio(target, 'narwhal-0.7'))} | {fmt(median(rps), 1, 0)} | "
+                f"{fmt(median(rs.each(target, lambda r: pct(r.ttft, 0.5))))} | "
+                f"{fmt(median(rs.each(target, lambda r: pct(r.ttft, 0.99))))} | "
+                f"{fmt(median(rs.added(target)))} | "
+                f"{fmt(median(rs.each(target, lambda r: pct(r.e2e, 0.5))))} | "
+                f"{fmt(median(rs.each(target, lambda r: pct(r.e2e, 0.99))))} | "
+                f"{fmt(median(rs.each(target, lambda r: r.rss_mib)), 1, 0)} | "
+                f"{max(r.streaming.peak for r in mine)} | "
+                f"{sum(r.loadgen_cpu_s for r in mine) / len(mine):.2f} | "
+                f"{rs.ok_failed(target)} | {notes}{_errors(errors)} |"
             )
     return "\n".join(lines)
 
 
-def _errors(r: Result) -> str:
-    kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(r.errors.items()))
+def ab_table(results: list[Result], new: str = "narwhal", old: str = "narwhal-main") -> str:
+    """This tree against today's main, ratio by ratio within each round: medians, spread."""
+    lines = [
+        "\n## A/B: this tree (narwhal) against the baseline (narwhal-main)\n",
+        "Each ratio is taken within one round (same engines, targets interleaved), then the "
+        "median over the rounds, with (min-max, rounds).\n",
+        "| scenario | CPU/req new vs main | new vs vllm-router | main vs vllm-router "
+        "| added TTFT p50 ms new | main | vllm-router | peak RSS MiB new | main "
+        "| ok/failed new | main |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for scenario in dict.fromkeys(r.scenario for r in results):
+        rs = Rounds([r for r in results if r.scenario == scenario])
+        rss = {t: rs.each(t, lambda r: r.rss_mib) for t in (new, old)}
+        lines.append(
+            f"| {scenario} | {_ratio(rs.cpu_ratio(new, old))} "
+            f"| {_ratio(rs.cpu_ratio(new, 'vllm-router'))} "
+            f"| {_ratio(rs.cpu_ratio(old, 'vllm-router'))} | {spread(rs.added(new), 1000)} "
+            f"| {spread(rs.added(old), 1000)} | {spread(rs.added('vllm-router'), 1000)} "
+            f"| {spread(rss[new], digits=0)} | {spread(rss[old], digits=0)} "
+            f"| {rs.ok_failed(new)} | {rs.ok_failed(old)} |"
+        )
+    return "\n".join(lines)
+
+
+def _errors(errors: dict[str, int]) -> str:
+    kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(errors.items()))
     return f" failures: {kinds}" if kinds else ""
 
 
@@ -599,8 +718,17 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--peers-venv", default=os.environ.get("PEERS_VENV", ".bench-venv"))
-    parser.add_argument("--only", help="run only the scenarios whose name starts with this")
+    parser.add_argument(
+        "--only", help="run only the scenarios whose name starts with this (comma-separated)"
+    )
     parser.add_argument("--targets", help="comma-separated target names (default: all)")
+    parser.add_argument(
+        "--baseline",
+        help="a checkout of narwhal (today's main) measured as narwhal-main, interleaved",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="interleaved rounds per scenario (default 5 with --baseline)"
+    )
     parser.add_argument(
         "--logs",
         help="keep the logs in this folder (the last scenario's; our journal has every one)",
@@ -627,7 +755,14 @@ def main() -> int:
             Scenario(f"e: {OPEN_MAX:,} open streams, ITL 50 ms", OPEN_MAX, OPEN_MAX, 16, 0.05),
         ]
     if args.only:
-        scenarios = [s for s in scenarios if s.name.startswith(args.only)]
+        scenarios = [s for s in scenarios if s.name.startswith(tuple(args.only.split(",")))]
+    targets = list(TARGETS)
+    if args.baseline:
+        start = partial(start_narwhal, name="narwhal-main", root=args.baseline)
+        targets.insert(2, Target("narwhal-main", start))
+    if args.targets:
+        targets = [t for t in targets if t.name in args.targets.split(",")]
+    rounds = args.rounds or (5 if args.baseline else 1)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="narwhal-bench-") as tmpdir:
         tmp = Path(args.logs or tmpdir)
@@ -635,17 +770,20 @@ def main() -> int:
         for scenario in scenarios:
             engines, p_url, d_url = start_engines(scenario, tmp)
             try:
-                for target in TARGETS:
-                    if args.targets and target.name not in args.targets.split(","):
-                        continue
-                    result = measure(scenario, target, (p_url, d_url), tmp)
-                    results.append(result)
-                    print(
-                        f"{scenario.name:40} {target.name:12} ok={result.ok} "
-                        f"failed={result.failed} {result.note}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                for n in range(rounds):
+                    # interleaved: the order reverses every other round, so neither side
+                    # always runs first (warmer caches, or a busier machine)
+                    for target in targets if n % 2 == 0 else targets[::-1]:
+                        result = measure(scenario, target, (p_url, d_url), tmp)
+                        result.round = n
+                        results.append(result)
+                        print(
+                            f"{scenario.name:40} round {n + 1}/{rounds} {target.name:12} "
+                            f"ok={result.ok} failed={result.failed} "
+                            f"cpu/req={fmt(result.cpu_ms_per_request(), 1)} {result.note}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
             finally:
                 for proc in engines:
                     proc.stop()
@@ -655,12 +793,13 @@ def main() -> int:
     )
     report = (
         f"# Router benchmark, {stamp}\n\nMachine: {host}. Mode: "
-        f"{'quick' if args.quick else 'full'}. Fake engines on 127.0.0.1.\n" + table(results)
+        f"{'quick' if args.quick else 'full'}, {rounds} round(s). Fake engines on 127.0.0.1."
+        f"\n" + table(results) + (ab_table(results) if args.baseline else "")
     )
     print(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{stamp}-{'quick' if args.quick else 'full'}"
+    name = f"{stamp}-{'quick' if args.quick else 'full'}{'-ab' if args.baseline else ''}"
     (out / f"{name}.md").write_text(report + "\n")
     rows = [{**r.__dict__, "streaming": r.streaming.peak} for r in results]
     (out / f"{name}.json").write_text(json.dumps(rows))

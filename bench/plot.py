@@ -22,7 +22,7 @@ def p50(values: list[float]) -> float:
 
 def main() -> None:
     with open(sys.argv[1]) as f:
-        results = json.load(f)
+        results = [r for r in json.load(f) if r.get("round", 0) == 0]  # one round's bars
     a = [r for r in results if r["scenario"].startswith("a") and r["router_cpu_s"] is not None]
     b = {r["target"]: r for r in results if r["scenario"].startswith("b")}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))

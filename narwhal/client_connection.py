@@ -25,9 +25,15 @@ connection handler is kept whole except for four rules, each a method below:
 
 A write nothing contends for also goes straight to the socket: one non-blocking ``send``,
 which the kernel almost always takes whole, instead of a lock, a shielded scope and two
-scheduler trips per chunk. Every change is checked at start against the hypercorn it was
-written for (``SHAPES``, ``narwhal.shapes``); ``docs/upstream.md`` writes each up as an
-upstream bug report; ``bench/results/server-fixes.md`` has the figures.
+scheduler trips per chunk. Three per-request costs are trimmed the same way (issue 19): the
+idle timer is one watcher per connection whose deadline moves (hypercorn starts a task,
+under a lock, at every response and cancels it at every request); the read loop waits
+until the socket is readable before reading (trio tries the read first, and between
+requests that try always fails); and ``cork`` lets a response's head go out with its first
+chunk, and its last chunk with the end, in one write each. Every change is checked at
+start against the hypercorn it was written for (``SHAPES``, ``narwhal.shapes``);
+``docs/upstream.md`` writes each up as an upstream bug report;
+``bench/results/server-fixes.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import os
 import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
+from math import inf
 from typing import Any
 
 import h2.config
@@ -44,7 +51,7 @@ import h2.connection
 import h2.errors
 import h11
 import trio
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
@@ -64,7 +71,17 @@ SHAPES = {
     "hypercorn.protocol.h11:H11Protocol._send_error_response": "41dc5295e47f10cd",
     "hypercorn.protocol:ProtocolWrapper.handle": "4cb5ff14d1842513",  # Http11Only's place
     "hypercorn.trio.run:worker_serve": "8dc8347a9fc357ca",  # builds TCPServer by name
+    # the idle watcher stands in for these: the timer's task, and the Updated events
+    # (idle at the connection's start and after each response, busy at each request)
+    "hypercorn.trio.tcp_server:TCPServer._idle_timeout": "076077a62ad1c28f",
+    # where the app's disconnect is told (Http11Protocol._close_stream comes first)
+    "hypercorn.protocol.h11:H11Protocol._close_stream": "6250ae85040025b4",
+    "hypercorn.protocol.http_stream:HTTPStream.handle": "5cc61571acaf1005",
+    "hypercorn.protocol.h11:H11Protocol._maybe_recycle": "dba7c077157520be",
+    "hypercorn.protocol.h11:H11Protocol._handle_events": "ef9aeffc27380262",
 }
+_REST_NONE, _REST_UNLOCKED, _REST_LOCKED, _REST_BROKEN = range(4)
+MAX_RECV = 2**16  # hypercorn's read size
 ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must not flood logs
 
 
@@ -72,6 +89,9 @@ ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must
 # and the framing error that ended the request's body
 REQUEST_ID = "narwhal.request_id"
 FRAMING_ERROR = "narwhal.framing_error"
+# a callable the app puts in its scope: called once, when its stream closes (the client
+# went away, or the response ended), where hypercorn queues ``http.disconnect``
+ON_DISCONNECT = "narwhal.on_disconnect"
 
 
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
@@ -136,6 +156,18 @@ class Http11Protocol(H11Protocol):
         await self._send_h11_event(h11.Data(data=payload))
         await self._send_h11_event(h11.EndOfMessage())
 
+    async def _close_stream(self) -> None:
+        """Tells the app's ``ON_DISCONNECT`` callback, then hypercorn's ``http.disconnect``.
+        Not when the router closed the connection itself (``ClientConnection._abort``):
+        the request that made it close knows already, and ends with its own outcome."""
+        scope = getattr(self.stream, "scope", None)
+        notify = scope.pop(ON_DISCONNECT, None) if isinstance(scope, dict) else None
+        if notify is not None and not getattr(
+            getattr(self.send, "__self__", None), "aborted", False
+        ):
+            notify()
+        await super()._close_stream()
+
 
 class Http11Only:
     """Takes the place of hypercorn's ``ProtocolWrapper``, which switches to HTTP/2."""
@@ -159,6 +191,19 @@ class ClientConnection(TCPServer):
     """Hypercorn's connection handler with the rules in this module's docstring."""
 
     _last_logged = -ERROR_LOG_INTERVAL_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the idle watcher (one task per connection): its deadline is keep_alive_timeout
+        # after the connection went idle, inf while a request is served
+        self._idle = trio.CancelScope(deadline=trio.current_time() + self.config.keep_alive_timeout)
+        self._busy = False
+        self._terminating = False  # the server is shutting down: close once idle
+        self._reading_over = False
+        self._corked: list[bytes] | None = None  # writes held back by cork()
+        self._rest: bytes | memoryview | None = None  # what write_nowait left to write_rest
+        self._rest_state = _REST_NONE
+        self.aborted = False  # _abort closed it: no disconnect is told for it
 
     async def run(self) -> None:
         try:
@@ -200,7 +245,7 @@ class ClientConnection(TCPServer):
                 )
                 # hypercorn's ProtocolWrapper would switch to HTTP/2; ours has its interface
                 self.protocol = Http11Only(h11_protocol, self.protocol_send)  # type: ignore[assignment]
-                await self.idle_task.restart(task_group, self._idle_timeout)
+                task_group.spawn(self._idle_watch)
                 await self._read_data()
         except OSError:
             pass
@@ -217,16 +262,142 @@ class ClientConnection(TCPServer):
 
     async def _read_data(self) -> None:
         try:
-            await super()._read_data()
+            socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
+            if socket is None or self.config.read_timeout:
+                await super()._read_data()
+            else:
+                await self._read_socket(socket)
         finally:
-            await self.idle_task.stop()  # reading is over: nothing is left to time out
+            self._stop_idle()  # reading is over: nothing is left to time out
+
+    async def _read_socket(self, socket: trio.socket.SocketType) -> None:
+        """``TCPServer._read_data`` on a plain socket (no read timeout): wait until readable,
+        then read once. A socket closed under it (``_abort``) has the descriptor -1, which
+        ends the loop; the descriptor is taken afresh before each wait and read, so it is
+        never another socket's."""
+        handle = self.protocol.handle
+        while True:
+            try:
+                if socket.fileno() < 0:
+                    break
+                await trio.lowlevel.wait_readable(socket.fileno())
+                data = os.read(socket.fileno(), MAX_RECV)
+            except BlockingIOError:  # pragma: no cover - a spurious wakeup
+                continue
+            except (trio.ClosedResourceError, trio.BrokenResourceError, OSError):
+                break
+            await handle(RawData(data))
+            if not data:
+                break
+        await handle(Closed())
+
+    async def _idle_watch(self) -> None:
+        """Hypercorn's idle timer (``TCPServer._idle_timeout``) as one task per connection:
+        ``protocol_send`` moves its deadline on each ``Updated`` event."""
+        idle = self._idle
+        with idle:
+            await self.context.terminated.wait()
+            self._terminating = True  # hypercorn closes an idle connection at shutdown
+            if self._busy:
+                await trio.sleep_forever()  # until the response ends (deadline: now)
+        if self._reading_over:
+            return
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
+    def _stop_idle(self) -> None:
+        self._reading_over = True
+        self._idle.cancel()
+
+    def _updated(self, idle: bool) -> None:
+        self._busy = not idle
+        if not idle:
+            self._idle.deadline = inf
+        elif self._terminating:
+            self._idle.deadline = trio.current_time()
+        else:
+            self._idle.deadline = trio.current_time() + self.config.keep_alive_timeout
 
     async def protocol_send(self, event: Event) -> None:
         if type(event) is not RawData:
-            await super().protocol_send(event)
+            if self._corked is not None:
+                await self.uncork()  # what was held back goes before a close or a recycle
+            if type(event) is Updated:
+                self._updated(event.idle)
+            else:
+                await super().protocol_send(event)
+            return
+        if self._corked is not None:
+            self._corked.append(event.data)
             return
         try:
             await self._write(event.data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await self.protocol.handle(Closed())
+
+    def cork(self) -> None:
+        """Hold writes back until ``uncork`` (or any event other than a write): a response's
+        head and first chunk, or its last chunk and end, go out in one write. Nothing that
+        waits may run while corked: the held bytes go out only at ``uncork``."""
+        self._corked = []
+
+    async def uncork(self) -> None:
+        held, self._corked = self._corked, None
+        if held:
+            await self.protocol_send(RawData(data=b"".join(held)))
+
+    def uncork_nowait(self) -> None:
+        """``uncork`` without waiting, for an exception on its way out (a cancellation at
+        hypercorn's checkpoint after the end, which comes before the response's last bytes
+        would have gone out uncorked): the held bytes are written whole if the kernel takes
+        them now, else the connection closes (half a response may not be followed)."""
+        held, self._corked = self._corked, None
+        if held and not self.write_nowait(b"".join(held)):
+            if self._rest_state == _REST_LOCKED:
+                self.send_lock.release()
+            self._rest, self._rest_state = None, _REST_NONE
+            self._abort()
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Write ``data`` now when nothing contends for the socket: True when the kernel took
+        all of it. False: what is left is written by ``write_rest``, which must be awaited at
+        once (a partial write holds the send lock until then; a failed one closes there)."""
+        lock: trio.Lock = self.send_lock
+        socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
+        if socket is None or lock.locked() or self._corked is not None:
+            self._rest, self._rest_state = data, _REST_UNLOCKED
+            return False
+        try:
+            sent = os.write(socket.fileno(), data)  # a closed socket (fd -1): OSError
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._rest_state = _REST_BROKEN
+            return False
+        if sent == len(data):
+            return True
+        lock.acquire_nowait()
+        self._rest, self._rest_state = memoryview(data)[sent:], _REST_LOCKED
+        return False
+
+    async def write_rest(self) -> None:
+        """The rest of a ``write_nowait`` that returned False: through the lock and the
+        bounded send (a cancelled send closes the connection, ``_send_all``)."""
+        rest, state = self._rest, self._rest_state
+        self._rest, self._rest_state = None, _REST_NONE
+        try:
+            if state == _REST_LOCKED:
+                assert rest is not None
+                try:
+                    await self._send_all(rest)
+                finally:
+                    self.send_lock.release()
+            elif state == _REST_UNLOCKED:
+                assert rest is not None
+                await self.protocol_send(RawData(data=bytes(rest)))
+                return
+            elif state == _REST_BROKEN:
+                raise trio.BrokenResourceError
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await self.protocol.handle(Closed())
 
@@ -259,6 +430,7 @@ class ClientConnection(TCPServer):
 
     def _abort(self) -> None:
         """Close the socket now (a trio socket closes synchronously, waking its waiters)."""
+        self.aborted = True
         transport: Any = getattr(self.stream, "transport_stream", self.stream)  # TLS: beneath
         socket = getattr(transport, "socket", None)
         if socket is not None:

@@ -13,11 +13,16 @@ and is in the middle of the body, a chunk is ``size CRLF data CRLF`` whatever ca
 and h11's state does not change with it; the patched ``app_send`` writes exactly those
 bytes to ``protocol_send``. Start, end (h11 writes the last chunk), HEAD, 204/304 and
 anything else keep hypercorn's path.
+
+``DirectBody`` goes one step further for the relay (issue 19): found from the ASGI ``send``
+once per request, it writes each chunk of a streamed response to the connection itself
+(``ClientConnection.write_nowait``), after the same checks, and corks the connection so
+that the head goes out with the first chunk and the last chunk with the end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import h11
@@ -25,6 +30,8 @@ from h11._writers import ChunkedWriter
 from hypercorn.events import RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+
+from narwhal.client_connection import ON_DISCONNECT, ClientConnection, Http11Protocol
 
 PATCHED = "_narwhal_patched"  # marks a method already replaced (apply twice, patch once)
 ORIGINAL = "__narwhal_original__"  # on a replacement: what it replaced (narwhal.shapes reads it)
@@ -62,3 +69,77 @@ def frame_body_chunks_directly() -> None:
     setattr(app_send, PATCHED, True)
     setattr(app_send, ORIGINAL, original)
     HTTPStream.app_send = app_send  # type: ignore[method-assign]
+
+
+class DirectBody:
+    """The client connection under one request's ASGI ``send`` (None from ``of`` when that
+    is not hypercorn's HTTP/1.1 stream on a ``ClientConnection``: tests, other servers)."""
+
+    __slots__ = ("_conn", "_h11", "_stream")
+
+    def __init__(self, stream: HTTPStream, h11_conn: Any, conn: ClientConnection) -> None:
+        self._stream = stream
+        self._h11 = h11_conn
+        self._conn = conn
+
+    @classmethod
+    def of(cls, send: Callable[..., Awaitable[None]]) -> DirectBody | None:
+        stream = getattr(send, "__self__", None)
+        if not isinstance(stream, HTTPStream):
+            return None
+        protocol = getattr(stream.send, "__self__", None)
+        if not isinstance(protocol, H11Protocol):
+            return None
+        conn = getattr(protocol.send, "__self__", None)
+        if not isinstance(conn, ClientConnection):
+            return None
+        return cls(stream, protocol.connection, conn)
+
+    def write_nowait(self, body: bytes) -> bool | None:
+        """One body chunk, framed as h11 would, straight to the connection when the
+        response is streaming a chunked body (the checks of ``app_send`` above); True: it
+        all went out. False: ``write_rest`` writes the rest. None: not now, nothing
+        written: the caller uses the ASGI ``send``."""
+        h = self._h11
+        if (
+            body
+            and self._stream.state is ASGIHTTPState.RESPONSE
+            and h.our_state is h11.SEND_BODY
+            and type(h._writer) is ChunkedWriter
+        ):
+            return self._conn.write_nowait(b"%x\r\n%s\r\n" % (len(body), body))
+        return None
+
+    async def write_rest(self) -> None:
+        await self._conn.write_rest()
+
+    def cork(self) -> None:
+        self._conn.cork()
+
+    async def uncork(self) -> None:
+        await self._conn.uncork()
+
+    def uncork_nowait(self) -> None:
+        self._conn.uncork_nowait()
+
+
+def disconnect_hook(
+    send: Callable[..., Awaitable[None]], scope: MutableMapping[str, Any]
+) -> Callable[[Callable[[], None]], None] | None:
+    """For ``Router.handle``'s ``on_disconnect``: registers a callback that
+    ``Http11Protocol._close_stream`` calls when this request's stream closes (at once
+    when it has closed already). None off hypercorn's HTTP/1.1 stream (a watcher task
+    reads ``http.disconnect`` then)."""
+    stream = getattr(send, "__self__", None)
+    if not isinstance(stream, HTTPStream):
+        return None
+    if not isinstance(getattr(stream.send, "__self__", None), Http11Protocol):
+        return None
+
+    def register(callback: Callable[[], None]) -> None:
+        if stream.closed:
+            callback()
+        else:
+            scope[ON_DISCONNECT] = callback
+
+    return register

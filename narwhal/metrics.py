@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any, get_args
 
@@ -64,6 +65,57 @@ PHASES = tuple(p.value for p in Phase)
 BREAKER_CLASSES = tuple(c.value for c in BreakerClass if c is not BreakerClass.NONE)
 PROBE_OUTCOMES = get_args(ProbeOutcome)
 DENIALS = tuple(d.value for d in Denial)
+
+
+class RequestBuckets:
+    """One request's observations of a histogram, counted here and added to it once
+    (``flush``): the per-token path takes no lock and calls no metric (issue 19). Each
+    observation lands in the bucket prometheus-client's ``observe`` would pick (the first
+    upper bound it does not exceed)."""
+
+    __slots__ = ("_bounds", "_counts", "_histogram", "_sum")
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._bounds: list[float] = histogram._upper_bounds
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+
+    def add(self, total: float, k: int = 1) -> None:
+        """``k`` observations of ``total / k`` each (tokens that came in one read)."""
+        self._counts[bisect_left(self._bounds, total / k)] += k
+        self._sum += total
+
+    def flush(self) -> None:
+        """Add the counts to the histogram (nothing when nothing was observed); idempotent."""
+        counts = self._counts
+        if not any(counts):
+            return
+        histogram = self._histogram  # each value has its own lock, as in ``observe``
+        for bucket, count in zip(histogram._buckets, counts, strict=True):
+            if count:
+                bucket.inc(count)
+        histogram._sum.inc(self._sum)
+        self._counts = [0] * len(counts)
+        self._sum = 0.0
+
+
+class Children:
+    """A labelled metric's children, each made once by its label values: ``labels()``
+    validates the values and takes the metric's lock on every call, and a request makes
+    several. Only for metrics whose label sets are never removed (not the engines')."""
+
+    __slots__ = ("_made", "_metric")
+
+    def __init__(self, metric: Counter) -> None:
+        self._metric = metric
+        self._made: dict[tuple[str, ...], Counter] = {}
+
+    def __call__(self, *values: str) -> Counter:
+        child = self._made.get(values)
+        if child is None:
+            child = self._made[values] = self._metric.labels(*values)
+        return child
 
 
 def multiprocess_dir() -> str | None:
@@ -285,6 +337,12 @@ class Metrics:
             "server (protocol or codec) that ended that connection only.",
         )
         self._initialise(engine_ids)
+        # per-request series, bound once (issue 19)
+        self.requests_of = Children(self.requests)
+        self.handoffs_of = Children(self.handoffs)
+        self.disconnects_of = Children(self.disconnects)
+        self.model_generation_tokens = self.generation_tokens.labels(self.model)
+        self.model_prompt_tokens = self.prompt_tokens.labels(self.model)
 
     def _initialise(self, engine_ids: list[str]) -> None:
         for endpoint in ENDPOINTS.values():

@@ -7,8 +7,10 @@ import socket
 
 import httpcore
 import msgspec
+import pytest
 import trio
 
+from narwhal import client_connection
 from narwhal.sse import SSEParser
 from tests.conftest import MODEL, Harness
 
@@ -16,11 +18,11 @@ PROMPT = "a narwhal swims north under the ice"
 TOKENS = 3000  # about 400 KB of events: far more than a 16 KiB receive window holds
 
 
-async def read_stream(url: str, *, slow: bool) -> list[bytes]:
+async def read_stream(url: str, *, slow: bool, tokens: int = TOKENS) -> list[bytes]:
     """The events of one streamed completion; ``slow`` reads through a tiny receive buffer
     and pauses between reads, so the router's writes back up into its send buffer."""
     options = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)] if slow else None
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens, "stream": True}
     parser, events = SSEParser(), []
     async with (
         httpcore.AsyncConnectionPool(socket_options=options) as http,
@@ -80,3 +82,24 @@ async def test_answers_given_without_reading_the_body_keep_the_connection(pd: Ha
             "POST", pd.url + "/v1/completions", content=msgspec.json.encode(body)
         )
         assert resp.status == 200
+
+
+async def test_the_head_goes_out_with_the_first_chunk_and_the_last_chunk_with_the_end(
+    pd: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19: one write for the 200 head and the first events, one for the last events
+    and the end of the chunked body (the router's writes to client sockets, counted)."""
+    writes: list[bytes] = []
+    real_write = client_connection.os.write
+
+    def write(fd: int, data: bytes) -> int:
+        writes.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(client_connection.os, "write", write)
+    events = await read_stream(pd.url, slow=False, tokens=5)
+    assert events[-1] == b"[DONE]"
+    head = [w for w in writes if w.startswith(b"HTTP/1.1 200")]
+    assert len(head) == 1
+    assert b"data: {" in head[0].partition(b"\r\n\r\n")[2]
+    assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 import narwhal
 from narwhal.config import EngineConfig, RecoveryConfig, ServingConfig
 from narwhal.fake_engine.faults import Fault
+from narwhal.metrics import GAP_BUCKETS, RequestBuckets
 from tests.conftest import MODEL, Harness, finish, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True}
@@ -152,3 +157,34 @@ async def test_an_expired_handoff_is_counted(nursery: trio.Nursery) -> None:
     assert value(s, "narwhal_handoffs_total", fate="expired") == 1
     assert value(s, "narwhal_handoff_held_seconds_count") == 1
     await finish(harness)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10, allow_nan=False), st.integers(1, 8)), max_size=40))
+def test_request_buckets_count_as_observe_would(reads: list[tuple[float, int]]) -> None:
+    """Issue 19: per-request buckets flushed once give the histogram ``observe`` gives."""
+
+    def histogram() -> Histogram:
+        return Histogram("gap", "", registry=CollectorRegistry(), buckets=GAP_BUCKETS)
+
+    observed, flushed = histogram(), histogram()
+    buckets = RequestBuckets(flushed)
+    for gap, k in reads:
+        for _ in range(k):
+            observed.observe(gap / k)
+        buckets.add(gap, k)
+    buckets.flush()
+    buckets.flush()  # idempotent: nothing is added twice
+
+    def samples(h: Histogram) -> dict[str, float]:
+        return {
+            f"{s.name}{s.labels}": s.value
+            for metric in h.collect()
+            for s in metric.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, want = samples(flushed), samples(observed)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key

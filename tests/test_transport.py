@@ -95,3 +95,23 @@ async def test_reuse_check_works_beyond_a_thousand_descriptors(nursery: trio.Nur
     finally:
         for fd in filler:
             os.close(fd)
+
+
+async def test_past_a_burst_only_max_idle_connections_stay_open(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Descriptors track the streams in flight: after a burst of 12 concurrent legs the
+    pool keeps MAX_IDLE of their connections and closes the rest at once."""
+    from narwhal.engines import transport
+
+    monkeypatch.setattr(transport, "MAX_IDLE", 3)
+    engine = FakeEngine(FakeEngineConfig(model=MODEL, itl_s=0.01))
+    url = await nursery.start(engine.serve)
+    client = EngineClient()
+    async with trio.open_nursery() as burst:
+        for _ in range(12):
+            burst.start_soon(_decode_all, client, url)
+    assert client.connections()[url] == (3, 0)
+    assert await _decode_all(client, url) > 0  # and a kept one serves the next
+    assert engine.counters["connections"] == 12
+    await client.aclose()

@@ -330,12 +330,21 @@ class DecodeStream:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._response is None:
-            if self._opened:
-                raise StopAsyncIteration
-            await self._open()
+        batch = await self.read()
+        if batch is None:
+            raise StopAsyncIteration
+        return batch
+
+    async def read(self) -> bytes | None:
+        """What the next socket read brought; None at the end of the body (the relay's
+        per-token call: ``async for`` adds a layer)."""
         response = self._response
-        assert response is not None
+        if response is None:
+            if self._opened:
+                return None
+            await self._open()
+            response = self._response
+            assert response is not None
         try:
             batch = await response.next_batch()
         except BaseException as exc:
@@ -348,7 +357,6 @@ class DecodeStream:
             raise fault from None
         if batch is None:
             await self.aclose()
-            raise StopAsyncIteration
         return batch
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:

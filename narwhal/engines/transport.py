@@ -30,7 +30,12 @@ from narwhal.engines.chunked import ChunkedDecoder, ChunkedError
 
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never race its close
+# idle connections kept per engine: past a burst the rest close at once, so the descriptors
+# a router holds track the streams it carries (at 9,000 open streams the prefill legs'
+# idle connections, kept 4 s, pushed the process past its descriptor limit)
+MAX_IDLE = 128
 READ_SIZE = 65536
+wait_readable = trio.lowlevel.wait_readable
 
 
 class TransportError(Exception):
@@ -170,11 +175,15 @@ class Pool:
         assert connect_clock.cancelled_caught
         raise ConnectFailed(f"connect timed out after {self.connect_timeout_s:g}s", timed_out=True)
 
-    def _checkin(self, conn: _Connection, *, fresh: bool = False) -> None:
+    def _checkin(self, conn: _Connection, *, fresh: bool = False) -> bool:
+        """Keep ``conn`` for reuse; False when ``MAX_IDLE`` are kept already (close it)."""
+        if len(self.idle) >= MAX_IDLE:
+            return False
         if not fresh:
             conn.h11.start_next_cycle()
         conn.idle_since = trio.current_time()
         self.idle.append(conn)
+        return True
 
     async def request(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
@@ -182,6 +191,8 @@ class Pool:
         """Send a request and read the response head; the caller reads the body and closes
         the Response. Holds a capacity-limiter slot until then."""
         response = Response(self)
+        # with its checkpoint even when a slot is free (issue 19 asked to drop it; no CPU
+        # saving could be measured, and it paces a burst of new requests' connects)
         await self.limiter.acquire_on_behalf_of(response)
         try:
             for _ in range(2):  # a reused connection closed under us gets one fresh retry
@@ -308,12 +319,23 @@ class Response:
             raise TransportError(f"engine broke HTTP: {exc}") from None
 
     async def _next_chunked(self, decoder: ChunkedDecoder) -> bytes | None:
+        """The relay's read, in one function: wait until readable, read once, decode."""
         conn = self.conn
         assert conn is not None
-        parts, self._early = self._early, []
+        parts = self._early
+        if parts:
+            self._early = []
+        fd = conn.fd
         while not parts and not decoder.done:
             try:
-                data = await conn.receive()
+                if fd < 0:
+                    data = await conn.receive()
+                else:  # conn.receive's socket path, inlined: this runs once per token
+                    await wait_readable(fd)
+                    try:
+                        data = os.read(fd, READ_SIZE)
+                    except BlockingIOError:  # pragma: no cover - a spurious wakeup
+                        continue
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise TransportError(f"connection broke: {_describe(exc)}") from None
             if not data:
@@ -321,7 +343,10 @@ class Response:
                     "engine broke HTTP: peer closed connection without sending complete "
                     "message body (incomplete chunked read)"
                 )
-            parts = self._decode(data)
+            try:
+                parts = decoder.feed(data)  # never an empty part
+            except ChunkedError as exc:
+                raise TransportError(f"engine broke HTTP: {exc}") from None
         if decoder.done:
             self.done = True
             if not parts:
@@ -378,11 +403,12 @@ class Response:
             clean = chunked.done and not chunked.leftover and h.our_state is h11.DONE
             if clean and self._keep_alive:
                 conn.h11 = h11.Connection(h11.CLIENT)
-                self.pool._checkin(conn, fresh=True)
-                return
+                if self.pool._checkin(conn, fresh=True):
+                    return
         elif self.done and h.our_state is h11.DONE and h.their_state is h11.DONE:
-            self.pool._checkin(conn)
-            return
+            kept = self.pool._checkin(conn)
+            if kept:
+                return
         await _close(conn)
 
     async def aclose(self) -> None:

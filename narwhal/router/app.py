@@ -31,6 +31,7 @@ from narwhal.faults import (
     TooLarge,
     error_json,
 )
+from narwhal.hypercorn_fixes import DirectBody, disconnect_hook
 from narwhal.router.journal import Caller
 from narwhal.router.requests import parse_request
 from narwhal.router.service import Router
@@ -70,27 +71,76 @@ class Disconnected(Exception):
 
 
 class AsgiSink:
-    """Client output for one request (where the response stands is the request's lifecycle)."""
+    """Client output for one request (where the response stands is the request's lifecycle).
 
-    __slots__ = ("_send", "rid")
+    Under hypercorn (``DirectBody``), the head goes out with the first chunk and the last
+    chunk with the end, in one write each, and ``send_nowait`` writes a chunk to the
+    connection without the ASGI layers: the relay's per-token path."""
+
+    __slots__ = ("_direct", "_pending", "_send", "rid")
 
     def __init__(self, send: Send, rid: bytes) -> None:
         self._send = send
         self.rid = rid
+        self._direct = DirectBody.of(send)
+        self._pending: bytes | None = None  # what flush sends through the ASGI send
 
     async def commit(self, data: bytes) -> None:
         headers = [*_SSE_HEADERS, (b"x-request-id", self.rid)]
-        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        await self._corked(
+            {"type": "http.response.start", "status": 200, "headers": headers},
+            {"type": "http.response.body", "body": data, "more_body": True},
+        )
 
     async def send(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
+    def send_nowait(self, data: bytes) -> bool:
+        """``send`` without waiting: True when all of ``data`` went out. False: ``flush``
+        must be awaited at once for the rest (or for all of it)."""
+        direct = self._direct
+        if direct is not None:
+            done = direct.write_nowait(data)
+            if done is not None:
+                return done
+        self._pending = data
+        return False
+
+    async def flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await self.send(pending)
+        elif self._direct is not None:
+            await self._direct.write_rest()
+
     async def end(self, data: bytes = b"") -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+        await self._corked({"type": "http.response.body", "body": data, "more_body": False})
 
     async def respond_json(self, status: int, body: bytes) -> None:
-        await respond(self._send, status, body, self.rid)
+        headers = _json_headers(status, body, self.rid)
+        await self._corked(
+            {"type": "http.response.start", "status": status, "headers": headers},
+            {"type": "http.response.body", "body": body},
+        )
+
+    async def _corked(self, *messages: Message) -> None:
+        """The messages through the ASGI send, their writes in one: the connection only
+        collects the bytes until ``uncork``. The end's path has one checkpoint (hypercorn
+        tells the app's receive of the disconnect) after the last bytes are collected: an
+        exception there still sends them, as it would have uncorked."""
+        direct = self._direct
+        if direct is None:
+            for message in messages:
+                await self._send(message)
+            return
+        direct.cork()
+        try:
+            for message in messages:
+                await self._send(message)
+        except BaseException:
+            direct.uncork_nowait()
+            raise
+        await direct.uncork()
 
 
 def _json_headers(
@@ -390,7 +440,13 @@ class RouterApp:
                 pass
 
         await router.handle(
-            req, rid_text, AsgiSink(send, rid), wait_disconnect, caller, scope["headers"]
+            req,
+            rid_text,
+            AsgiSink(send, rid),
+            wait_disconnect,
+            caller,
+            scope["headers"],
+            disconnect_hook(send, scope),
         )
 
     async def _readmit_wave(self, receive: Receive, send: Send) -> None:

@@ -14,7 +14,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 from opentelemetry.trace import Span, SpanKind
@@ -35,7 +35,7 @@ from narwhal.faults import (
     RequestFault,
     SilenceTimeout,
 )
-from narwhal.metrics import Metrics
+from narwhal.metrics import Metrics, RequestBuckets
 from narwhal.router.assemble import Assembler, Echo, prompt_echo
 from narwhal.router.fleet import EngineState, Fleet, Leg
 from narwhal.router.handoff import Fate, Handoff, too_old
@@ -67,6 +67,14 @@ class ClientSink(Protocol):
     async def send(self, data: bytes) -> None: ...
     async def end(self, data: bytes = b"") -> None: ...
     async def respond_json(self, status: int, body: bytes) -> None: ...
+
+
+@runtime_checkable
+class DirectSink(Protocol):
+    """A sink that can write a chunk without waiting (the ASGI layer under hypercorn)."""
+
+    def send_nowait(self, data: bytes) -> bool: ...  # True: all of it went out
+    async def flush(self) -> None: ...  # after False, at once: the rest
 
 
 class RouterState(Protocol):
@@ -376,8 +384,8 @@ class RequestRun(RunRecord):
         """Count the descriptor's fate; an orphan goes to the reclaim queue (invariant 7).
         Runs in a ``finally``, cancellation included: nothing here awaits."""
         metrics = self.router.metrics
-        metrics.handoffs.labels("produced").inc()
-        metrics.handoffs.labels(handoff.fate.value).inc()
+        metrics.handoffs_of("produced").inc()
+        metrics.handoffs_of(handoff.fate.value).inc()
         metrics.handoff_held.observe(handoff.age(trio.current_time()))
         attempt.handoff = handoff.fate.value
         if handoff.fate is not Fate.DECODED:  # within the lease still, a reclaim frees it
@@ -513,7 +521,13 @@ class RequestRun(RunRecord):
 
     async def _relay(self, stream: DecodeStream, clock: trio.CancelScope) -> None:
         """Move the engine's stream to the client until ``[DONE]``; the hot path. The rules
-        are ``StreamRelay``'s; this shell moves bytes and owns the clocks."""
+        are ``StreamRelay``'s; this shell moves bytes and owns the clocks.
+
+        Per read (issue 19): one call for the engine's bytes (``DecodeStream.read``), one
+        for the rules, and after the commit one direct write to the client
+        (``DirectSink.send_nowait``); the silence clock is set once, after the write. It is
+        lifted (a slow client is not a silent engine) only when the write has to wait.
+        Inter-token gaps are counted per request and flushed to the histogram at the end."""
         silence = self.config.engine.decode_read_timeout_s
         collector = None
         prefill = self.prefill_result
@@ -524,38 +538,53 @@ class RequestRun(RunRecord):
         elif prefill is not None:
             self._echo = prompt_echo(prefill, self.req.body, chat=self.req.chat)
         relay = StreamRelay(collector)
-        token_gap = self.router.metrics.token_gap
+        gaps = RequestBuckets(self.router.metrics.token_gap)
+        sink = self.sink
+        direct = sink if collector is None and isinstance(sink, DirectSink) else None
+        echo = self._echo
+        read, feed = stream.read, relay.feed
         last_output_at: float | None = None
-        async for data in stream:
-            tokens_before = relay.tokens
-            action = relay.feed(data)
-            self.tokens = relay.tokens
-            if relay.tokens and not tokens_before:
-                self._first_token()
-            if isinstance(action, Fault):
-                if action.flush is not None:
-                    await self._output(action.flush)
-                raise action.fault
-            if isinstance(action, Finish):
-                await self._finish(action.data)
-                await stream.drain()
-                return
-            if not self.lifecycle.output_seen:
-                continue  # metadata before the first token is held; the first-token clock runs
-            if self.tokens != tokens_before:
-                now = trio.current_time()
-                if last_output_at is not None:
-                    # per token, as vLLM's inter-token latency: a read that brought k
-                    # tokens after a gap g is k tokens g/k apart
-                    k = self.tokens - tokens_before
-                    for _ in range(k):
-                        token_gap.observe((now - last_output_at) / k)
-                last_output_at = now
-            if not isinstance(action, Hold):
-                clock.deadline = math.inf  # a slow client is not a silent engine
-                await self._output(action)
-            clock.deadline = trio.current_time() + silence if silence > 0 else math.inf
-        raise relay.end_of_stream().fault
+        try:
+            while (data := await read()) is not None:
+                tokens_before = relay.tokens
+                action = feed(data)
+                tokens = self.tokens = relay.tokens
+                if tokens and not tokens_before:
+                    self._first_token()
+                kind = type(action)
+                if kind is Fault:
+                    assert isinstance(action, Fault)
+                    if action.flush is not None:
+                        await self._output(action.flush)
+                    raise action.fault
+                if kind is Finish:
+                    assert isinstance(action, Finish)
+                    await self._finish(action.data)
+                    await stream.drain()
+                    return
+                if not tokens and not self.lifecycle.output_seen:
+                    continue  # metadata before the first token is held; its clock runs
+                if tokens != tokens_before:
+                    now = trio.current_time()
+                    if last_output_at is not None:
+                        # per token, as vLLM's inter-token latency: a read that brought k
+                        # tokens after a gap g is k tokens g/k apart
+                        gaps.add(now - last_output_at, tokens - tokens_before)
+                    last_output_at = now
+                if kind is Send and direct is not None:
+                    assert isinstance(action, Send)
+                    out = action.data if echo is None else echo.stream(action.data)
+                    if not direct.send_nowait(out):
+                        clock.deadline = math.inf  # a slow client is not a silent engine
+                        await direct.flush()
+                elif kind is not Hold:
+                    assert isinstance(action, Commit | Send)
+                    clock.deadline = math.inf
+                    await self._output(action)
+                clock.deadline = trio.current_time() + silence if silence > 0 else math.inf
+            raise relay.end_of_stream().fault
+        finally:
+            gaps.flush()  # nothing here awaits: cancellation included
 
     def _first_token(self) -> None:
         self.first_byte_s = self.elapsed

@@ -26,7 +26,7 @@ def main() -> None:
         mine = [r for r in rows if r["workload"] == workload]
         names = [r["target"] for r in mine]
         xs = range(len(mine))
-        colours = ["#0f766e" if n in OURS else "#94a3b8" for n in names]
+        colours = ["#0f766e" if n.startswith(OURS) else "#94a3b8" for n in names]
         ax.bar([x - 0.2 for x in xs], [r["ttft_p50_ms"] or 0 for r in mine], 0.4, color=colours)
         ax.bar(
             [x + 0.2 for x in xs],

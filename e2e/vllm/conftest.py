@@ -162,6 +162,19 @@ class Fleet:
         return {e["id"]: e for e in json.loads(body)["engines"]}
 
 
+def serve_router(fleet: Fleet, name: str, fleet_text: str) -> Process:
+    """A router of its own on a fleet file of this text, ready; its ``url`` set."""
+    config = fleet.logs / f"{name}.toml"
+    config.write_text(fleet_text)
+    port = free_port()
+    argv = [*fleet.router.argv[:3], "serve", "--config", str(config), "--port", str(port)]
+    router = Process(name, argv, fleet.logs / f"{name}.log")
+    router.start()
+    router.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    router.wait_until(router.url + "/ready", 60)  # type: ignore[attr-defined]
+    return router
+
+
 def _vllm_dir() -> Path:
     raw = os.environ.get("NARWHAL_VLLM_DIR", "")
     path = Path(raw) if raw else Path.home() / ".cache" / "narwhal-vllm"

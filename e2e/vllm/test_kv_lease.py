@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import KV_LEASE_S, MODEL, Engine, Fleet, Process, free_port, http
+from .conftest import KV_LEASE_S, MODEL, Engine, Fleet, Process, http, serve_router
 from .hold_proxy import HoldProxy
 
 pytestmark = pytest.mark.vllm
@@ -65,15 +65,8 @@ health_timeout_s = 10.0
 
 def start_router(fleet: Fleet, name: str, producer: str, consumer: str, **keys: Any) -> Process:
     values = {"lease": KV_LEASE_S, "first_token": 40.0, "reclaim": "true", **keys}
-    config = fleet.logs / f"{name}.toml"
-    config.write_text(ROUTER.format(model=MODEL, producer=producer, consumer=consumer, **values))
-    port = free_port()
-    argv = [*fleet.router.argv[:3], "serve", "--config", str(config), "--port", str(port)]
-    router = Process(name, argv, fleet.logs / f"{name}.log")
-    router.start()
-    router.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    router.wait_until(router.url + "/ready", 60)  # type: ignore[attr-defined]
-    return router
+    text = ROUTER.format(model=MODEL, producer=producer, consumer=consumer, **values)
+    return serve_router(fleet, name, text)
 
 
 def usage(engine: Engine) -> float:

@@ -49,8 +49,8 @@ from .conftest import (
     _engine,
     _vllm_dir,
     http,
+    serve_router,
 )
-from .ports import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -64,8 +64,6 @@ QUERIES = "vllm:prefix_cache_queries_total"
 RESULTS = Path(__file__).parent / "results" / "prefix_affinity.json"
 PHASES: dict[str, dict[str, Any]] = {}  # each phase's numbers, as the tests measure them
 
-# Producers first: round_robin rotates on each engine's index in the fleet file modulo the
-# number of producers, so producers at indices 0 and 2 (p0, d0, p1) would never rotate.
 ROUTER = """\
 model = "{model}"
 
@@ -200,8 +198,9 @@ def question(i: int) -> str:
 
 
 def start_router(fleet: Fleet, p: Producers, name: str, policy: str, affinity: bool) -> Process:
-    config = fleet.logs / f"{name}.toml"
-    config.write_text(
+    return serve_router(
+        fleet,
+        name,
         ROUTER.format(
             model=MODEL,
             p0=p.p0.url,
@@ -211,15 +210,8 @@ def start_router(fleet: Fleet, p: Producers, name: str, policy: str, affinity: b
             policy=policy,
             interval=METRICS_INTERVAL_S,
             affinity="true" if affinity else "false",
-        )
+        ),
     )
-    port = free_port()
-    argv = [*fleet.router.argv[:3], "serve", "--config", str(config), "--port", str(port)]
-    router = Process(name, argv, fleet.logs / f"{name}.log")
-    router.start()
-    router.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    router.wait_until(router.url + "/ready", 60)  # type: ignore[attr-defined]
-    return router
 
 
 def engines_view(url: str) -> dict[str, dict[str, Any]]:

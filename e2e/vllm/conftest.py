@@ -162,6 +162,25 @@ class Fleet:
         return {e["id"]: e for e in json.loads(body)["engines"]}
 
 
+def warm_pair(producer: Engine, consumer: Engine) -> None:
+    """One handoff directly between the two: the first of a pair does NIXL's handshake,
+    and until then what the consumer tells the producer (a pull, a release) can wait on
+    it; so it happens outside the measured tests and outside any router's breaker."""
+    body = {"model": MODEL, "prompt": "warm up the pair", "max_tokens": 1, "temperature": 0}
+    raw = b""
+    for _ in range(3):  # bounded: a first handshake can time out once on a busy machine
+        pre = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+        status, raw = http("POST", producer.url + "/v1/completions", pre)
+        assert status == 200, raw
+        kv = json.loads(raw)["kv_transfer_params"]
+        status, raw = http(
+            "POST", consumer.url + "/v1/completions", {**body, "kv_transfer_params": kv}
+        )
+        if status == 200:
+            return
+    pytest.fail(f"no handoff {producer.name} -> {consumer.name} succeeded: {raw[:300]!r}")
+
+
 def serve_router(fleet: Fleet, name: str, fleet_text: str) -> Process:
     """A router of its own on a fleet file of this text, ready; its ``url`` set."""
     config = fleet.logs / f"{name}.toml"

@@ -50,6 +50,7 @@ from .conftest import (
     _vllm_dir,
     http,
     serve_router,
+    warm_pair,
 )
 
 pytestmark = pytest.mark.vllm
@@ -126,24 +127,6 @@ class Producers:
         return {"p0": self.p0, "p1": self.p1}
 
 
-def handoff(producer: Engine, consumer: Engine) -> None:
-    """One handoff directly between the two (the first of a pair does NIXL's handshake),
-    outside the measured phases and outside any router's breaker."""
-    body = {"model": MODEL, "prompt": "warm up the pair", "max_tokens": 1, "temperature": 0}
-    raw = b""
-    for _ in range(3):  # bounded: a first handshake can time out once on a busy machine
-        pre = {**body, "kv_transfer_params": {"do_remote_decode": True}}
-        status, raw = http("POST", producer.url + "/v1/completions", pre)
-        assert status == 200, raw
-        kv = json.loads(raw)["kv_transfer_params"]
-        status, raw = http(
-            "POST", consumer.url + "/v1/completions", {**body, "kv_transfer_params": kv}
-        )
-        if status == 200:
-            return
-    pytest.fail(f"no handoff {producer.name} -> {consumer.name} succeeded: {raw[:300]!r}")
-
-
 @pytest.fixture(scope="module")
 def producers(fleet: Fleet) -> Iterator[Producers]:
     """The session's producer and consumer and a second producer, started here."""
@@ -168,7 +151,7 @@ def producers(fleet: Fleet) -> Iterator[Producers]:
             break
         assert second is not None
         for producer in (fleet.producer, second):
-            handoff(producer, fleet.consumer)
+            warm_pair(producer, fleet.consumer)
         yield Producers(fleet.producer, second, fleet.consumer)
     finally:
         for engine in started:

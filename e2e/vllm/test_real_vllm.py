@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from .conftest import HANDOFF_S, MODEL, START_S, Fleet, http
+from .conftest import HANDOFF_S, MODEL, START_S, Fleet, http, warm_pair
 
 pytestmark = pytest.mark.vllm
 
@@ -37,18 +37,7 @@ def client(fleet: Fleet) -> Iterator[openai.OpenAI]:
 def warm(fleet: Fleet) -> None:
     """The first handoff of a pair does the NIXL handshake; let it happen outside a test
     (directly, not through the router, so the router's breaker starts clean)."""
-    body = {"model": MODEL, "prompt": "warm up", "max_tokens": 1, "temperature": 0}
-    for _ in range(3):  # bounded: a first handshake can time out once on a busy machine
-        pre = {**body, "kv_transfer_params": {"do_remote_decode": True}}
-        status, raw = http("POST", fleet.producer.url + "/v1/completions", pre)
-        assert status == 200, raw
-        kv = json.loads(raw)["kv_transfer_params"]
-        status, raw = http(
-            "POST", fleet.consumer.url + "/v1/completions", {**body, "kv_transfer_params": kv}
-        )
-        if status == 200:
-            return
-    pytest.fail(f"no handoff between the two engines succeeded: {raw[:300]!r}")
+    warm_pair(fleet.producer, fleet.consumer)
 
 
 def local(fleet: Fleet, path: str, body: dict[str, object]) -> str:

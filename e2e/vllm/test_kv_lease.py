@@ -118,9 +118,8 @@ class Sampler(threading.Thread):
 
 @pytest.fixture(scope="module", autouse=True)
 def warm(fleet: Fleet) -> None:
-    """A pair that never moved KV releases late: a reclaim's release notice waited minutes
-    on the NIXL handshake when this file ran first (the producer freed the blocks 2.5 min
-    after the clients left). Operators' pairs are warm after their first request."""
+    """The pair's first handoff (NIXL's handshake) happens before anything is measured,
+    whichever file runs first."""
     warm_pair(fleet.producer, fleet.consumer)
 
 

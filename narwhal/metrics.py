@@ -341,6 +341,7 @@ class Metrics:
         self.requests_of = Children(self.requests)
         self.handoffs_of = Children(self.handoffs)
         self.disconnects_of = Children(self.disconnects)
+        self.placements_of = Children(self.placements)
         self.model_generation_tokens = self.generation_tokens.labels(self.model)
         self.model_prompt_tokens = self.prompt_tokens.labels(self.model)
 

@@ -12,20 +12,25 @@ import trio
 
 from narwhal.config import ConfigError, ServingConfig
 from narwhal.router.auth import ApiKeys
-from tests.conftest import MODEL, finish, start_fleet
+from tests.conftest import MODEL, Harness, finish, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+
+async def _keyed_fleet(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Harness:
+    """A router that wants one of two client keys."""
+    monkeypatch.setenv("NARWHAL_TEST_CLIENT_KEYS", "key-one, key-two")
+    return await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        serving=ServingConfig(api_keys_env="NARWHAL_TEST_CLIENT_KEYS", graceful_timeout_s=0.5),
+    )
 
 
 async def test_keys_are_required_when_configured(
     nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("NARWHAL_TEST_CLIENT_KEYS", "key-one, key-two")
-    harness = await start_fleet(
-        nursery,
-        {"p0": "prefill", "d0": "decode"},
-        serving=ServingConfig(api_keys_env="NARWHAL_TEST_CLIENT_KEYS", graceful_timeout_s=0.5),
-    )
+    harness = await _keyed_fleet(nursery, monkeypatch)
     for headers in (
         {},
         {"authorization": "Bearer key-three"},
@@ -56,12 +61,7 @@ def test_an_unset_key_variable_fails_closed(monkeypatch: pytest.MonkeyPatch) -> 
 async def test_the_journal_says_who_asked_by_address_and_key_hash_never_the_key(
     nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("NARWHAL_TEST_CLIENT_KEYS", "key-one, key-two")
-    harness = await start_fleet(
-        nursery,
-        {"p0": "prefill", "d0": "decode"},
-        serving=ServingConfig(api_keys_env="NARWHAL_TEST_CLIENT_KEYS", graceful_timeout_s=0.5),
-    )
+    harness = await _keyed_fleet(nursery, monkeypatch)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     before = time.time()
     ok = await harness.post("/v1/completions", body, {"authorization": "Bearer key-two"})

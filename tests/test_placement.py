@@ -138,9 +138,9 @@ def test_never_an_engine_that_is_not_placeable(
     """Whatever the loads, policy and avoid set: a placeable engine, and one outside the
     avoid set whenever there is one."""
     fleet = _fleet(*["prefill"] * len(inflight))
-    for engine, legs in zip(fleet.engines, inflight, strict=True):
+    for i, (engine, legs) in enumerate(zip(fleet.engines, inflight, strict=True)):
         engine.inflight["prefill"] = legs
-        if engine.index in unhealthy:
+        if i in unhealthy:
             engine.breaker.quarantined_until = 1e9
             engine.breaker.quarantine_s = 1e9
     candidates, _ = fleet.placeable("prefill", 0.0)

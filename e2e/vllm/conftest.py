@@ -15,8 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from .ports import free_port
+from .ports import free_port, http  # http: its 120 s default is HANDOFF_S
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -41,17 +39,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 class PortClash(Exception):
     """A child said it could not bind its port: start it again on fresh ports."""
-
-
-def http(method: str, url: str, body: Any = None, timeout: float = HANDOFF_S) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def up(url: str) -> bool:

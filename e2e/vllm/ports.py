@@ -1,11 +1,15 @@
-"""Loopback ports for the real-engine suite and its probe: stdlib only, so that a script
-run with the vLLM environment's Python can use it too."""
+"""Loopback ports and a plain JSON call for the real-engine suite and its probe: stdlib
+only, so that a script run with the vLLM environment's Python can use it too."""
 
 from __future__ import annotations
 
+import json
 import random
 import socket
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 
 def _ephemeral_start() -> int:
@@ -44,3 +48,15 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free port in 20000-{end}")
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tuple[int, bytes]:
+    """One JSON request; (status, body), an HTTP error status included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()

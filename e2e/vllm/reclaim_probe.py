@@ -38,13 +38,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ports import free_port  # e2e/vllm/ports.py, beside this script (stdlib only)
+from ports import free_port, http  # e2e/vllm/ports.py, beside this script (stdlib only)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -182,17 +180,6 @@ class Engine:
                 with contextlib.suppress(ValueError):
                     out[key] = float(val)
         return out
-
-
-def http(method: str, url: str, body: Any = None, timeout: float = REQ_S) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def stream_close_after_headers(url: str, body: Any, timeout: float = REQ_S) -> tuple[int, bytes]:

@@ -329,7 +329,7 @@ class RequestRun(RunRecord):
                 f"no placeable {'producer' if leg == 'prefill' else 'consumer'} engine",
                 phase=Phase.ADMISSION,
             )
-        self.router.metrics.placements.labels(leg, choice.reason).inc()
+        self.router.metrics.placements_of(leg, choice.reason).inc()
         return choice.engine
 
     def _prefix_key(self) -> str | None:

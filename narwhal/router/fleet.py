@@ -26,7 +26,6 @@ class EngineState:
         "failed_as",
         "failed_with",
         "health_failures",
-        "index",
         "inflight",
         "inflight_gauges",
         "report",
@@ -35,9 +34,8 @@ class EngineState:
         "up",
     )
 
-    def __init__(self, spec: EngineSpec, index: int, recovery: RecoveryConfig) -> None:
+    def __init__(self, spec: EngineSpec, recovery: RecoveryConfig) -> None:
         self.spec = spec
-        self.index = index
         self.inflight: dict[Leg, int] = {"prefill": 0, "decode": 0}
         self.inflight_gauges: dict[Leg, Any] = {}  # Prometheus children, when exported
         self.breaker = Breaker(recovery.eject_after, recovery.failure_quarantine_s)
@@ -161,12 +159,12 @@ class Fleet:
         """Engines keep their state (breaker, in-flight counts) when id and URL stay; a
         removed engine leaves the lists, and its in-flight legs release on the old object."""
         engines = []
-        for i, spec in enumerate(specs):
+        for spec in specs:
             state = self.by_id.get(spec.id)
             if state is None or state.spec.url != spec.url:
-                state = EngineState(spec, i, recovery)
+                state = EngineState(spec, recovery)
             else:
-                state.spec, state.index = spec, i
+                state.spec = spec
                 state.breaker.eject_after = recovery.eject_after
                 state.breaker.quarantine_s = recovery.failure_quarantine_s
             engines.append(state)

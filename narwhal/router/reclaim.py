@@ -122,9 +122,8 @@ class Reclaimer:
         # a consumer that already moved KV from this producer sends the release at once; a
         # cold one first opens its NIXL handshake, and an idle one may sit on the notice
         paired = host.fleet.paired
-        consumer = min(
-            free, key=lambda e: ((handoff.producer, e.id) not in paired, e.load, e.index)
-        )
+        # ties: the first in fleet order (min keeps the first of equals)
+        consumer = min(free, key=lambda e: ((handoff.producer, e.id) not in paired, e.load))
         self.inflight += 1
         try:
             fate = await self._leg(handoff, consumer, engine_cfg.first_token_timeout_s)

@@ -123,7 +123,34 @@ def _http2_refusal() -> bytes:
 HTTP2_REFUSAL = _http2_refusal()
 
 
+class _Http11Connection(h11.Connection):
+    """h11 that ignores what a client sends after a request that said ``Connection:
+    close`` (RFC 9112 §9.6), where h11 raises on it and hypercorn then answers the request
+    it is already serving with a 400. What is ignored is never buffered; the end of the
+    stream is still told, so a client that leaves still cancels its request."""
+
+    _eof = False
+
+    def receive_data(self, data: bytes) -> None:
+        if not data:
+            self._eof = True
+        elif self.their_state is h11.MUST_CLOSE:
+            return
+        super().receive_data(data)
+
+    def next_event(self) -> Any:
+        if self.their_state is h11.MUST_CLOSE:
+            return h11.ConnectionClosed() if self._eof else h11.NEED_DATA
+        return super().next_event()
+
+
 class Http11Protocol(H11Protocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection = _Http11Connection(
+            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
+        )
+
     async def _check_protocol(self, event: h11.Request) -> None:
         if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
             raise PriorKnowledgeHTTP2

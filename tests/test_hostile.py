@@ -175,6 +175,18 @@ async def test_request_smuggling_shapes_are_400_and_never_two_requests(bounded: 
     await finish(bounded)
 
 
+async def test_bytes_after_a_request_that_said_close_are_ignored(bounded: Harness) -> None:
+    """RFC 9112 9.6: the request that asked to close is answered, and what the client sent
+    after it is neither served nor an error (h11 raised on it, and the router answered the
+    valid request with a 400 after placing both its legs)."""
+    follow = request(b"", path=b"/v1/models", close=False).replace(b"POST", b"GET")
+    shape = request(COMPLETION, b"content-length: %d" % len(COMPLETION)) + follow
+    raw = await raw_exchange(bounded.url, shape)
+    assert statuses(raw) == [200], raw[:300]
+    assert b'"choices"' in raw
+    await finish(bounded)
+
+
 async def test_headers_too_long_or_too_many_are_refused(bounded: Harness) -> None:
     length = b"content-length: %d" % len(COMPLETION)
     for size in (40, 70, 120):  # KiB, in one field or spread over many

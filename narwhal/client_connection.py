@@ -214,6 +214,29 @@ class Http11Only:
             await self.send(Closed())
 
 
+class SendLock:
+    """A lock that any task may release (trio's ``Lock`` insists on its owner): the part
+    of ``trio.Lock`` that hypercorn's ``TCPServer`` and ``ClientConnection`` use."""
+
+    def __init__(self) -> None:
+        self._semaphore = trio.Semaphore(1, max_value=1)
+
+    def locked(self) -> bool:
+        return self._semaphore.value == 0
+
+    def acquire_nowait(self) -> None:
+        self._semaphore.acquire_nowait()
+
+    def release(self) -> None:
+        self._semaphore.release()
+
+    async def __aenter__(self) -> None:
+        await self._semaphore.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._semaphore.release()
+
+
 class ClientConnection(TCPServer):
     """Hypercorn's connection handler with the rules in this module's docstring."""
 
@@ -231,6 +254,10 @@ class ClientConnection(TCPServer):
         self._rest: bytes | memoryview | None = None  # what write_nowait left to write_rest
         self._rest_state = _REST_NONE
         self.aborted = False  # _abort closed it: no disconnect is told for it
+        # hypercorn's trio.Lock, owner-free: a write that the stream reactor's task began
+        # (write_nowait) may leave its rest to the request's task (write_rest)
+        self._lock = SendLock()
+        self.send_lock = self._lock  # type: ignore[assignment]  # TCPServer's uses
 
     async def run(self) -> None:
         try:
@@ -381,7 +408,7 @@ class ClientConnection(TCPServer):
         held, self._corked = self._corked, None
         if held and not self.write_nowait(b"".join(held)):
             if self._rest_state == _REST_LOCKED:
-                self.send_lock.release()
+                self._lock.release()
             self._rest, self._rest_state = None, _REST_NONE
             self._abort()
 
@@ -389,7 +416,7 @@ class ClientConnection(TCPServer):
         """Write ``data`` now when nothing contends for the socket: True when the kernel took
         all of it. False: what is left is written by ``write_rest``, which must be awaited at
         once (a partial write holds the send lock until then; a failed one closes there)."""
-        lock: trio.Lock = self.send_lock
+        lock = self._lock
         socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
         if socket is None or lock.locked() or self._corked is not None:
             self._rest, self._rest_state = data, _REST_UNLOCKED
@@ -418,7 +445,7 @@ class ClientConnection(TCPServer):
                 try:
                     await self._send_all(rest)
                 finally:
-                    self.send_lock.release()
+                    self._lock.release()
             elif state == _REST_UNLOCKED:
                 assert rest is not None
                 await self.protocol_send(RawData(data=bytes(rest)))
@@ -429,7 +456,7 @@ class ClientConnection(TCPServer):
             await self.protocol.handle(Closed())
 
     async def _write(self, data: bytes) -> None:
-        lock: trio.Lock = self.send_lock
+        lock = self._lock
         socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
         if socket is None or lock.locked():
             async with lock:

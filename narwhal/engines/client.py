@@ -348,16 +348,31 @@ class DecodeStream:
         try:
             batch = await response.next_batch()
         except BaseException as exc:
-            await self.aclose()
-            fault = translate(
-                exc, Phase.DECODE, self._engine.base_url, "stream ended before [DONE]: "
-            )
-            if fault is None:
-                raise
-            raise fault from None
+            await self.fail(exc)
+            raise
         if batch is None:
             await self.aclose()
         return batch
+
+    def park_fd(self) -> int:
+        """The socket a parked relay waits on (``StreamReactor``); -1: ``read`` instead."""
+        response = self._response
+        return -1 if response is None else response.park_fd()
+
+    def read_nowait(self) -> bytes | None:
+        """``read`` without waiting, in the stream reactor's task: b"" when nothing is
+        there yet; None: ``read`` goes on (the end, or anything else that may wait). A
+        ``TransportError`` raised here goes to ``fail`` in the request's task."""
+        response = self._response
+        return None if response is None else response.read_nowait()
+
+    async def fail(self, exc: BaseException) -> None:
+        """The read failed with ``exc``: close, and raise it as an engine fault (return:
+        not a transport error, the caller re-raises it)."""
+        await self.aclose()
+        fault = translate(exc, Phase.DECODE, self._engine.base_url, "stream ended before [DONE]: ")
+        if fault is not None:
+            raise fault from None
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Read what follows ``[DONE]`` (the end of the chunked body), so the connection

@@ -226,6 +226,19 @@ class Pool:
             await _close(conn)
 
 
+def _feed_chunked(decoder: ChunkedDecoder, data: bytes) -> list[bytes]:
+    """One socket read's bytes through the chunked decoder; never an empty part."""
+    if not data:
+        raise TransportError(
+            "engine broke HTTP: peer closed connection without sending complete "
+            "message body (incomplete chunked read)"
+        )
+    try:
+        return decoder.feed(data)
+    except ChunkedError as exc:
+        raise TransportError(f"engine broke HTTP: {exc}") from None
+
+
 class Response:
     """One response being read; ``next_batch`` coalesces what each socket read brought."""
 
@@ -338,20 +351,45 @@ class Response:
                         continue
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise TransportError(f"connection broke: {_describe(exc)}") from None
-            if not data:
-                raise TransportError(
-                    "engine broke HTTP: peer closed connection without sending complete "
-                    "message body (incomplete chunked read)"
-                )
-            try:
-                parts = decoder.feed(data)  # never an empty part
-            except ChunkedError as exc:
-                raise TransportError(f"engine broke HTTP: {exc}") from None
+            parts = _feed_chunked(decoder, data)
         if decoder.done:
             self.done = True
             if not parts:
                 await self.aclose()
                 return None
+        return b"".join(parts) if len(parts) != 1 else parts[0]
+
+    def park_fd(self) -> int:
+        """The socket to wait on before ``read_nowait`` can bring more; -1: none, call
+        ``next_batch`` (not a chunked body on a plain socket, or the rest of the body is
+        read already: its socket may never be readable again)."""
+        decoder, conn = self._chunked, self.conn
+        if decoder is None or decoder.done or conn is None or self._early or self.done:
+            return -1
+        return conn.fd
+
+    def read_nowait(self) -> bytes | None:
+        """``next_batch`` without waiting, for a parked stream (``StreamReactor``): what one
+        read of a chunked body on a plain socket brought, b"" when nothing is there yet.
+        None: ``next_batch`` goes on (the end of the body, bytes that came with the head,
+        or a body this cannot read), with nothing lost: the last parts wait for it."""
+        decoder, conn = self._chunked, self.conn
+        if self.park_fd() < 0:
+            return None
+        assert decoder is not None
+        assert conn is not None
+        try:
+            data = os.read(conn.fd, READ_SIZE)
+        except BlockingIOError:
+            return b""
+        except OSError as exc:
+            raise TransportError(f"connection broke: {_describe(exc)}") from None
+        parts = _feed_chunked(decoder, data)
+        if decoder.done:
+            self._early = parts
+            return None
+        if not parts:
+            return b""
         return b"".join(parts) if len(parts) != 1 else parts[0]
 
     async def next_batch(self) -> bytes | None:

@@ -250,6 +250,7 @@ class RouterApp:
                     background.start_soon(self.router.client.sweep_forever)
                     await background.start(self.router.reclaimer.run)
                     await background.start(self.router.scraper.run)  # engines' /metrics
+                    await background.start(self.router.reactor.run)  # parked streams
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     background.cancel_scope.cancel()

@@ -10,11 +10,10 @@ scope, owned by ``Router.handle``.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import trio
 from opentelemetry.trace import Span, SpanKind
@@ -23,7 +22,7 @@ from narwhal import tracing
 from narwhal.config import FleetConfig
 from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.engines.connector import PrefillResult
-from narwhal.engines.relay import Commit, Fault, Finish, Hold, Send, StreamRelay
+from narwhal.engines.relay import Commit, Send, StreamRelay
 from narwhal.faults import (
     BreakerClass,
     DeadlineExpired,
@@ -45,8 +44,10 @@ from narwhal.router.lifecycle import Input, Lifecycle, State
 from narwhal.router.placement import choose
 from narwhal.router.policies import prefix_key
 from narwhal.router.reclaim import Reclaimer
+from narwhal.router.relay_loop import DirectSink, RelayLoop
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget, RetryDecision, decide
+from narwhal.router.stream_reactor import StreamReactor
 
 PHASE_OF = {
     State.ADMITTED: Phase.ADMISSION,
@@ -69,14 +70,6 @@ class ClientSink(Protocol):
     async def respond_json(self, status: int, body: bytes) -> None: ...
 
 
-@runtime_checkable
-class DirectSink(Protocol):
-    """A sink that can write a chunk without waiting (the ASGI layer under hypercorn)."""
-
-    def send_nowait(self, data: bytes) -> bool: ...  # True: all of it went out
-    async def flush(self) -> None: ...  # after False, at once: the rest
-
-
 class RouterState(Protocol):
     """What an attempt needs from the router (see ``narwhal.router.service.Router``)."""
 
@@ -87,6 +80,7 @@ class RouterState(Protocol):
     retry_budget: RetryBudget
     rng: random.Random
     reclaimer: Reclaimer
+    reactor: StreamReactor
 
 
 class RunRecord:
@@ -520,15 +514,7 @@ class RequestRun(RunRecord):
         )
 
     async def _relay(self, stream: DecodeStream, clock: trio.CancelScope) -> None:
-        """Move the engine's stream to the client until ``[DONE]``; the hot path. The rules
-        are ``StreamRelay``'s; this shell moves bytes and owns the clocks.
-
-        Per read (issue 19): one call for the engine's bytes (``DecodeStream.read``), one
-        for the rules, and after the commit one direct write to the client
-        (``DirectSink.send_nowait``); the silence clock is set once, after the write. It is
-        lifted (a slow client is not a silent engine) only when the write has to wait.
-        Inter-token gaps are counted per request and flushed to the histogram at the end."""
-        silence = self.config.engine.decode_read_timeout_s
+        """Move the engine's stream to the client until ``[DONE]``: ``RelayLoop``."""
         collector = None
         prefill = self.prefill_result
         if not self.req.stream:
@@ -537,69 +523,34 @@ class RequestRun(RunRecord):
                 collector.prompt_side(prefill, self.req.body)
         elif prefill is not None:
             self._echo = prompt_echo(prefill, self.req.body, chat=self.req.chat)
-        relay = StreamRelay(collector)
-        gaps = RequestBuckets(self.router.metrics.token_gap)
         sink = self.sink
         direct = sink if collector is None and isinstance(sink, DirectSink) else None
-        echo = self._echo
-        read, feed = stream.read, relay.feed
-        last_output_at: float | None = None
-        try:
-            while (data := await read()) is not None:
-                tokens_before = relay.tokens
-                action = feed(data)
-                tokens = self.tokens = relay.tokens
-                if tokens and not tokens_before:
-                    self._first_token()
-                kind = type(action)
-                if kind is Fault:
-                    assert isinstance(action, Fault)
-                    if action.flush is not None:
-                        await self._output(action.flush)
-                    raise action.fault
-                if kind is Finish:
-                    assert isinstance(action, Finish)
-                    await self._finish(action.data)
-                    await stream.drain()
-                    return
-                if not tokens and not self.lifecycle.output_seen:
-                    continue  # metadata before the first token is held; its clock runs
-                if tokens != tokens_before:
-                    now = trio.current_time()
-                    if last_output_at is not None:
-                        # per token, as vLLM's inter-token latency: a read that brought k
-                        # tokens after a gap g is k tokens g/k apart
-                        gaps.add(now - last_output_at, tokens - tokens_before)
-                    last_output_at = now
-                if kind is Send and direct is not None:
-                    assert isinstance(action, Send)
-                    out = action.data if echo is None else echo.stream(action.data)
-                    if not direct.send_nowait(out):
-                        clock.deadline = math.inf  # a slow client is not a silent engine
-                        await direct.flush()
-                elif kind is not Hold:
-                    assert isinstance(action, Commit | Send)
-                    clock.deadline = math.inf
-                    await self._output(action)
-                clock.deadline = trio.current_time() + silence if silence > 0 else math.inf
-            raise relay.end_of_stream().fault
-        finally:
-            gaps.flush()  # nothing here awaits: cancellation included
+        # parked in the reactor: a stream whose reads need no waiting between its first
+        # output and its end, streamed straight to the client or assembled for JSON
+        reactor = self.router.reactor if direct is not None or collector is not None else None
+        silence = self.config.engine.decode_read_timeout_s
+        gaps = RequestBuckets(self.router.metrics.token_gap)
+        loop = RelayLoop(self, StreamRelay(collector), clock, silence, gaps, direct, reactor)
+        await loop.relay_all(stream)
 
-    def _first_token(self) -> None:
+    def first_token(self) -> None:
         self.first_byte_s = self.elapsed
         self.lifecycle.advance(Input.FIRST_TOKEN)
 
-    async def _output(self, action: Commit | Send) -> None:
+    def echoed(self, data: bytes) -> bytes:
+        """A streamed chunk as the client sees it: the prompt echoed in, when asked."""
+        return data if self._echo is None else self._echo.stream(data)
+
+    async def output(self, action: Commit | Send) -> None:
         """Relay bytes to a streaming client; a Commit sends the 200 headers first."""
-        data = action.data if self._echo is None else self._echo.stream(action.data)
+        data = self.echoed(action.data)
         if type(action) is Commit:
             self.lifecycle.advance(Input.COMMIT)
             await self.sink.commit(data)
         else:
             await self.sink.send(data)
 
-    async def _finish(self, data: bytes) -> None:
+    async def finish(self, data: bytes) -> None:
         self.outcome, self.status = "completed", 200
         committed = self.lifecycle.committed
         if not committed:  # a JSON answer, or the first output and [DONE] in one read

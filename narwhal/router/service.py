@@ -39,6 +39,7 @@ from narwhal.router.reclaim import Reclaimer
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget
 from narwhal.router.scraper import Scraper
+from narwhal.router.stream_reactor import StreamReactor
 
 log = logging.getLogger("narwhal.router")
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -81,6 +82,7 @@ class Router:
             _warn_plain_http_keys(config)
         self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
         self.scraper = Scraper(self)  # engines' /metrics for placement, same nursery
+        self.reactor = StreamReactor()  # parked streams' reads (issue 19), same nursery
         self.config_path = config_path
         self.draining = False
         self.drain_deadline = math.inf

@@ -1,0 +1,226 @@
+"""The stream reactor (issue 19): parked decode streams are read from one task, and every
+way out of a park (a result, an error, cancellation, the reactor stopping) leaves the
+parked request's task in charge with its socket unregistered."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import msgspec
+import pytest
+import trio
+
+from narwhal.client_connection import SendLock
+from narwhal.engines.client import EngineClient
+from narwhal.router.stream_reactor import RESUME, StreamReactor
+from tests.conftest import MODEL, finish, start_fleet
+
+
+def reader(sock: socket.socket, got: list[bytes], until: bytes) -> Callable[[], object]:
+    """An ``on_ready`` that reads what is there and hands back ``"done"`` after ``until``."""
+
+    def on_ready() -> object:
+        data = sock.recv(4096)
+        got.append(data)
+        return "done" if b"".join(got).endswith(until) else None
+
+    return on_ready
+
+
+@pytest.fixture
+async def reactor(nursery: trio.Nursery) -> StreamReactor:
+    reactor = StreamReactor()
+    await nursery.start(reactor.run)
+    return reactor
+
+
+async def test_a_parked_task_sleeps_until_its_callback_hands_back(reactor: StreamReactor) -> None:
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    got: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        result: list[object] = []
+
+        async def parked() -> None:
+            result.append(await reactor.park(ours.fileno(), reader(ours, got, b"end")))
+
+        nursery.start_soon(parked)
+        for part in (b"one ", b"two ", b"end"):
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.send(part)
+    assert result == ["done"]
+    assert b"".join(got) == b"one two end"
+    assert len(got) == 3  # one call per readiness, in the reactor's task
+    ours.close()
+    theirs.close()
+
+
+async def test_what_the_callback_raises_is_raised_in_the_parked_task(
+    reactor: StreamReactor,
+) -> None:
+    ours, theirs = socket.socketpair()
+
+    def broken() -> object:
+        raise ValueError("engine garbage")
+
+    theirs.send(b"x")
+    with pytest.raises(ValueError, match="engine garbage"):
+        await reactor.park(ours.fileno(), broken)
+    # the socket is free again: parking it once more registers it anew
+    assert await reactor.park(ours.fileno(), lambda: "again") == "again"
+    ours.close()
+    theirs.close()
+
+
+async def test_cancellation_unparks_and_the_callback_never_runs_after(
+    reactor: StreamReactor,
+) -> None:
+    ours, theirs = socket.socketpair()
+    calls: list[str] = []
+    with trio.move_on_after(0.05) as scope:
+        await reactor.park(ours.fileno(), lambda: calls.append("late"))
+    assert scope.cancelled_caught
+    theirs.send(b"after the deadline")
+    await trio.testing.wait_all_tasks_blocked()
+    await trio.sleep(0.01)  # a turn of the reactor's loop, had the socket stayed in it
+    assert calls == []
+    ours.close()
+    theirs.close()
+
+
+async def test_a_stopping_reactor_hands_every_parked_task_back(nursery: trio.Nursery) -> None:
+    reactor = StreamReactor()
+    stop = trio.CancelScope()
+
+    async def run_until_stopped(task_status: trio.TaskStatus[None]) -> None:
+        with stop:
+            await reactor.run(task_status=task_status)
+
+    await nursery.start(run_until_stopped)
+    ours, theirs = socket.socketpair()
+    results: list[object] = []
+    async with trio.open_nursery() as parked:
+        parked.start_soon(lambda: _park_into(reactor, ours, results))
+        await trio.testing.wait_all_tasks_blocked()
+        stop.cancel()
+    assert results == [RESUME]
+    assert not reactor.running
+    # and with no reactor running, a park is a checkpoint that says: read it yourself
+    assert await reactor.park(ours.fileno(), lambda: "never") is RESUME
+    ours.close()
+    theirs.close()
+
+
+async def _park_into(reactor: StreamReactor, sock: socket.socket, results: list[object]) -> None:
+    results.append(await reactor.park(sock.fileno(), lambda: None))
+
+
+async def test_the_send_lock_may_be_released_by_another_task() -> None:
+    """A partial client write begun in the reactor's task is finished, and the lock
+    released, by the request's task (trio's Lock refuses that)."""
+    lock = SendLock()
+    lock.acquire_nowait()
+    assert lock.locked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_release, lock)
+    assert not lock.locked()
+    async with lock:
+        assert lock.locked()
+    assert not lock.locked()
+
+
+async def _release(lock: SendLock) -> None:
+    lock.release()
+
+
+async def _serve_once(
+    nursery: trio.Nursery, parts: list[bytes], gate: trio.Event | None = None
+) -> str:
+    """A one-connection HTTP server on loopback that writes ``parts`` (after ``gate``, all
+    but the first)."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+
+    async def answer() -> None:
+        async with listener, await listener.accept() as conn:
+            await conn.receive_some()
+            await conn.send_all(parts[0])
+            if gate is not None:
+                await gate.wait()
+            for part in parts[1:]:
+                await conn.send_all(part)
+            await trio.sleep_forever()  # keep-alive: the socket stays open, never readable
+
+    nursery.start_soon(answer)
+    port = listener.socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+EVENT = b"data: {}\n\n"
+CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+
+
+async def test_a_body_read_whole_with_its_head_is_never_parked(nursery: trio.Nursery) -> None:
+    """The bytes that came with the head may hold the whole body: its socket will not be
+    readable again (keep-alive), so parking on it would wait for ever."""
+    url = await _serve_once(nursery, [HEAD + CHUNK + b"0\r\n\r\n"])
+    client = EngineClient()
+    async with client.decode(url, "/v1/completions", {"model": MODEL}, None) as stream:
+        assert await stream.read() == EVENT
+        assert stream.park_fd() == -1
+        assert stream.read_nowait() is None
+        assert await stream.read() is None
+    await client.aclose()
+
+
+async def test_read_nowait_says_nothing_yet_then_the_batch_then_go_on(
+    nursery: trio.Nursery,
+) -> None:
+    gate = trio.Event()
+    url = await _serve_once(nursery, [HEAD + CHUNK, CHUNK + CHUNK, b"0\r\n\r\n"], gate)
+    client = EngineClient()
+    async with client.decode(url, "/v1/completions", {"model": MODEL}, None) as stream:
+        assert await stream.read() == EVENT
+        assert stream.park_fd() >= 0
+        assert stream.read_nowait() == b""  # nothing there yet
+        gate.set()
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(stream.park_fd())
+        assert stream.read_nowait() == EVENT + EVENT
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(stream.park_fd())
+        assert stream.read_nowait() is None  # the end: read() finishes it
+        assert await stream.read() is None
+    await client.aclose()
+
+
+async def test_streams_and_json_answers_are_relayed_from_the_reactor(
+    nursery: trio.Nursery,
+) -> None:
+    # tokens 2 ms apart: one socket read each, so the stream parks between them
+    pd = await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, engine_config={"itl_s": 0.002}
+    )
+    parks: list[int] = []
+    park = pd.router.reactor.park
+
+    async def counted(fd: int, on_ready: Callable[[], object]) -> object:
+        parks.append(fd)
+        return await park(fd, on_ready)
+
+    pd.router.reactor.park = counted  # type: ignore[method-assign]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 12}
+    reply = await pd.post("/v1/completions", {**body, "stream": True})
+    assert reply.status == 200
+    events = [e for e in reply.body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    texts = [msgspec.json.decode(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert len([t for t in texts if t]) == 12
+    streamed = len(parks)
+    assert streamed >= 1
+    answer = await pd.post("/v1/completions", body)
+    assert answer.status == 200
+    assert msgspec.json.decode(answer.body)["usage"]["completion_tokens"] == 12
+    assert len(parks) > streamed
+    await finish(pd)

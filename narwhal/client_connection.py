@@ -65,6 +65,8 @@ log = logging.getLogger("narwhal.connection")
 SHAPES = {
     "hypercorn.trio.tcp_server:TCPServer.run": "30e3a0c602fd1a3e",  # copied as _serve
     "hypercorn.trio.tcp_server:TCPServer.protocol_send": "22b51ba714d07580",
+    # its send_lock, which SendLock replaces (protocol_send takes it with ``async with``)
+    "hypercorn.trio.tcp_server:TCPServer.__init__": "9a410c19165519ee",
     "hypercorn.trio.tcp_server:TCPServer._read_data": "73588ef2e57091d4",
     "hypercorn.trio.tcp_server:TCPServer._close": "544a46e0eb9f7c16",
     "hypercorn.protocol.h11:H11Protocol._check_protocol": "aeddfcf3da9e5d85",

@@ -11,8 +11,9 @@ import pytest
 import trio
 
 from narwhal import client_connection
+from narwhal.config import EngineConfig
 from narwhal.sse import SSEParser
-from tests.conftest import MODEL, Harness
+from tests.conftest import MODEL, Harness, finish, start_fleet
 
 PROMPT = "a narwhal swims north under the ice"
 TOKENS = 3000  # about 400 KB of events: far more than a 16 KiB receive window holds
@@ -103,3 +104,37 @@ async def test_the_head_goes_out_with_the_first_chunk_and_the_last_chunk_with_th
     assert len(head) == 1
     assert b"data: {" in head[0].partition(b"\r\n\r\n")[2]
     assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_a_client_slow_to_take_the_end_is_not_a_silent_engine(
+    nursery: trio.Nursery,
+) -> None:
+    """The last engine read (with [DONE]) is written under no silence clock: a client whose
+    slow reading holds that write longer than ``decode_read_timeout_s`` still gets the whole
+    stream (before, the clock cut the write, the journal said completed, the engine was
+    blamed)."""
+    harness = await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, engine=EngineConfig(decode_read_timeout_s=0.2)
+    )
+    body = msgspec.json.encode(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True}
+    )
+    host, port = harness.url.removeprefix("http://").split(":")
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    await sock.connect((host, int(port)))
+    stream = trio.SocketStream(sock)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    got = b""
+    async with stream:
+        await stream.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        with trio.fail_after(20):  # a steady slow reader: the router's writes back up
+            while not got.endswith(b"\r\n0\r\n\r\n") and (data := await stream.receive_some(600)):
+                got += data
+                await trio.sleep(0.01)
+    assert b"data: [DONE]\n\n" in got
+    assert b'"error"' not in got
+    await harness.router.wait_drained()
+    assert harness.router.journal.lines[-1].outcome == "completed"
+    assert [e.breaker.streak for e in harness.router.fleet.engines] == [0, 0]
+    await finish(harness)

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
 import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from narwhal.client_connection import SendLock
 from narwhal.engines.client import EngineClient
@@ -69,6 +73,26 @@ async def test_what_the_callback_raises_is_raised_in_the_parked_task(
         await reactor.park(ours.fileno(), broken)
     # the socket is free again: parking it once more registers it anew
     assert await reactor.park(ours.fileno(), lambda: "again") == "again"
+    ours.close()
+    theirs.close()
+
+
+async def test_on_due_is_called_at_its_time_and_names_the_next(
+    reactor: StreamReactor, autojump_clock: trio.testing.MockClock
+) -> None:
+    ours, theirs = socket.socketpair()
+    start = trio.current_time()
+    calls: list[float] = []
+
+    def on_due() -> float:
+        calls.append(trio.current_time() - start)
+        if len(calls) == 3:
+            raise ValueError("the third call fails")
+        return trio.current_time() + 2.0
+
+    with pytest.raises(ValueError, match="third"):
+        await reactor.park(ours.fileno(), lambda: None, start + 1.0, on_due)
+    assert calls == pytest.approx([1.0, 3.0, 5.0])
     ours.close()
     theirs.close()
 
@@ -134,20 +158,17 @@ async def _release(lock: SendLock) -> None:
     lock.release()
 
 
-async def _serve_once(
-    nursery: trio.Nursery, parts: list[bytes], gate: trio.Event | None = None
-) -> str:
-    """A one-connection HTTP server on loopback that writes ``parts`` (after ``gate``, all
-    but the first)."""
+async def _serve_once(nursery: trio.Nursery, parts: list[bytes], gates: list[trio.Event]) -> str:
+    """A one-connection HTTP server on loopback that writes ``parts``, each after the first
+    once its gate is set."""
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
 
     async def answer() -> None:
         async with listener, await listener.accept() as conn:
             await conn.receive_some()
             await conn.send_all(parts[0])
-            if gate is not None:
+            for part, gate in zip(parts[1:], gates, strict=True):
                 await gate.wait()
-            for part in parts[1:]:
                 await conn.send_all(part)
             await trio.sleep_forever()  # keep-alive: the socket stays open, never readable
 
@@ -164,7 +185,7 @@ CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
 async def test_a_body_read_whole_with_its_head_is_never_parked(nursery: trio.Nursery) -> None:
     """The bytes that came with the head may hold the whole body: its socket will not be
     readable again (keep-alive), so parking on it would wait for ever."""
-    url = await _serve_once(nursery, [HEAD + CHUNK + b"0\r\n\r\n"])
+    url = await _serve_once(nursery, [HEAD + CHUNK + b"0\r\n\r\n"], [])
     client = EngineClient()
     async with client.decode(url, "/v1/completions", {"model": MODEL}, None) as stream:
         assert await stream.read() == EVENT
@@ -177,17 +198,18 @@ async def test_a_body_read_whole_with_its_head_is_never_parked(nursery: trio.Nur
 async def test_read_nowait_says_nothing_yet_then_the_batch_then_go_on(
     nursery: trio.Nursery,
 ) -> None:
-    gate = trio.Event()
-    url = await _serve_once(nursery, [HEAD + CHUNK, CHUNK + CHUNK, b"0\r\n\r\n"], gate)
+    gates = [trio.Event(), trio.Event()]
+    url = await _serve_once(nursery, [HEAD + CHUNK, CHUNK + CHUNK, b"0\r\n\r\n"], gates)
     client = EngineClient()
     async with client.decode(url, "/v1/completions", {"model": MODEL}, None) as stream:
         assert await stream.read() == EVENT
         assert stream.park_fd() >= 0
         assert stream.read_nowait() == b""  # nothing there yet
-        gate.set()
+        gates[0].set()
         with trio.fail_after(5):
             await trio.lowlevel.wait_readable(stream.park_fd())
         assert stream.read_nowait() == EVENT + EVENT
+        gates[1].set()
         with trio.fail_after(5):
             await trio.lowlevel.wait_readable(stream.park_fd())
         assert stream.read_nowait() is None  # the end: read() finishes it
@@ -205,9 +227,9 @@ async def test_streams_and_json_answers_are_relayed_from_the_reactor(
     parks: list[int] = []
     park = pd.router.reactor.park
 
-    async def counted(fd: int, on_ready: Callable[[], object]) -> object:
+    async def counted(fd: int, *rest: Any) -> object:
         parks.append(fd)
-        return await park(fd, on_ready)
+        return await park(fd, *rest)
 
     pd.router.reactor.park = counted  # type: ignore[method-assign]
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 12}
@@ -224,3 +246,126 @@ async def test_streams_and_json_answers_are_relayed_from_the_reactor(
     assert msgspec.json.decode(answer.body)["usage"]["completion_tokens"] == 12
     assert len(parks) > streamed
     await finish(pd)
+
+
+# ---- the silence clock of a parked stream ---------------------------------------------
+
+SILENCE = 10.0
+TOKEN = (
+    b'data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+    b'"text":" fox","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+)
+
+
+class _SocketStream:
+    """A decode stream over one end of a socketpair: SSE bytes, no HTTP framing."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def park_fd(self) -> int:
+        return self.sock.fileno()
+
+    def read_nowait(self) -> bytes | None:
+        try:
+            return self.sock.recv(65536) or None
+        except BlockingIOError:
+            return b""
+
+    async def read(self) -> bytes | None:
+        await trio.lowlevel.wait_readable(self.sock)
+        return self.sock.recv(65536) or None
+
+    async def fail(self, exc: BaseException) -> None:
+        return None
+
+    async def drain(self) -> None:
+        return None
+
+
+class _Run:
+    """The request side of a relay: counts what it is told, writes nowhere."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.lifecycle = self
+        self.output_seen = False
+
+    def first_token(self) -> None:
+        self.output_seen = True
+
+    def echoed(self, data: bytes) -> bytes:
+        return data
+
+    async def output(self, action: object) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def finish(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+class _Direct:
+    def send_nowait(self, data: bytes) -> bool:
+        return True
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def silence_ends(gaps: list[float]) -> float:
+    """When the old clock (moved on every read) fires: ``SILENCE`` after the read before
+    the first gap that long, or after the last read."""
+    t = 0.0
+    for gap in gaps:
+        if gap >= SILENCE:
+            break
+        t += gap
+    return t + SILENCE
+
+
+async def _relay_until_silent(gaps: list[float]) -> float:
+    from narwhal.engines.relay import StreamRelay
+    from narwhal.metrics import Metrics, RequestBuckets
+    from narwhal.router.relay_loop import RelayLoop
+
+    reactor = StreamReactor()
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(reactor.run)
+
+        async def engine() -> None:
+            theirs.send(TOKEN)
+            for gap in gaps:
+                await trio.sleep(gap)
+                theirs.send(TOKEN)
+            await trio.sleep_forever()
+
+        nursery.start_soon(engine)
+        start = trio.current_time()
+        clock = trio.CancelScope(deadline=start + 100.0)  # the first-token budget
+        gauge = RequestBuckets(Metrics(["d0"], model="m").token_gap)
+        loop = RelayLoop(_Run(), StreamRelay(None), clock, SILENCE, gauge, _Direct(), reactor)  # type: ignore[arg-type]
+        with clock:
+            await loop.relay_all(_SocketStream(ours))  # type: ignore[arg-type]
+        assert clock.cancelled_caught
+        fired = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    ours.close()
+    theirs.close()
+    return fired
+
+
+gap_values = st.one_of(
+    st.floats(0.01, SILENCE * 0.49), st.floats(SILENCE * 0.51, SILENCE * 0.99), st.floats(11, 15)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(gap_values, max_size=25))
+def test_a_parked_stream_goes_silent_exactly_silence_after_its_last_read(gaps: list[float]) -> None:
+    """While parked, the deadline moves only at half the silence or on a read after it
+    (``RelayLoop.on_due``), not on every read: it still fires when the old clock, moved on
+    every read, would have."""
+    fired = trio.run(_relay_until_silent, gaps, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert fired == pytest.approx(silence_ends(gaps), abs=1e-6)

@@ -381,10 +381,13 @@ class DecodeStream:
         if response is not None:
             with trio.move_on_after(timeout_s):
                 size = 0
-                while (
-                    part := await response.next_batch()
-                ) is not None and size < MAX_ERROR_BODY_BYTES:
-                    size += len(part)
+                try:
+                    while (
+                        part := await response.next_batch()
+                    ) is not None and size < MAX_ERROR_BODY_BYTES:
+                        size += len(part)
+                except TransportError:
+                    pass  # after [DONE] the answer is whole: the connection is not reused
         await self.aclose()
 
     async def aclose(self) -> None:

@@ -73,6 +73,11 @@ class RelayLoop:
         self.gaps = gaps
         self.last_output_at: float | None = None
         self.stream: DecodeStream | None = None
+        # the silence clock while parked (``restart_clock``): the deadline moves only when
+        # a read comes in the second half of the silence, or at ``due`` (``on_due``)
+        self.parked_fd = -1
+        self.restarted_at = -math.inf  # the last read that restarted the silence clock
+        self.due = -math.inf  # -inf: the next read sets the deadline (none set yet)
 
     async def relay_all(self, stream: DecodeStream) -> None:
         """Until ``[DONE]`` is relayed (return) or the stream faults (raise)."""
@@ -83,11 +88,15 @@ class RelayLoop:
                 fd = -1 if reactor is None or not reactor.running else stream.park_fd()
                 if fd >= 0:
                     assert reactor is not None
+                    self.parked_fd = fd
                     try:
-                        pending = await reactor.park(fd, self.on_ready)
+                        due = self.due if self.due > -math.inf else math.inf
+                        pending = await reactor.park(fd, self.on_ready, due, self.on_due)
                     except TransportError as exc:
                         await stream.fail(exc)
                         raise
+                    finally:
+                        self.parked_fd = -1
                     if pending is not RESUME:
                         if await self.settle(pending):
                             return
@@ -152,11 +161,13 @@ class RelayLoop:
         if type(pending) is Fault:
             assert isinstance(pending, Fault)
             if pending.flush is not None:
+                self.clock.deadline = math.inf  # the engine has spoken: the client's turn
                 await run.output(pending.flush)
             raise pending.fault
         if type(pending) is Finish:
             assert isinstance(pending, Finish)
             assert self.stream is not None
+            self.clock.deadline = math.inf  # a slow client taking the end is not silence
             await run.finish(pending.data)
             await self.stream.drain()
             return True
@@ -170,5 +181,25 @@ class RelayLoop:
         return False
 
     def _restart_clock(self) -> None:
-        silence = self.silence
-        self.clock.deadline = trio.current_time() + silence if silence > 0 else math.inf
+        """The silence clock starts again now (a read, or a write that waited). The
+        deadline is exact: parked, it is ``restarted_at`` + silence once ``on_due`` or a
+        read in the second half has moved it; in the request's task it moves at once."""
+        now = self.restarted_at = trio.current_time()
+        if self.parked_fd < 0 or now >= self.due:
+            silence = self.silence
+            deadline = self.clock.deadline = now + silence if silence > 0 else math.inf
+            self.due = deadline - silence / 2
+            if self.parked_fd >= 0:
+                assert self.reactor is not None
+                self.reactor.set_due(self.parked_fd, self.due)
+
+    def on_due(self) -> float:
+        """The reactor's call at ``due``, half the silence before the deadline: move the
+        deadline to the last read's, and say when to look again (never: no read since the
+        deadline was set; the next read moves it, as it comes after ``due``)."""
+        deadline = self.restarted_at + self.silence
+        if deadline <= self.clock.deadline:
+            return math.inf
+        self.clock.deadline = deadline
+        self.due = deadline - self.silence / 2
+        return self.due

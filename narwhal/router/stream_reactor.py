@@ -20,6 +20,8 @@ registration, which ends before its task runs again (hand-back or abort).
 
 from __future__ import annotations
 
+import heapq
+import math
 import select
 from collections.abc import Callable
 
@@ -29,15 +31,38 @@ import trio
 wait_readable = trio.lowlevel.wait_readable
 
 RESUME = object()  # handed back when the reactor stops: go on reading in the request task
+NEVER = math.inf
+
+
+class _Parked:
+    """One parked request: its task, its callbacks, and when ``on_due`` is next called."""
+
+    __slots__ = ("due", "fd", "on_due", "on_ready", "task")
+
+    def __init__(
+        self,
+        fd: int,
+        task: trio.lowlevel.Task,
+        on_ready: Callable[[], object],
+        on_due: Callable[[], float] | None,
+    ) -> None:
+        self.fd, self.task, self.on_ready, self.on_due = fd, task, on_ready, on_due
+        self.due = NEVER
 
 
 class StreamReactor:
     """The parked streams' sockets in one epoll, served by ``run`` (the server's background
-    nursery). ``running`` is False outside a server (tests of the core): nothing parks."""
+    nursery). ``running`` is False outside a server (tests of the core): nothing parks.
+
+    A parked request may also ask for a call at a time (``due``, ``set_due``): its silence
+    clock is moved there, not on every read (``RelayLoop.on_due``)."""
 
     def __init__(self) -> None:
         self._epoll: select.epoll | None = None
-        self._parked: dict[int, tuple[trio.lowlevel.Task, Callable[[], object]]] = {}
+        self._parked: dict[int, _Parked] = {}
+        self._dues: list[tuple[float, int, _Parked]] = []  # a heap; stale entries skipped
+        self._seq = 0
+        self._timer = trio.CancelScope()  # the reactor's wait, until the earliest due
 
     @property
     def running(self) -> bool:
@@ -45,34 +70,48 @@ class StreamReactor:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         epoll = self._epoll = select.epoll()
-        parked = self._parked
+        parked, dues = self._parked, self._dues
         try:
             task_status.started()
             poll, fd = epoll.poll, epoll.fileno()
             while True:
-                await wait_readable(fd)
+                # the timer: the earliest due; ``set_due`` brings it forward while waiting
+                with trio.CancelScope(deadline=dues[0][0] if dues else NEVER) as self._timer:
+                    await wait_readable(fd)
                 # level-triggered: a socket with bytes left after one read is ready again
                 for ready, _ in poll(0):
                     entry = parked.get(ready)
                     if entry is not None:
-                        self._serve(epoll, ready, entry[1])
+                        self._serve(epoll, entry)
+                if dues and dues[0][0] <= trio.current_time():
+                    self._call_dues(epoll)
         finally:
             self._epoll = None
-            for ready in list(parked):
-                self._hand_back(epoll, ready, outcome.Value(RESUME))
+            dues.clear()
+            for entry in list(parked.values()):
+                self._hand_back(epoll, entry, outcome.Value(RESUME))
             epoll.close()
 
-    async def park(self, fd: int, on_ready: Callable[[], object]) -> object:
+    async def park(
+        self,
+        fd: int,
+        on_ready: Callable[[], object],
+        due: float = NEVER,
+        on_due: Callable[[], float] | None = None,
+    ) -> object:
         """Wait here while ``on_ready`` (called on each readiness of ``fd``, in the reactor's
-        task) returns None; return what it returned otherwise, raise what it raised.
+        task) returns None; return what it returned otherwise, raise what it raised (or
+        what ``on_due`` raised). ``on_due`` is called at ``due`` and returns the next one.
         Cancellation ends the wait as any checkpoint's; the fd is unregistered before this
         returns or raises, so the caller may close it."""
         epoll = self._epoll
         if epoll is None:
             await trio.lowlevel.checkpoint()
             return RESUME
+        entry = _Parked(fd, trio.lowlevel.current_task(), on_ready, on_due)
         epoll.register(fd, select.EPOLLIN)
-        self._parked[fd] = (trio.lowlevel.current_task(), on_ready)
+        self._parked[fd] = entry
+        self.set_due(fd, due)
 
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
             del self._parked[fd]
@@ -81,16 +120,47 @@ class StreamReactor:
 
         return await trio.lowlevel.wait_task_rescheduled(abort)
 
-    def _serve(self, epoll: select.epoll, fd: int, on_ready: Callable[[], object]) -> None:
+    def set_due(self, fd: int, due: float) -> None:
+        """Call the parked ``fd``'s ``on_due`` at ``due`` instead (NEVER: not at all)."""
+        entry = self._parked[fd]
+        entry.due = due
+        if due < NEVER:
+            self._seq += 1
+            heapq.heappush(self._dues, (due, self._seq, entry))
+            if due < self._timer.deadline:
+                self._timer.deadline = due
+
+    def _call_dues(self, epoll: select.epoll) -> None:
+        dues, now = self._dues, trio.current_time()
+        while dues and dues[0][0] <= now:
+            due, _, entry = heapq.heappop(dues)
+            if self._parked.get(entry.fd) is not entry or entry.due != due:
+                continue  # unparked, or its due moved since
+            self._call_due(epoll, entry)
+
+    def _serve(self, epoll: select.epoll, entry: _Parked) -> None:
+        """``on_ready``, in the reactor's task: a result is handed back, as is an error."""
         try:
-            result = on_ready()
+            result = entry.on_ready()
         except Exception as exc:  # the transport's error, or a bug: the request raises it
-            self._hand_back(epoll, fd, outcome.Error(exc))
+            self._hand_back(epoll, entry, outcome.Error(exc))
             return
         if result is not None:
-            self._hand_back(epoll, fd, outcome.Value(result))
+            self._hand_back(epoll, entry, outcome.Value(result))
 
-    def _hand_back(self, epoll: select.epoll, fd: int, result: outcome.Outcome[object]) -> None:
-        task, _ = self._parked.pop(fd)
-        epoll.unregister(fd)
-        trio.lowlevel.reschedule(task, result)
+    def _call_due(self, epoll: select.epoll, entry: _Parked) -> None:
+        """``on_due``, in the reactor's task: it names the next due; an error is handed back."""
+        assert entry.on_due is not None
+        try:
+            due = entry.on_due()
+        except Exception as exc:
+            self._hand_back(epoll, entry, outcome.Error(exc))
+            return
+        self.set_due(entry.fd, due)
+
+    def _hand_back(
+        self, epoll: select.epoll, entry: _Parked, result: outcome.Outcome[object]
+    ) -> None:
+        del self._parked[entry.fd]
+        epoll.unregister(entry.fd)
+        trio.lowlevel.reschedule(entry.task, result)

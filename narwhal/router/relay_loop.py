@@ -73,7 +73,7 @@ class RelayLoop:
         self.gaps = gaps
         self.last_output_at: float | None = None
         self.stream: DecodeStream | None = None
-        # the silence clock while parked (``restart_clock``): the deadline moves only when
+        # the silence clock while parked (``_restart_clock``): the deadline moves only when
         # a read comes in the second half of the silence, or at ``due`` (``on_due``)
         self.parked_fd = -1
         self.restarted_at = -math.inf  # the last read that restarted the silence clock

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +47,23 @@ from narwhal.router.discovery import (
     Resolution,
     engine_id,
     engine_specs,
-    make_resolver,
-    resolve,
 )
+from narwhal.router.dns_lookup import make_resolver, resolve
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
 from tests.conftest import MODEL, finish, serve_router
+
+
+def test_a_router_without_discover_blocks_does_not_load_dnspython() -> None:
+    """dnspython and the HTTP client it loads for DNS over HTTPS are about 10 MiB of a
+    router's resident memory: only a fleet with ``[[discover]]`` pays for them."""
+    code = (
+        "import sys, narwhal.cli, narwhal.server, narwhal.router.app, narwhal.check\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'dns', 'httpx2', 'anyio'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
 
 # ---- sans-IO: what a resolution stands for ------------------------------------------------
 

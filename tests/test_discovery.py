@@ -47,8 +47,9 @@ from narwhal.router.discovery import (
     Resolution,
     engine_id,
     engine_specs,
+    make_resolver,
+    resolve,
 )
-from narwhal.router.dns_lookup import make_resolver, resolve
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
 from tests.conftest import MODEL, finish, serve_router

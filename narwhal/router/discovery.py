@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from narwhal.config import DiscoverBlock, DiscoveryConfig, EngineSpec, FleetConfig
+from narwhal.config import nameserver_address as parse_nameserver
 from narwhal.metrics import Metrics
 from narwhal.router.health import Health
 
-if TYPE_CHECKING:  # dnspython (and the HTTP client it loads for DNS over HTTPS) is imported
-    # when a [[discover]] block is resolved: about 10 MiB a router without one never needs
+if TYPE_CHECKING:
     from dns.asyncresolver import Resolver
 
 log = logging.getLogger("narwhal.discovery")
@@ -195,13 +195,75 @@ def resolve_timeout_s(interval_s: float) -> float:
     return min(MAX_RESOLVE_TIMEOUT_S, max(MIN_RESOLVE_TIMEOUT_S, interval_s))
 
 
+# dnspython (and the HTTP client it loads for DNS over HTTPS: about 10 MiB of resident
+# memory in all) is imported where a name is first resolved, so that a router without a
+# [[discover]] block never loads it
+
+
+def make_resolver(settings: DiscoveryConfig, timeout_s: float) -> Resolver:
+    """``discovery.nameserver``, or the system's (``/etc/resolv.conf``, read again on each
+    round so that a change there is followed); no cache: every round asks."""
+    from dns.asyncresolver import Resolver
+
+    if settings.nameserver:
+        host, port = parse_nameserver(settings.nameserver)
+        resolver = Resolver(configure=False)
+        resolver.nameservers = [host]
+        resolver.port = port
+    else:
+        resolver = Resolver()
+    resolver.timeout = resolver.lifetime = timeout_s
+    return resolver
+
+
+def resolver_or_error(settings: DiscoveryConfig, timeout_s: float) -> Resolver | str:
+    """``make_resolver``, or why it could not be made (e.g. no nameserver in resolv.conf)."""
+    import dns.exception
+
+    try:
+        return make_resolver(settings, timeout_s)
+    except (dns.exception.DNSException, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def resolve(resolver: Resolver, name: str, timeout_s: float) -> Resolution:
+    """Both record types at once, each bounded by ``timeout_s``."""
+    import dns.asyncbackend
+    import dns.exception
+    import dns.resolver
+
+    answers: dict[str, frozenset[str]] = {}
+    errors: dict[str, str] = {}
+    backend = dns.asyncbackend.get_backend("trio")
+
+    async def one(rdtype: str) -> None:
+        with trio.move_on_after(timeout_s + 0.5):  # the resolver's lifetime, and a margin
+            try:
+                answer = await resolver.resolve(
+                    name, rdtype, search=True, lifetime=timeout_s, backend=backend
+                )
+            except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+                answers[rdtype] = frozenset()  # an answer: the name has none of these
+            except dns.exception.Timeout:
+                errors[rdtype] = f"no answer within {timeout_s:g}s"
+            except (dns.exception.DNSException, OSError, ValueError) as exc:
+                errors[rdtype] = f"{type(exc).__name__}: {exc}"
+            else:
+                answers[rdtype] = frozenset(str(r.address) for r in answer)
+            return
+        errors[rdtype] = f"no answer within {timeout_s:g}s"
+
+    async with trio.open_nursery() as nursery:
+        for rdtype in RECORD_TYPES:
+            nursery.start_soon(one, rdtype)
+    return Resolution(answers, errors)
+
+
 async def resolve_once(
     blocks: Iterable[DiscoverBlock], settings: DiscoveryConfig
 ) -> tuple[tuple[EngineSpec, ...], list[str]]:
     """One round, outside a server (``narwhal check``): the engines every block names now,
     and a line per block saying what it found or why it found nothing."""
-    from narwhal.router.dns_lookup import make_resolver, resolve
-
     timeout_s = resolve_timeout_s(settings.interval_s)
     resolver = make_resolver(settings, timeout_s)
     specs: list[EngineSpec] = []
@@ -267,15 +329,11 @@ class Discovery:
         """Resolve every block at once, then apply what changed."""
         config = self.router.config
         if config.discover:
-            from narwhal.router.dns_lookup import RESOLVER_ERRORS, make_resolver
-
             timeout = resolve_timeout_s(config.discovery.interval_s)
             results: dict[str, Resolution] = {}
-            try:
-                resolver = make_resolver(config.discovery, timeout)
-            except RESOLVER_ERRORS as exc:
-                error = f"{type(exc).__name__}: {exc}"  # e.g. no nameserver in resolv.conf
-                failed = Resolution(errors=dict.fromkeys(RECORD_TYPES, error))
+            resolver = resolver_or_error(config.discovery, timeout)
+            if isinstance(resolver, str):
+                failed = Resolution(errors=dict.fromkeys(RECORD_TYPES, resolver))
                 results = {block.name: failed for block in config.discover}
             else:
                 async with trio.open_nursery() as nursery:
@@ -293,8 +351,6 @@ class Discovery:
         timeout_s: float,
         results: dict[str, Resolution],
     ) -> None:
-        from narwhal.router.dns_lookup import resolve
-
         try:
             results[block.name] = await resolve(resolver, block.dns, timeout_s)
         except Exception as exc:  # a surprise from the resolver must not end the server

@@ -301,13 +301,9 @@ class DecodeStream:
     async def _open(self) -> None:
         self._opened = True
         engine = self._engine
+        payload, self._payload = self._payload, b""  # sent once; not held for the stream
         response = await engine.request(
-            b"POST",
-            self._endpoint,
-            self._payload,
-            self._request_id,
-            Phase.DECODE,
-            trace=self._trace,
+            b"POST", self._endpoint, payload, self._request_id, Phase.DECODE, trace=self._trace
         )
         self._response = response
         if response.status != 200:

@@ -151,15 +151,17 @@ class NixlConnector:
         first = parsed.choices[0] if parsed.choices else _Choice()
         if _present(first.prompt_logprobs):
             prompt_logprobs = first.prompt_logprobs
+        # copies: a decoded Raw is a view that keeps the whole response alive for as long
+        # as the request holds its descriptor (the response is several times its size)
         return PrefillResult(
             producer_url=producer_url,
             endpoint=endpoint,
             request_id=request_id,
             connector=self.name,
-            descriptor=raw,
-            prompt_logprobs=prompt_logprobs if _present(prompt_logprobs) else msgspec.Raw(),
+            descriptor=raw.copy(),
+            prompt_logprobs=prompt_logprobs.copy() if _present(prompt_logprobs) else msgspec.Raw(),
             text=first.text if isinstance(first.text, str) else None,
-            logprobs=first.logprobs if _present(first.logprobs) else msgspec.Raw(),
+            logprobs=first.logprobs.copy() if _present(first.logprobs) else msgspec.Raw(),
             prompt_tokens=_prompt_tokens(parsed.usage),
         )
 

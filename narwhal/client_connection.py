@@ -1,7 +1,7 @@
 """One client connection: hypercorn's trio ``TCPServer`` with the router's front-door rules.
 
 The router faces the open network (SPEC 3, "HTTP hygiene"; invariants 9 and 10). Hypercorn's
-connection handler is kept whole except for four rules, each a method below:
+connection handler is kept whole except for five rules, each in code below:
 
 1. **One connection's failure is its own.** An exception escaping a connection's tasks
    (a protocol bug, a codec bug) reaches hypercorn's server nursery and ends the process.
@@ -22,6 +22,9 @@ connection handler is kept whole except for four rules, each a method below:
    task of the connection has ended, and nothing stopped the idle timer after the client
    closed: the socket sat in CLOSE_WAIT, with three tasks, for ``keep_alive_timeout``
    (found by ``bench/soak.py``).
+5. **A client that pipelined a request and left is seen at once** (``PipelineWatch``):
+   hypercorn stops reading while the pipelined request waits, so its close was seen only
+   when the response before it ended.
 
 A write nothing contends for also goes straight to the socket: one non-blocking ``send``,
 which the kernel almost always takes whole, instead of a lock, a shielded scope and two
@@ -44,6 +47,7 @@ import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from math import inf
+from socket import MSG_PEEK
 from typing import Any
 
 import h2.config
@@ -81,6 +85,9 @@ SHAPES = {
     "hypercorn.protocol.http_stream:HTTPStream.handle": "5cc61571acaf1005",
     "hypercorn.protocol.h11:H11Protocol._maybe_recycle": "dba7c077157520be",
     "hypercorn.protocol.h11:H11Protocol._handle_events": "ef9aeffc27380262",
+    # can_read, which PipelineWatch wraps (_handle_events clears and waits on it while a
+    # pipelined request waits, _maybe_recycle sets it)
+    "hypercorn.protocol.h11:H11Protocol.__init__": "5acca53c7d41773d",
 }
 _REST_NONE, _REST_UNLOCKED, _REST_LOCKED, _REST_BROKEN = range(4)
 MAX_RECV = 2**16  # hypercorn's read size
@@ -146,12 +153,59 @@ class _Http11Connection(h11.Connection):
         return super().next_event()
 
 
+class ClientGone(Exception):
+    """The client closed (or reset) its connection while hypercorn held a pipelined
+    request back (``PipelineWatch``)."""
+
+
+class PipelineWatch:
+    """Hypercorn's ``can_read`` event, which it waits on while a request that the client
+    pipelined behind the one being served sits in h11's buffer: it stops reading then, so
+    a client that closes is not seen until the response ends (an hour-long stream served
+    to nobody). Here the wait also watches the socket: its end, or a reset, raises
+    ``ClientGone`` to the read loop, which tells the app at once as any close (invariant
+    7). The socket is only peeked at: what the client sends meanwhile stays in the kernel
+    for hypercorn to read later, and once there is some, the wait is hypercorn's alone."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+        self._socket: trio.socket.SocketType | None = None
+        self._watching: trio.CancelScope | None = None
+
+    def watch(self, socket: trio.socket.SocketType) -> None:
+        self._socket = socket
+
+    async def clear(self) -> None:
+        await self._event.clear()
+
+    async def set(self) -> None:
+        await self._event.set()
+        if self._watching is not None:
+            self._watching.cancel()  # the response ended: hypercorn reads again
+
+    def is_set(self) -> bool:
+        return bool(self._event.is_set())
+
+    async def wait(self) -> None:
+        if self._socket is not None and not self._event.is_set():
+            with trio.CancelScope() as self._watching:
+                try:
+                    peeked = await self._socket.recv(1, MSG_PEEK)
+                except OSError:  # reset
+                    peeked = b""
+                if not peeked:
+                    raise ClientGone
+            self._watching = None
+        await self._event.wait()
+
+
 class Http11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connection = _Http11Connection(
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
+        self.can_read = self.watch = PipelineWatch(self.can_read)
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
@@ -260,6 +314,7 @@ class ClientConnection(TCPServer):
         # (write_nowait) may leave its rest to the request's task (write_rest)
         self._lock = SendLock()
         self.send_lock = self._lock  # type: ignore[assignment]  # TCPServer's uses
+        self._watch: PipelineWatch | None = None  # the protocol's, once it is made
 
     async def run(self) -> None:
         try:
@@ -301,6 +356,7 @@ class ClientConnection(TCPServer):
                 )
                 # hypercorn's ProtocolWrapper would switch to HTTP/2; ours has its interface
                 self.protocol = Http11Only(h11_protocol, self.protocol_send)  # type: ignore[assignment]
+                self._watch = h11_protocol.watch
                 task_group.spawn(self._idle_watch)
                 await self._read_data()
         except OSError:
@@ -322,6 +378,9 @@ class ClientConnection(TCPServer):
             if socket is None or self.config.read_timeout:
                 await super()._read_data()
             else:
+                # a plain socket only: through TLS a peek would see records, not a close
+                if self._watch is not None:
+                    self._watch.watch(socket)
                 await self._read_socket(socket)
         finally:
             self._stop_idle()  # reading is over: nothing is left to time out
@@ -342,7 +401,10 @@ class ClientConnection(TCPServer):
                 continue
             except (trio.ClosedResourceError, trio.BrokenResourceError, OSError):
                 break
-            await handle(RawData(data))
+            try:
+                await handle(RawData(data))
+            except ClientGone:
+                break
             if not data:
                 break
         await handle(Closed())

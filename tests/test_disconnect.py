@@ -48,3 +48,61 @@ async def test_client_disconnect_mid_decode_cancels_the_engine_leg(
     (line,) = harness.router.journal.lines
     assert (line.outcome, line.status, line.phase) == ("cancelled", None, "stream")
     await finish(harness, disconnects=1)
+
+
+def _post(body: bytes) -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
+
+
+async def test_a_client_that_pipelined_a_request_and_left_cancels_at_once(
+    nursery: trio.Nursery,
+) -> None:
+    """Hypercorn stops reading while a pipelined request waits for the response before
+    it, so a client that closed was seen only when that response ended: a JSON answer
+    of ten seconds' decode, written to nobody. Now the close is seen at once, and the
+    waiting request never runs."""
+    harness = await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, engine_config={"itl_s": 0.05}
+    )
+    consumer = harness.engines["d0"]
+    long = b'{"model": "%s", "prompt": "hello there", "max_tokens": 200}' % MODEL.encode()
+    waiting = b'{"model": "%s", "prompt": "and then", "max_tokens": 5}' % MODEL.encode()
+    host, port = harness.url.removeprefix("http://").split(":")
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(_post(long) + _post(waiting))  # one write: both requests
+        await consumer.wait_running()  # the first is being decoded
+        await stream.aclose()
+        await harness.router.wait_drained()
+        await consumer.wait_idle()
+    assert harness.router.disconnects == 1
+    assert consumer.counters["decode_disconnects"] == 1
+    assert consumer.counters["generation_tokens"] < 100
+    (line,) = harness.router.journal.lines  # the pipelined request was never served
+    assert line.outcome == "cancelled"
+    await finish(harness, disconnects=1)
+
+
+async def test_pipelined_requests_are_still_each_answered_in_order(
+    nursery: trio.Nursery,
+) -> None:
+    harness = await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, engine_config={"itl_s": 0.01}
+    )
+    first = b'{"model": "%s", "prompt": "one", "max_tokens": 20, "stream": true}' % MODEL.encode()
+    second = b'{"model": "%s", "prompt": "two", "max_tokens": 3}' % MODEL.encode()
+    host, port = harness.url.removeprefix("http://").split(":")
+    received = b""
+    with trio.fail_after(10):
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(_post(first) + _post(second) + _post(second))
+        while received.count(b"HTTP/1.1 200") < 3 or not received.endswith(b"}"):
+            received += await stream.receive_some(65536)
+        await stream.aclose()
+        await harness.router.wait_drained()
+    assert received.index(b"data: [DONE]") < received.index(b"content-type: application/json")
+    assert [line.outcome for line in harness.router.journal.lines] == ["completed"] * 3
+    await finish(harness)

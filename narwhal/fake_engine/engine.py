@@ -97,6 +97,7 @@ class FakeEngine:
         self.running = 0  # completions being answered, queued ones included
         self.waiting = 0  # of which queued for a slot
         self._queued = trio.Event()  # set as each request joins the queue
+        self._began = trio.Event()  # set as each completion begins to be answered
         self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
         self.prefix_cache = cost.PrefixCache(cfg.prefix_cache_blocks)
         self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
@@ -190,6 +191,11 @@ class FakeEngine:
         """Return once ``n`` requests wait for a slot (tests: load from elsewhere)."""
         while self.waiting < n:
             await self._queued.wait()
+
+    async def wait_running(self, n: int = 1) -> None:
+        """Return once ``n`` completions are being answered (tests: a leg has begun)."""
+        while self.running < n:
+            await self._began.wait()
 
     async def wait_idle(self) -> None:
         """Return once no completion is being answered (a cancelled leg has ended)."""
@@ -331,6 +337,8 @@ class FakeEngine:
         if not self.running:
             self._idle = trio.Event()
         self.running += 1
+        self._began.set()  # wake wait_running, then arm for the next one
+        self._began = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)

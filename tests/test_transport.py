@@ -4,11 +4,13 @@ keep-alive connections the engine closed while they sat idle."""
 from __future__ import annotations
 
 import random
+import socket
 
 import pytest
 import trio
 
 from narwhal.engines.client import EngineClient
+from narwhal.engines.transport import _Connection
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.faults import RequestFault
 
@@ -115,3 +117,25 @@ async def test_past_a_burst_only_max_idle_connections_stay_open(
     assert await _decode_all(client, url) > 0  # and a kept one serves the next
     assert engine.counters["connections"] == 12
     await client.aclose()
+
+
+async def test_a_request_the_kernel_takes_in_part_is_still_sent_whole() -> None:
+    """The request goes out in one non-blocking write when the kernel takes it whole; what
+    a full send buffer leaves is written after, in order, nothing lost or doubled."""
+    ours, theirs = trio.socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    conn = _Connection(trio.SocketStream(ours))
+    payload = bytes(random.Random(7).randbytes(1 << 20))  # far more than the buffer
+    received = bytearray()
+
+    async def read_all() -> None:
+        while len(received) < len(payload):
+            received.extend(await theirs.recv(65536))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all)
+            await conn.send(payload)
+    assert bytes(received) == payload
+    ours.close()
+    theirs.close()

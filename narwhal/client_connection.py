@@ -45,9 +45,9 @@ import logging
 import os
 import re
 import secrets
+import select
 from collections.abc import Awaitable, Callable, MutableMapping
 from math import inf
-from socket import MSG_PEEK
 from typing import Any
 
 import h2.config
@@ -162,18 +162,27 @@ class PipelineWatch:
     """Hypercorn's ``can_read`` event, which it waits on while a request that the client
     pipelined behind the one being served sits in h11's buffer: it stops reading then, so
     a client that closes is not seen until the response ends (an hour-long stream served
-    to nobody). Here the wait also watches the socket: its end, or a reset, raises
+    to nobody). Here the wait also watches the socket for the client's end: its close or
+    half-close (``EPOLLRDHUP``) or a reset (``EPOLLHUP``, ``EPOLLERR``) raises
     ``ClientGone`` to the read loop, which tells the app at once as any close (invariant
-    7). The socket is only peeked at: what the client sends meanwhile stays in the kernel
-    for hypercorn to read later, and once there is some, the wait is hypercorn's alone."""
+    7). Bytes the client sends meanwhile are not read (hypercorn reads them when it
+    resumes), and do not hide a close that follows them. Under TLS the TCP socket beneath
+    is watched. The router's own close of the socket (``close``) ends the wait too."""
 
     def __init__(self, event: Any) -> None:
         self._event = event
         self._socket: trio.socket.SocketType | None = None
         self._watching: trio.CancelScope | None = None
+        self._closed = False
 
     def watch(self, socket: trio.socket.SocketType) -> None:
         self._socket = socket
+
+    def close(self) -> None:
+        """The router closed the socket (``ClientConnection._abort``)."""
+        self._closed = True
+        if self._watching is not None:
+            self._watching.cancel()
 
     async def clear(self) -> None:
         await self._event.clear()
@@ -188,15 +197,25 @@ class PipelineWatch:
 
     async def wait(self) -> None:
         if self._socket is not None and not self._event.is_set():
-            with trio.CancelScope() as self._watching:
-                try:
-                    peeked = await self._socket.recv(1, MSG_PEEK)
-                except OSError:  # reset
-                    peeked = b""
-                if not peeked:
-                    raise ClientGone
-            self._watching = None
+            await self._until_hangup(self._socket)
         await self._event.wait()
+
+    async def _until_hangup(self, socket: trio.socket.SocketType) -> None:
+        """Return when ``set`` is called; raise ``ClientGone`` if the client's end (or the
+        router's close) comes first."""
+        fd = socket.fileno()
+        if self._closed or fd < 0:
+            raise ClientGone
+        with select.epoll() as hangup:  # the end only: EPOLLIN would see every byte sent
+            hangup.register(fd, select.EPOLLRDHUP)  # EPOLLHUP and EPOLLERR always count
+            try:
+                with trio.CancelScope() as self._watching:
+                    await trio.lowlevel.wait_readable(hangup.fileno())
+                    raise ClientGone
+            finally:
+                self._watching = None
+        if self._closed:
+            raise ClientGone
 
 
 class Http11Protocol(H11Protocol):
@@ -375,12 +394,14 @@ class ClientConnection(TCPServer):
     async def _read_data(self) -> None:
         try:
             socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
+            if self._watch is not None:
+                self._watch.watch(self._tcp_socket())
             if socket is None or self.config.read_timeout:
-                await super()._read_data()
+                try:
+                    await super()._read_data()
+                except ClientGone:
+                    await self.protocol.handle(Closed())
             else:
-                # a plain socket only: through TLS a peek would see records, not a close
-                if self._watch is not None:
-                    self._watch.watch(socket)
                 await self._read_socket(socket)
         finally:
             self._stop_idle()  # reading is over: nothing is left to time out
@@ -549,7 +570,13 @@ class ClientConnection(TCPServer):
     def _abort(self) -> None:
         """Close the socket now (a trio socket closes synchronously, waking its waiters)."""
         self.aborted = True
-        transport: Any = getattr(self.stream, "transport_stream", self.stream)  # TLS: beneath
-        socket = getattr(transport, "socket", None)
+        socket = self._tcp_socket()
         if socket is not None:
             socket.close()
+        if self._watch is not None:
+            self._watch.close()
+
+    def _tcp_socket(self) -> Any:
+        """The TCP socket, beneath TLS too; None for a test's in-memory stream."""
+        transport: Any = getattr(self.stream, "transport_stream", self.stream)
+        return getattr(transport, "socket", None)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import trio
 
+from narwhal.config import ServingConfig
 from narwhal.sse import SSEParser
 from tests.conftest import MODEL, finish, start_fleet
 
@@ -105,4 +108,61 @@ async def test_pipelined_requests_are_still_each_answered_in_order(
         await harness.router.wait_drained()
     assert received.index(b"data: [DONE]") < received.index(b"content-type: application/json")
     assert [line.outcome for line in harness.router.journal.lines] == ["completed"] * 3
+    await finish(harness)
+
+
+async def test_bytes_sent_after_the_pipelined_request_do_not_hide_the_close(
+    nursery: trio.Nursery,
+) -> None:
+    """The watch is for the client's end, not for readable bytes: half of a third request
+    sent before the close does not make the close unseen."""
+    harness = await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, engine_config={"itl_s": 0.05}
+    )
+    consumer = harness.engines["d0"]
+    long = b'{"model": "%s", "prompt": "hello there", "max_tokens": 200}' % MODEL.encode()
+    waiting = b'{"model": "%s", "prompt": "and then", "max_tokens": 5}' % MODEL.encode()
+    host, port = harness.url.removeprefix("http://").split(":")
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(_post(long) + _post(waiting))
+        await consumer.wait_running()
+        await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+        await stream.aclose()
+        await harness.router.wait_drained()
+        await consumer.wait_idle()
+    assert consumer.counters["generation_tokens"] < 100
+    (line,) = harness.router.journal.lines
+    assert line.outcome == "cancelled"
+    await finish(harness, disconnects=1)
+
+
+async def test_the_router_closing_a_pipelining_connection_is_no_connection_error(
+    nursery: trio.Nursery,
+) -> None:
+    """A client that pipelines and never reads: the request deadline cuts the write and
+    the router closes the socket under the watch, which ends quietly (no error logged or
+    counted, the pipelined request never runs)."""
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        serving=ServingConfig(graceful_timeout_s=0.5, request_timeout_s=1.0),
+    )
+    streamed = (
+        b'{"model": "%s", "prompt": "hello there", "max_tokens": 16000, "stream": true}'
+        % MODEL.encode()
+    )
+    waiting = b'{"model": "%s", "prompt": "and then", "max_tokens": 5}' % MODEL.encode()
+    host, port = harness.url.removeprefix("http://").split(":")
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    with trio.fail_after(5):
+        await sock.connect((host, int(port)))
+        await sock.send(_post(streamed) + _post(waiting))
+        await harness.engines["d0"].wait_running()
+        await harness.router.wait_drained()
+    (line,) = harness.router.journal.lines
+    assert (line.outcome, line.status) == ("expired", 504)
+    assert harness.router.metrics.connection_errors._value.get() == 0
+    sock.close()
     await finish(harness)

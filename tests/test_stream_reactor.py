@@ -4,7 +4,9 @@ parked request's task in charge with its socket unregistered."""
 
 from __future__ import annotations
 
+import gc
 import socket
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,12 @@ from hypothesis import strategies as st
 
 from narwhal.client_connection import SendLock
 from narwhal.engines.client import EngineClient
-from narwhal.router.stream_reactor import RESUME, StreamReactor
+from narwhal.router.stream_reactor import (
+    RESUME,
+    STALE_DUES_FACTOR,
+    STALE_DUES_SLACK,
+    StreamReactor,
+)
 from tests.conftest import MODEL, finish, start_fleet
 
 
@@ -369,3 +376,48 @@ def test_a_parked_stream_goes_silent_exactly_silence_after_its_last_read(gaps: l
     every read, would have."""
     fired = trio.run(_relay_until_silent, gaps, clock=trio.testing.MockClock(autojump_threshold=0))
     assert fired == pytest.approx(silence_ends(gaps), abs=1e-6)
+
+
+async def test_a_request_that_left_is_not_kept_alive_until_its_due(
+    reactor: StreamReactor,
+) -> None:
+    """A due far ahead outlives the park that asked for it; what the park held (the
+    request's callbacks and all they reach) must not: at thousands of requests a second
+    that was tens of MiB of finished requests."""
+
+    class Request:  # stands for a request's objects, reached from its callbacks
+        def on_ready(self) -> object:
+            return "done"
+
+        def on_due(self) -> float:
+            return trio.current_time() + 3600
+
+    ours, theirs = socket.socketpair()
+    theirs.send(b"x")
+    request = Request()
+    gone = weakref.ref(request)
+    far = trio.current_time() + 3600
+    assert await reactor.park(ours.fileno(), request.on_ready, far, request.on_due) == "done"
+    del request
+    # the next stream served takes the reactor loop's own reference to the last one
+    theirs.send(b"y")
+    assert await reactor.park(ours.fileno(), lambda: "next") == "next"
+    gc.collect()
+    assert gone() is None
+    ours.close()
+    theirs.close()
+
+
+async def test_moved_dues_do_not_pile_up(reactor: StreamReactor) -> None:
+    """Each move of a due leaves a stale entry until its time; the heap is rebuilt before
+    it holds more than a few per parked stream."""
+    ours, theirs = socket.socketpair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reactor.park, ours.fileno(), lambda: None, trio.current_time() + 60)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(10 * STALE_DUES_SLACK):
+            reactor.set_due(ours.fileno(), trio.current_time() + 60 + i)
+            assert len(reactor._dues) <= STALE_DUES_FACTOR + STALE_DUES_SLACK + 1
+        nursery.cancel_scope.cancel()
+    ours.close()
+    theirs.close()

@@ -32,6 +32,10 @@ wait_readable = trio.lowlevel.wait_readable
 
 RESUME = object()  # handed back when the reactor stops: go on reading in the request task
 NEVER = math.inf
+# the dues heap is rebuilt from the parked streams when it holds more entries than this
+# many per parked stream, plus the slack (each rebuild is one pass over the parked)
+STALE_DUES_FACTOR = 4
+STALE_DUES_SLACK = 1024
 
 
 class _Parked:
@@ -60,7 +64,10 @@ class StreamReactor:
     def __init__(self) -> None:
         self._epoll: select.epoll | None = None
         self._parked: dict[int, _Parked] = {}
-        self._dues: list[tuple[float, int, _Parked]] = []  # a heap; stale entries skipped
+        # a heap of (due, seq, fd); stale entries (unparked, or moved since) are skipped.
+        # By descriptor, not entry: a stale entry must not keep a finished request's
+        # objects alive until its due (at 3,000 requests a second, tens of MiB)
+        self._dues: list[tuple[float, int, int]] = []
         self._seq = 0
         self._timer = trio.CancelScope()  # the reactor's wait, until the earliest due
 
@@ -126,15 +133,27 @@ class StreamReactor:
         entry.due = due
         if due < NEVER:
             self._seq += 1
-            heapq.heappush(self._dues, (due, self._seq, entry))
+            heapq.heappush(self._dues, (due, self._seq, fd))
+            if len(self._dues) > STALE_DUES_FACTOR * len(self._parked) + STALE_DUES_SLACK:
+                self._compact_dues()
             if due < self._timer.deadline:
                 self._timer.deadline = due
+
+    def _compact_dues(self) -> None:
+        """Drop the stale entries: a due moved at each half-silence, and requests that
+        ended, leave one each until its time (the heap stays within a few per stream)."""
+        dues = self._dues  # the same list: ``run`` holds it
+        dues[:] = [(e.due, seq, fd) for seq, (fd, e) in enumerate(self._parked.items())]
+        dues[:] = [d for d in dues if d[0] < NEVER]
+        heapq.heapify(dues)
+        self._seq = len(self._parked)
 
     def _call_dues(self, epoll: select.epoll) -> None:
         dues, now = self._dues, trio.current_time()
         while dues and dues[0][0] <= now:
-            due, _, entry = heapq.heappop(dues)
-            if self._parked.get(entry.fd) is not entry or entry.due != due:
+            due, _, fd = heapq.heappop(dues)
+            entry = self._parked.get(fd)
+            if entry is None or entry.due != due:
                 continue  # unparked, or its due moved since
             self._call_due(epoll, entry)
 

@@ -12,20 +12,33 @@ repr (backslash-n, backslash-x1b, backslash-x85...); JSON escapes C0 itself, and
 and the line separators are written as backslash-u escapes too, so no terminal escape or
 line break ever reaches the output raw. Only a traceback the logger appends (ours) spans
 lines.
+
+Lines are written by one thread from a bounded queue (``configure``): a stderr that blocks
+costs log lines (``narwhal_log_dropped_total``), never the event loop.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import queue
 import re
 import sys
+import threading
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import msgspec
 
 LogFormat = Literal["text", "json"]
+QUEUE_RECORDS = 4096  # log lines waiting for the writer; past this they are dropped, counted
+STOP_BOUND_S = 2.0  # at exit the writer gets this long to write what is queued
+_writer: tuple[queue.Queue[str | None], threading.Thread] | None = None
+_dropped = 0  # log lines dropped since start
+_on_drop: Callable[[int], object] | None = None
 requests_log = logging.getLogger("narwhal.requests")
 _encode = msgspec.json.Encoder().encode
 # the request a record belongs to ({"request_id", "trace_id"}), set by Router.handle while
@@ -102,13 +115,88 @@ class TextFormatter(logging.Formatter):
         return text
 
 
+class _QueuedLines(logging.Handler):
+    """Formats a record where it is logged (its request's context is there) and hands the
+    line to the writer thread (``_queue_line``)."""
+
+    def __init__(self, lines: queue.Queue[str | None]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        _queue_line(self.lines, line)
+
+
+def _queue_line(lines: queue.Queue[str | None], line: str) -> None:
+    """Queue ``line`` for the writer; a full queue drops it and counts it."""
+    global _dropped
+    try:
+        lines.put_nowait(line)
+    except queue.Full:
+        _dropped += 1
+        if _on_drop is not None:
+            with contextlib.suppress(Exception):
+                _on_drop(1)
+
+
+def _write_lines(lines: queue.Queue[str | None], stream: TextIO) -> None:
+    """The writer thread: one line at a time, until ``None``."""
+    while (line := lines.get()) is not None:
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stderr
+            stream.write(line + "\n")
+            stream.flush()
+
+
 def configure(fmt: LogFormat = "text", level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    """Log to stderr off the event loop: records are formatted where they are logged and
+    written by one thread from a bounded queue, so a stderr that blocks (a pipe nobody
+    reads, a paused terminal, a log shipper that fell behind) costs log lines, counted in
+    ``narwhal_log_dropped_total``, never a stalled router (as the journal, SPEC invariant
+    9). A second call replaces the first (its thread finishes what it has)."""
+    global _writer
+    stop()
+    lines: queue.Queue[str | None] = queue.Queue(QUEUE_RECORDS)
+    handler = _QueuedLines(lines)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    writer = threading.Thread(
+        target=_write_lines, args=(lines, sys.stderr), name="narwhal-log", daemon=True
+    )
+    writer.start()
+    _writer = (lines, writer)
     root = logging.getLogger("narwhal")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+def stop() -> None:
+    """Let the writer thread write what is queued, within ``STOP_BOUND_S`` (at exit)."""
+    global _writer
+    if _writer is None:
+        return
+    (lines, writer), _writer = _writer, None
+    deadline = time.monotonic() + STOP_BOUND_S
+    with contextlib.suppress(queue.Full):
+        lines.put(None, timeout=STOP_BOUND_S)
+    writer.join(max(0.0, deadline - time.monotonic()))
+
+
+def count_drops(counter: Callable[[int], object]) -> None:
+    """Call ``counter(n)`` for every ``n`` log lines dropped, those so far included (a
+    Prometheus ``Counter.inc``)."""
+    global _on_drop
+    _on_drop = counter
+    if _dropped:
+        with contextlib.suppress(Exception):
+            counter(_dropped)
+
+
+atexit.register(stop)
 
 
 def log_request(line: Any) -> None:
@@ -129,4 +217,7 @@ def announce(text: str, fields: dict[str, Any], fmt: LogFormat = "text") -> None
         line = json_line(_encode({**record, **fields})).decode()
     else:
         line = escape_text(text)
-    print(line, file=sys.stderr, flush=True)
+    if _writer is None:
+        print(line, file=sys.stderr, flush=True)
+    else:  # in order with the log's lines, and never blocking either
+        _queue_line(_writer[0], line)

@@ -313,6 +313,10 @@ class Metrics:
             "narwhal_journal_dropped",
             "Journal lines never written: the writer was behind, or the disk or pipe failed.",
         )
+        self.log_dropped = counter(
+            "narwhal_log_dropped",
+            "Log lines never written: stderr blocked, or its writer was behind.",
+        )
         # DNS discovery ([[discover]]), by block name (from the fleet file)
         self.discovery_engines = gauge(
             "narwhal_discovery_engines",

@@ -26,6 +26,7 @@ from narwhal.config import ConfigError, FleetConfig, load_config
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import Connect
 from narwhal.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
+from narwhal.logs import count_drops as count_log_drops
 from narwhal.logs import log_context, log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
 from narwhal.router.auth import ApiKeys
@@ -68,6 +69,7 @@ class Router:
         self.discovery = Discovery(self, config.discover)
         self.journal = journal or Journal()
         self.journal.count_drops(self.metrics.journal_dropped.inc)
+        count_log_drops(self.metrics.log_dropped.inc)
         self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
         self.rng = rng or random.Random()
         api_key = os.environ.get(config.engine.api_key_env) if config.engine.api_key_env else None

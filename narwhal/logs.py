@@ -39,6 +39,8 @@ STOP_BOUND_S = 2.0  # at exit the writer gets this long to write what is queued
 _writer: tuple[queue.Queue[str | None], threading.Thread] | None = None
 _dropped = 0  # log lines dropped since start
 _on_drop: Callable[[int], object] | None = None
+_drop_lock = threading.Lock()
+MAX_VALUE_CHARS = 512  # a logged string's most (``clip``)
 requests_log = logging.getLogger("narwhal.requests")
 _encode = msgspec.json.Encoder().encode
 # the request a record belongs to ({"request_id", "trace_id"}), set by Router.handle while
@@ -71,11 +73,26 @@ def json_line(encoded: bytes) -> bytes:
     return _JSON_UNSAFE.sub(_json_escape, encoded.decode()).encode()
 
 
+def clip(value: Any) -> Any:
+    """``value`` with every string longer than ``MAX_VALUE_CHARS`` cut there (and its
+    length said), in lists and dicts too: a client's 20,000-character model name, quoted
+    by an error message, must not make a line that several workers' writes to one stderr
+    pipe interleave (a pipe write is whole only up to PIPE_BUF, 4 KiB)."""
+    if isinstance(value, str):
+        if len(value) <= MAX_VALUE_CHARS:
+            return value
+        return f"{value[:MAX_VALUE_CHARS]}...({len(value)} chars)"
+    if isinstance(value, dict):
+        return {k: clip(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clip(v) for v in value]
+    return value
+
+
 def _fields(record: logging.LogRecord) -> dict[str, Any] | None:
     """The record's fields, after the ids of the request it was logged in (tracing on)."""
     fields = getattr(record, "fields", None)
-    if not isinstance(fields, dict):
-        fields = None
+    fields = clip(fields) if isinstance(fields, dict) else None
     context = log_context.get()
     if context is None:
         return fields
@@ -88,7 +105,7 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": clip(record.getMessage()),
         }
         fields = _fields(record)
         if fields:
@@ -101,7 +118,7 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        text = f"{stamp} {record.levelname.lower()} {record.name}: {record.getMessage()}"
+        text = f"{stamp} {record.levelname.lower()} {record.name}: {clip(record.getMessage())}"
         fields = _fields(record)
         if fields:
             text += " " + " ".join(
@@ -134,22 +151,33 @@ class _QueuedLines(logging.Handler):
 
 def _queue_line(lines: queue.Queue[str | None], line: str) -> None:
     """Queue ``line`` for the writer; a full queue drops it and counts it."""
-    global _dropped
     try:
         lines.put_nowait(line)
     except queue.Full:
+        _count_drop()
+
+
+def _count_drop() -> None:
+    global _dropped
+    with _drop_lock:  # the event loop's thread and the writer's both count
         _dropped += 1
-        if _on_drop is not None:
-            with contextlib.suppress(Exception):
-                _on_drop(1)
+    if _on_drop is not None:
+        with contextlib.suppress(Exception):
+            _on_drop(1)
 
 
-def _write_lines(lines: queue.Queue[str | None], stream: TextIO) -> None:
-    """The writer thread: one line at a time, until ``None``."""
+def _write_lines(lines: queue.Queue[str | None], stream: TextIO | None) -> None:
+    """The writer thread: one line at a time, until ``None``. A line stderr refuses (a
+    broken pipe, a closed or absent stderr) is dropped and counted."""
     while (line := lines.get()) is not None:
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stderr
+        if stream is None:  # Python's stderr when fd 2 was closed at start (2>&-)
+            _count_drop()
+            continue
+        try:
             stream.write(line + "\n")
             stream.flush()
+        except (OSError, ValueError):
+            _count_drop()
 
 
 def configure(fmt: LogFormat = "text", level: str = "info") -> None:

@@ -114,3 +114,18 @@ def test_any_text_is_one_safe_line(message: str, value: str) -> None:
     out = JsonFormatter().format(record)
     _one_safe_line(out)
     assert json.loads(out)["model"] == value
+
+
+def test_a_huge_client_value_is_clipped_so_a_line_stays_whole_in_a_pipe() -> None:
+    """Several workers write one stderr pipe, and a pipe write is whole only up to
+    PIPE_BUF (4 KiB): a 20,000-character model name quoted in a message and in a field is
+    cut, with its length said, and the line stays one valid object under 4 KiB."""
+    huge = "m" * 20_000
+    fields = {"message": f"model {huge!r} not found", "attempts": [{"error": huge}]}
+    for formatter in (JsonFormatter(), TextFormatter()):
+        out = formatter.format(_record("request for %s", huge, fields=fields))
+        _one_safe_line(out)
+        assert len(out.encode()) < 4096
+        assert "(20000 chars)" in out
+    decoded = json.loads(JsonFormatter().format(_record("x", fields={"message": huge})))
+    assert decoded["message"].startswith("m" * 512)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import pytest
 
 from tests.conftest import MODEL
 
@@ -85,3 +86,28 @@ def test_requests_are_served_while_nobody_reads_the_log(tmp_path: Path) -> None:
             assert router.stderr is not None
             logged = router.stderr.read()  # to the end: the router exits
         assert logged.count("narwhal.requests: request ") == REQUESTS
+
+
+def test_a_closed_stderr_costs_counted_lines_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started with fd 2 closed (``2>&-``), Python's stderr is None: every line is dropped
+    and counted, and the writer thread lives on (it died on the first line once)."""
+    import logging
+
+    from narwhal import logs
+
+    counted: list[int] = []
+    monkeypatch.setattr(sys, "stderr", None)
+    monkeypatch.setattr(logs, "_on_drop", None)
+    logger = logging.getLogger("narwhal")
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    try:
+        logs.configure("text", "info")
+        logs.count_drops(counted.append)
+        counted.clear()  # the count so far is given at once: only ours are asserted
+        for n in range(3):
+            logging.getLogger("narwhal.test").warning("line %d", n)
+        logs.stop()  # the writer has handled every queued line
+        assert sum(counted) == 3
+    finally:
+        logs.stop()
+        logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate

@@ -56,7 +56,7 @@ from tests.conftest import MODEL, finish, serve_router
 
 
 def test_a_router_without_discover_blocks_does_not_load_dnspython() -> None:
-    """dnspython and the HTTP client it loads for DNS over HTTPS are about 10 MiB of a
+    """dnspython and the HTTP client it loads for DNS over HTTPS are about 6 MiB of a
     router's resident memory: only a fleet with ``[[discover]]`` pays for them."""
     code = (
         "import sys, narwhal.cli, narwhal.server, narwhal.router.app, narwhal.check\n"

@@ -21,15 +21,16 @@ URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
 
 
 @contextmanager
-def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start ``narwhal ARGS``, wait for the line announcing its URL; SIGTERM it at the end."""
+def running(*args: str, drain: bool = True) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Start ``narwhal ARGS``, wait for the line announcing its URL; SIGTERM it at the end.
+    ``drain``: keep reading its stderr (a full pipe would block it), else leave it unread."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "narwhal", *args],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
     )
-    drain: threading.Thread | None = None
+    drainer: threading.Thread | None = None
     try:
         assert proc.stderr is not None
         url = None
@@ -41,8 +42,9 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
             if any(a in line for a in announced) and URL.search(line):
                 url = URL.search(line).group(1)  # type: ignore[union-attr]
                 # keep draining: a full pipe would block the process (a log line per request)
-                drain = threading.Thread(target=proc.stderr.read, daemon=True)
-                drain.start()
+                if drain:
+                    drainer = threading.Thread(target=proc.stderr.read, daemon=True)
+                    drainer.start()
                 break
         assert url, f"{args[0]} did not start"
         yield proc, url
@@ -53,8 +55,8 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
-        if drain is not None:
-            drain.join(timeout=5)
+        if drainer is not None:
+            drainer.join(timeout=5)
         if proc.stderr is not None:
             proc.stderr.close()
     assert proc.returncode == 0, f"{args[0]} exited with {proc.returncode} on SIGTERM"
@@ -62,8 +64,8 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> None:
     with (
-        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
-        _process("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
+        running("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
+        running("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
     ):
         fleet = (ROOT / "examples" / "fleet.toml").read_text()
         fleet = fleet.replace("http://127.0.0.1:8101", p_url).replace(
@@ -72,7 +74,7 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
         path = tmp_path / "fleet.toml"
         path.write_text(fleet)
         journal = tmp_path / "journal.jsonl"
-        with _process("serve", "--config", str(path), "--port", "0", "--journal", str(journal)) as (
+        with running("serve", "--config", str(path), "--port", "0", "--journal", str(journal)) as (
             _,
             url,
         ):
@@ -123,11 +125,11 @@ def run_narwhal(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @contextmanager
-def _fake_fleet(tmp_path: Path, extra: str = "") -> Iterator[Path]:
+def fake_fleet(tmp_path: Path, extra: str = "") -> Iterator[Path]:
     """Two fake engines (p0 prefill, d0 decode) as processes, and a fleet file naming them."""
     with (
-        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
-        _process("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
+        running("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
+        running("fake-engine", "--port", "0", "--role", "decode") as (_, d_url),
     ):
         fleet = tmp_path / "fleet.toml"
         fleet.write_text(
@@ -138,7 +140,7 @@ def _fake_fleet(tmp_path: Path, extra: str = "") -> Iterator[Path]:
 
 
 def test_check_on_the_command_line(tmp_path: Path) -> None:
-    with _fake_fleet(tmp_path, '[engine_contract]\nengine_version = "0.32.0"\n') as fleet:
+    with fake_fleet(tmp_path, '[engine_contract]\nengine_version = "0.32.0"\n') as fleet:
         ok = run_narwhal("check", "--config", str(fleet))
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert "p0 -> d0 moved KV, 4 tokens, first token" in ok.stdout
@@ -159,8 +161,8 @@ def test_check_on_the_command_line(tmp_path: Path) -> None:
 
 def test_metrics_are_summed_over_workers(tmp_path: Path) -> None:
     with (
-        _fake_fleet(tmp_path) as fleet,
-        _process("serve", "--config", str(fleet), "--port", "0", "--workers", "2") as (_, url),
+        fake_fleet(tmp_path) as fleet,
+        running("serve", "--config", str(fleet), "--port", "0", "--workers", "2") as (_, url),
     ):
         for _ in range(30):  # a new connection each: the kernel spreads them over workers
             request = urllib.request.Request(

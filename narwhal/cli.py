@@ -202,7 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check(args)
         return _demo(args)
     except StartupError as exc:
-        print(exc.message, file=sys.stderr)
+        if getattr(args, "log_format", "text") == "json":  # the mode stays all JSON
+            from narwhal.logs import announce
+
+            announce(exc.message, {"exit_status": exc.status}, "json", level="error")
+        else:
+            print(exc.message, file=sys.stderr)
         return exc.status
 
 

@@ -237,11 +237,13 @@ def log_event(logger: logging.Logger, level: int, message: str, fields: dict[str
     logger.log(level, message, extra={"fields": fields})
 
 
-def announce(text: str, fields: dict[str, Any], fmt: LogFormat = "text") -> None:
+def announce(
+    text: str, fields: dict[str, Any], fmt: LogFormat = "text", level: str = "info"
+) -> None:
     """A line for the operator on stderr (the router is up, a reload was refused): ``text``
     as it is in text mode, one JSON object in JSON mode, so that mode stays all JSON."""
     if fmt == "json":
-        record = {"ts": round(time.time(), 3), "level": "info", "logger": "narwhal", "msg": text}
+        record = {"ts": round(time.time(), 3), "level": level, "logger": "narwhal", "msg": text}
         line = json_line(_encode({**record, **fields})).decode()
     else:
         line = escape_text(text)

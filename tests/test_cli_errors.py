@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import re
 import socket
 import subprocess
@@ -257,3 +258,22 @@ def test_the_fake_engine_on_a_taken_port(taken_port: int) -> None:
         re.escape(f"narwhal: cannot listen on 127.0.0.1:{taken_port}: port {taken_port} is taken")
         + ".*",
     )
+
+
+def test_with_json_logs_what_keeps_serve_from_starting_is_one_json_object(
+    tmp_path: Path,
+) -> None:
+    """``--log-format json``: every line ``serve`` writes to stderr is one JSON object
+    (operator guide), its start-up errors too."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "m"\n[serving]\nmax_inflight = 0\n')
+    for config, status, start in (
+        (tmp_path / "absent.toml", cli.EXIT_NO_FLEET_FILE, "narwhal: cannot read the fleet"),
+        (bad, cli.EXIT_INVALID_FLEET, f"invalid fleet file {bad}: 2 problem(s)\n  engines:"),
+    ):
+        done = run_narwhal("serve", "--config", str(config), "--log-format", "json")
+        assert done.returncode == status, done.stderr
+        (line,) = done.stderr.splitlines()
+        record = json.loads(line)
+        assert (record["level"], record["exit_status"]) == ("error", status)
+        assert record["msg"].startswith(start)

@@ -18,7 +18,7 @@ from narwhal.config import ServingConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.sse import SSEParser
 from tests.conftest import MODEL, finish, start_fleet
-from tests.test_cli import _process
+from tests.test_cli import running
 
 STREAM = {"model": MODEL, "prompt": "hello there", "stream": True}
 
@@ -141,8 +141,8 @@ async def test_reload_adds_and_removes_engines(nursery: trio.Nursery, tmp_path: 
 async def test_sigterm_drains_a_real_process_and_exits_zero(tmp_path: Path) -> None:
     os.environ["NARWHAL_TEST_ENGINE_KEY"] = "sk-engine-secret-42"
     with (
-        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
-        _process("fake-engine", "--port", "0", "--role", "decode", "--itl-s", "0.05") as (_, d_url),
+        running("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
+        running("fake-engine", "--port", "0", "--role", "decode", "--itl-s", "0.05") as (_, d_url),
     ):
         fleet = tmp_path / "fleet.toml"
         text = (

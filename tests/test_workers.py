@@ -26,7 +26,7 @@ from prometheus_client import Gauge
 from narwhal.metrics import Metrics
 from narwhal.sse import SSEParser
 from narwhal.workers import RESTART_WINDOW_S, RESTARTS, failure_status, restart_allowed
-from tests.test_cli import _process
+from tests.test_cli import running
 
 MODEL = "fake-model"
 URL = re.compile(r"narwhal: serving .* on (http://127\.0\.0\.1:\d+) .* in 2 workers")
@@ -37,8 +37,8 @@ START_BOUND_S = 60.0  # two Python processes importing the router on a loaded 2-
 def engines() -> Iterator[tuple[str, str]]:
     """A prefill and a decode fake engine (50 ms between tokens), shared by the module."""
     with (
-        _process("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
-        _process("fake-engine", "--port", "0", "--role", "decode", "--itl-s", "0.05") as (_, d_url),
+        running("fake-engine", "--port", "0", "--role", "prefill") as (_, p_url),
+        running("fake-engine", "--port", "0", "--role", "decode", "--itl-s", "0.05") as (_, d_url),
     ):
         yield p_url, d_url
 

@@ -143,8 +143,8 @@ class StreamReactor:
         """Drop the stale entries: a due moved at each half-silence, and requests that
         ended, leave one each until its time (the heap stays within a few per stream)."""
         dues = self._dues  # the same list: ``run`` holds it
-        dues[:] = [(e.due, seq, fd) for seq, (fd, e) in enumerate(self._parked.items())]
-        dues[:] = [d for d in dues if d[0] < NEVER]
+        parked = enumerate(self._parked.items())
+        dues[:] = [(e.due, seq, fd) for seq, (fd, e) in parked if e.due < NEVER]
         heapq.heapify(dues)
         self._seq = len(self._parked)
 

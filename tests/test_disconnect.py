@@ -156,3 +156,29 @@ async def test_the_router_closing_a_pipelining_connection_is_no_connection_error
     assert harness.router.metrics.connection_errors._value.get() == 0
     sock.close()
     await finish(harness)
+
+
+async def test_a_json_answer_cut_by_the_deadline_on_its_way_is_not_a_completion(
+    nursery: trio.Nursery,
+) -> None:
+    """A client that never reads: the whole JSON answer is ready, but its write is cut by
+    the request deadline. The client got part of it: the journal says expired, 504, not
+    completed (found by an outside test)."""
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        serving=ServingConfig(graceful_timeout_s=0.5, request_timeout_s=1.0),
+    )
+    body = b'{"model": "%s", "prompt": "hello there", "max_tokens": 20000}' % MODEL.encode()
+    host, port = harness.url.removeprefix("http://").split(":")
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    with trio.fail_after(5):
+        await sock.connect((host, int(port)))
+        await sock.send(_post(body))
+        await harness.engines["d0"].wait_running()
+        await harness.router.wait_drained()
+    (line,) = harness.router.journal.lines
+    assert (line.outcome, line.status) == ("expired", 504)
+    sock.close()
+    await finish(harness)

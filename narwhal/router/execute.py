@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import trio
@@ -111,6 +112,7 @@ class RunRecord:
         self.caller = Caller()  # who sent it (set by Router.handle)
         self.arrived_at = time.time()  # wall clock, for the journal
         self.span: Span | None = None  # the request's span (Router.handle), tracing on
+        self.cut = False  # the last write (the answer's end) was cut on its way: not whole
 
     @property
     def phase(self) -> Phase:
@@ -129,19 +131,35 @@ class RunRecord:
         self.cancelled_in = self.phase
         self.lifecycle.advance(Input.CANCEL)
 
+    @contextmanager
+    def last_write(self) -> Iterator[None]:
+        """Around the write of the answer's end, which comes after the request is finished
+        (``Input.DONE``): if the deadline or the drain cuts it, ``fail`` records the fault
+        (the client did not get the whole answer), though it can tell the client nothing."""
+        try:
+            yield
+        except BaseException:
+            self.cut = True
+            raise
+
     async def fail(self, fault: RequestFault) -> None:
         """Tell the client: JSON before the commit point, one terminal event after it."""
         if self.lifecycle.finished:
+            if self.cut:  # the connection is closed: the journal says why, nobody else can
+                self._record(fault)
             return
         committed = self.lifecycle.committed
         self.lifecycle.advance(Input.FAIL)
-        self.fault, self.status = fault, fault.status
-        self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
+        self._record(fault)
         error = fault.error_json()
         if committed:
             await self._end_stream(b"data: " + error + b"\n\n")
         else:
             await self.sink.respond_json(fault.status, error)
+
+    def _record(self, fault: RequestFault) -> None:
+        self.fault, self.status = fault, fault.status
+        self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
 
     async def _end_stream(self, data: bytes) -> None:
         await self.sink.end(data)
@@ -556,13 +574,14 @@ class RequestRun(RunRecord):
         if not committed:  # a JSON answer, or the first output and [DONE] in one read
             self.lifecycle.advance(Input.COMMIT)
         self.lifecycle.advance(Input.DONE)
-        if not self.req.stream:
-            await self.sink.respond_json(200, data)
-            return
-        if self._echo is not None:
-            data = self._echo.stream(data)
-        if committed:
-            await self.sink.end(data)
-        else:
-            await self.sink.commit(data)
-            await self.sink.end()
+        with self.last_write():
+            if not self.req.stream:
+                await self.sink.respond_json(200, data)
+                return
+            if self._echo is not None:
+                data = self._echo.stream(data)
+            if committed:
+                await self.sink.end(data)
+            else:
+                await self.sink.commit(data)
+                await self.sink.end()

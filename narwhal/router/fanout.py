@@ -172,7 +172,8 @@ class FanOutRun(RunRecord):
         if not self.req.stream:
             self.lifecycle.advance(Input.COMMIT)
             self.lifecycle.advance(Input.DONE)
-            await self.sink.respond_json(200, _encode(self._merged_answer()))
+            with self.last_write():
+                await self.sink.respond_json(200, _encode(self._merged_answer()))
             return
         tail = b""
         if self.req.include_usage and self._usage:
@@ -187,11 +188,12 @@ class FanOutRun(RunRecord):
             if not committed:
                 self.lifecycle.advance(Input.COMMIT)
             self.lifecycle.advance(Input.DONE)
-            if committed:
-                await self.sink.end(tail + DONE_FRAME)
-            else:
-                await self.sink.commit(tail + DONE_FRAME)
-                await self.sink.end()
+            with self.last_write():
+                if committed:
+                    await self.sink.end(tail + DONE_FRAME)
+                else:
+                    await self.sink.commit(tail + DONE_FRAME)
+                    await self.sink.end()
 
     def _merged_answer(self) -> dict[str, Any]:
         first = self._answers.get(0, {})

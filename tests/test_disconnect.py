@@ -9,7 +9,7 @@ import trio
 
 from narwhal.config import ServingConfig
 from narwhal.sse import SSEParser
-from tests.conftest import MODEL, finish, start_fleet
+from tests.conftest import MODEL, Harness, finish, start_fleet
 
 
 async def _open_stream_and_vanish(url: str, body: bytes) -> None:
@@ -133,28 +133,13 @@ async def test_the_router_closing_a_pipelining_connection_is_no_connection_error
     """A client that pipelines and never reads: the request deadline cuts the write and
     the router closes the socket under the watch, which ends quietly (no error logged or
     counted, the pipelined request never runs)."""
-    harness = await start_fleet(
-        nursery,
-        {"p0": "prefill", "d0": "decode"},
-        serving=ServingConfig(graceful_timeout_s=0.5, request_timeout_s=1.0),
-    )
     streamed = (
         b'{"model": "%s", "prompt": "hello there", "max_tokens": 16000, "stream": true}'
         % MODEL.encode()
     )
     waiting = b'{"model": "%s", "prompt": "and then", "max_tokens": 5}' % MODEL.encode()
-    host, port = harness.url.removeprefix("http://").split(":")
-    sock = trio.socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-    with trio.fail_after(5):
-        await sock.connect((host, int(port)))
-        await sock.send(_post(streamed) + _post(waiting))
-        await harness.engines["d0"].wait_running()
-        await harness.router.wait_drained()
-    (line,) = harness.router.journal.lines
-    assert (line.outcome, line.status) == ("expired", 504)
+    harness = await _send_and_never_read(nursery, _post(streamed) + _post(waiting))
     assert harness.router.metrics.connection_errors._value.get() == 0
-    sock.close()
     await finish(harness)
 
 
@@ -164,21 +149,26 @@ async def test_a_json_answer_cut_by_the_deadline_on_its_way_is_not_a_completion(
     """A client that never reads: the whole JSON answer is ready, but its write is cut by
     the request deadline. The client got part of it: the journal says expired, 504, not
     completed (found by an outside test)."""
+    body = b'{"model": "%s", "prompt": "hello there", "max_tokens": 20000}' % MODEL.encode()
+    harness = await _send_and_never_read(nursery, _post(body))
+    await finish(harness)
+
+
+async def _send_and_never_read(nursery: trio.Nursery, data: bytes) -> Harness:
+    """A fleet with a 1 s request deadline, and a client (a 1 KiB receive buffer) that sends
+    ``data`` and never reads: its one request ends expired, 504, at the deadline."""
     harness = await start_fleet(
         nursery,
         {"p0": "prefill", "d0": "decode"},
         serving=ServingConfig(graceful_timeout_s=0.5, request_timeout_s=1.0),
     )
-    body = b'{"model": "%s", "prompt": "hello there", "max_tokens": 20000}' % MODEL.encode()
     host, port = harness.url.removeprefix("http://").split(":")
-    sock = trio.socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-    with trio.fail_after(5):
+    with trio.socket.socket() as sock, trio.fail_after(5):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
         await sock.connect((host, int(port)))
-        await sock.send(_post(body))
+        await sock.send(data)
         await harness.engines["d0"].wait_running()
         await harness.router.wait_drained()
     (line,) = harness.router.journal.lines
     assert (line.outcome, line.status) == ("expired", 504)
-    sock.close()
-    await finish(harness)
+    return harness

@@ -159,23 +159,10 @@ class Router:
                     nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, run)
                 else:
                     on_disconnect(partial(self._disconnected, nursery.cancel_scope, run))
-                # drain_scope: its deadline is set when a graceful shutdown begins
-                with trio.CancelScope(deadline=self.drain_deadline) as drain_scope:
-                    self._running.add(drain_scope)
-                    try:
-                        await self._run_until_deadline(run)
-                    finally:
-                        self._running.discard(drain_scope)
-                if drain_scope.cancelled_caught:
-                    with trio.move_on_after(FAIL_SEND_BOUND_S):
-                        await run.fail(
-                            ShuttingDown(
-                                "router shutting down: the request outlived the graceful timeout "
-                                f"({self.config.serving.graceful_timeout_s:g}s)",
-                                phase=run.phase,
-                            )
-                        )
-                nursery.cancel_scope.cancel()
+                await self._run_until_deadline(run)
+                if on_disconnect is None:
+                    nursery.cancel_scope.cancel()  # the watcher's task (trio names the
+                    # cancelling task in each cancel: not paid where there is no task)
         finally:
             if not run.lifecycle.finished:
                 run.cancel()  # the client is gone (or so is the notice of its failure)
@@ -206,8 +193,12 @@ class Router:
         return run
 
     async def _run_until_deadline(self, run: Run) -> None:
+        """``run`` until its deadline, or the drain's if a graceful shutdown ends first: one
+        scope, whose deadline ``begin_drain`` brings forward (``_running``)."""
         timeout = run.config.serving.request_timeout_s
-        with trio.move_on_at(run.arrival + timeout) as deadline:
+        deadline = run.arrival + timeout
+        with trio.CancelScope(deadline=min(deadline, self.drain_deadline)) as limit:
+            self._running.add(limit)
             try:
                 await run.execute()
             except RequestFault as fault:
@@ -218,9 +209,18 @@ class Router:
                 await run.fail(
                     InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
                 )
-        if deadline.cancelled_caught:
+            finally:
+                self._running.discard(limit)
+        if limit.cancelled_caught:
+            ended: RequestFault = DeadlineExpired(timeout, phase=run.phase)
+            if self.drain_deadline < deadline:  # the drain's deadline was the one that came
+                grace = self.config.serving.graceful_timeout_s
+                ended = ShuttingDown(
+                    f"router shutting down: the request outlived the graceful timeout ({grace:g}s)",
+                    phase=run.phase,
+                )
             with trio.move_on_after(FAIL_SEND_BOUND_S):
-                await run.fail(DeadlineExpired(timeout, phase=run.phase))
+                await run.fail(ended)
 
     @contextmanager
     def drain_bound(self) -> Iterator[trio.CancelScope]:
@@ -241,11 +241,11 @@ class Router:
         self.draining = True
         grace = self.config.serving.graceful_timeout_s
         log_event(log, logging.WARNING, "draining", {"in_flight": self.admitted, "grace_s": grace})
-        # no timer task: every running request's drain scope gets the deadline (and so does
+        # no timer task: every running request's scope gets the deadline (and so does
         # one admitted a moment later), so the drain is bounded whatever else is shutting down
         self.drain_deadline = trio.current_time() + grace
         for scope in self._running:
-            scope.deadline = self.drain_deadline
+            scope.deadline = min(scope.deadline, self.drain_deadline)
 
     def reload(self, new: FleetConfig) -> dict[str, list[str]]:
         """Apply a new fleet file: added engines take traffic at once, removed ones get no

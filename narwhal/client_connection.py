@@ -21,7 +21,8 @@ connection handler is kept whole except for five rules, each in code below:
 4. **The idle timer stops when reading ends.** Hypercorn closes the socket only when every
    task of the connection has ended, and nothing stopped the idle timer after the client
    closed: the socket sat in CLOSE_WAIT, with three tasks, for ``keep_alive_timeout``
-   (found by ``bench/soak.py``).
+   (found by ``bench/soak.py``). Here the timer is the read loop's cancel scope: it ends
+   with the reading.
 5. **A client that pipelined a request and left is seen at once** (``PipelineWatch``):
    hypercorn stops reading while the pipelined request waits, so its close was seen only
    when the response before it ended.
@@ -29,8 +30,10 @@ connection handler is kept whole except for five rules, each in code below:
 A write nothing contends for also goes straight to the socket: one non-blocking ``send``,
 which the kernel almost always takes whole, instead of a lock, a shielded scope and two
 scheduler trips per chunk. Three per-request costs are trimmed the same way (issue 19): the
-idle timer is one watcher per connection whose deadline moves (hypercorn starts a task,
-under a lock, at every response and cancels it at every request); the read loop waits
+idle timer is the read loop's cancel scope, whose deadline moves, and the server's shutdown
+reaches it through ``ServerEnd`` (hypercorn starts a task, under a lock, at every response
+and cancels it at every request; a task per connection waiting on the shutdown event cost
+about 2 KB a connection); the read loop waits
 until the socket is readable before reading (trio tries the read first, and between
 requests that try always fails); and ``cork`` lets a response's head go out with its first
 chunk, and its last chunk with the end, in one write each. Every change is checked at
@@ -55,6 +58,7 @@ import h2.connection
 import h2.errors
 import h11
 import trio
+from h11._readers import ChunkedReader
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
@@ -77,9 +81,13 @@ SHAPES = {
     "hypercorn.protocol.h11:H11Protocol._send_error_response": "41dc5295e47f10cd",
     "hypercorn.protocol:ProtocolWrapper.handle": "4cb5ff14d1842513",  # Http11Only's place
     "hypercorn.trio.run:worker_serve": "8dc8347a9fc357ca",  # builds TCPServer by name
-    # the idle watcher stands in for these: the timer's task, and the Updated events
-    # (idle at the connection's start and after each response, busy at each request)
+    # the read loop's idle scope stands in for these: the timer's task, and the Updated
+    # events (idle at the connection's start and after each response, busy at each request)
     "hypercorn.trio.tcp_server:TCPServer._idle_timeout": "076077a62ad1c28f",
+    # context.terminated, which ServerEnd wraps (worker_serve sets it at shutdown)
+    "hypercorn.trio.worker_context:EventWrapper": "7c96abfd4a9ca2dc",
+    # the chunk being read, whose announced size _Http11Connection checks (_bytes_in_chunk)
+    "h11._readers:ChunkedReader": "4d2629eeaaf366b6",
     # where the app's disconnect is told (Http11Protocol._close_stream comes first)
     "hypercorn.protocol.h11:H11Protocol._close_stream": "6250ae85040025b4",
     "hypercorn.protocol.http_stream:HTTPStream.handle": "5cc61571acaf1005",
@@ -98,6 +106,7 @@ ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must
 # and the framing error that ended the request's body
 REQUEST_ID = "narwhal.request_id"
 FRAMING_ERROR = "narwhal.framing_error"
+FRAMING_STATUS = "narwhal.framing_status"  # the status that answered it (400, 413)
 # a callable the app puts in its scope: called once, when its stream closes (the client
 # went away, or the response ended), where hypercorn queues ``http.disconnect``
 ON_DISCONNECT = "narwhal.on_disconnect"
@@ -139,6 +148,11 @@ class _Http11Connection(h11.Connection):
     stream is still told, so a client that leaves still cancels its request."""
 
     _eof = False
+    _body_read = 0  # the request body's bytes h11 has handed out so far
+    # the router's serving.max_request_bytes (None: no limit here), read when a chunk of
+    # the request body is announced and its bytes are awaited
+    body_limit: Callable[[], int | None] = staticmethod(lambda: None)
+    refusal = ""  # why ``next_event`` refused the body, for the answer's message
 
     def receive_data(self, data: bytes) -> None:
         if not data:
@@ -150,7 +164,30 @@ class _Http11Connection(h11.Connection):
     def next_event(self) -> Any:
         if self.their_state is h11.MUST_CLOSE:
             return h11.ConnectionClosed() if self._eof else h11.NEED_DATA
-        return super().next_event()
+        event = super().next_event()
+        kind = type(event)
+        if kind is h11.Data:
+            self._body_read += len(event.data)  # type: ignore[union-attr]
+        elif kind is h11.Request:
+            self._body_read = 0
+        elif event is h11.NEED_DATA and self.their_state is h11.SEND_BODY:
+            self._refuse_a_chunk_too_large()
+        return event
+
+    def _refuse_a_chunk_too_large(self) -> None:
+        """A chunk announced larger than the body may be is refused (413) when announced:
+        waiting for its bytes would hold the connection until the body timeout, and end in
+        a 408 that blames the client's speed, not its size."""
+        reader = self._reader
+        if type(reader) is not ChunkedReader:
+            return
+        announced = self._body_read + reader._bytes_in_chunk  # read, and the chunk's rest
+        limit = self.body_limit()
+        if limit is not None and announced > limit:
+            self.refusal = (
+                f"body exceeds max_request_bytes={limit}: {announced} bytes announced so far"
+            )
+            raise h11.RemoteProtocolError(self.refusal, error_status_hint=413)
 
 
 class ClientGone(Exception):
@@ -224,6 +261,10 @@ class Http11Protocol(H11Protocol):
         self.connection = _Http11Connection(
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
+        app = getattr(self.app, "app", None)  # hypercorn's wrapper around the router's app
+        limit = getattr(app, "max_request_bytes", None)
+        if callable(limit):
+            self.connection.body_limit = limit
         self.can_read = self.watch = PipelineWatch(self.can_read)
 
     async def _check_protocol(self, event: h11.Request) -> None:
@@ -242,7 +283,8 @@ class Http11Protocol(H11Protocol):
         its scope) so its journal says rejected, not a client that left.
         """
         status = 400 if status_code >= 500 else status_code
-        message = f"request framing: malformed HTTP/1.1 ({status})"
+        refusal = getattr(self.connection, "refusal", "")
+        message = refusal or f"request framing: malformed HTTP/1.1 ({status})"
         payload = error_json(status, message)
         headers = [
             (b"content-type", b"application/json"),
@@ -251,7 +293,7 @@ class Http11Protocol(H11Protocol):
         ]
         scope = getattr(self.stream, "scope", None)
         if isinstance(scope, dict):  # its app may not have run yet: the id is given here
-            scope[FRAMING_ERROR] = message
+            scope[FRAMING_ERROR], scope[FRAMING_STATUS] = message, status
             headers.append((b"x-request-id", scope.setdefault(REQUEST_ID, request_id(scope))))
         headers += self.config.response_headers("h11")
         await self._send_h11_event(h11.Response(status_code=status, headers=headers))
@@ -312,6 +354,46 @@ class SendLock:
         self._semaphore.release()
 
 
+class ServerEnd:
+    """Hypercorn's ``context.terminated`` event, which also tells every live connection
+    when the server shuts down (``ClientConnection.server_ends``): the idle timer needs no
+    task per connection to wait on the event. Installed on the worker's context by its
+    first connection; hypercorn sets, waits on and reads the event as before."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+        self._connections: set[ClientConnection] = set()
+
+    @classmethod
+    def of(cls, context: Any) -> ServerEnd:
+        end = context.terminated
+        if not isinstance(end, ServerEnd):
+            end = context.terminated = cls(end)
+        return end
+
+    def add(self, connection: ClientConnection) -> None:
+        self._connections.add(connection)
+        if self.is_set():  # accepted as the server began to shut down
+            connection.server_ends()
+
+    def discard(self, connection: ClientConnection) -> None:
+        self._connections.discard(connection)
+
+    async def set(self) -> None:
+        await self._event.set()
+        for connection in list(self._connections):
+            connection.server_ends()
+
+    async def clear(self) -> None:
+        await self._event.clear()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def is_set(self) -> bool:
+        return bool(self._event.is_set())
+
+
 class ClientConnection(TCPServer):
     """Hypercorn's connection handler with the rules in this module's docstring."""
 
@@ -319,12 +401,13 @@ class ClientConnection(TCPServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # the idle watcher (one task per connection): its deadline is keep_alive_timeout
-        # after the connection went idle, inf while a request is served
+        # the idle timer: the read loop's scope, whose deadline is keep_alive_timeout after
+        # the connection went idle, inf while a request is served (no task of its own)
         self._idle = trio.CancelScope(deadline=trio.current_time() + self.config.keep_alive_timeout)
         self._busy = False
         self._terminating = False  # the server is shutting down: close once idle
-        self._reading_over = False
+        self._server_end = ServerEnd.of(self.context)
+        self._server_end.add(self)
         self._corked: list[bytes] | None = None  # writes held back by cork()
         self._rest: bytes | memoryview | None = None  # what write_nowait left to write_rest
         self._rest_state = _REST_NONE
@@ -341,6 +424,7 @@ class ClientConnection(TCPServer):
         except* Exception as group:  # the error boundary; Cancelled is not an Exception
             self._failed(group)
         finally:
+            self._server_end.discard(self)
             await self._close()
 
     async def _serve(self) -> None:
@@ -376,8 +460,11 @@ class ClientConnection(TCPServer):
                 # hypercorn's ProtocolWrapper would switch to HTTP/2; ours has its interface
                 self.protocol = Http11Only(h11_protocol, self.protocol_send)  # type: ignore[assignment]
                 self._watch = h11_protocol.watch
-                task_group.spawn(self._idle_watch)
-                await self._read_data()
+                with self._idle:
+                    await self._read_data()
+                if self._idle.cancelled_caught:  # idle past keep_alive_timeout, or shutdown
+                    with trio.CancelScope(shield=True):
+                        await self._initiate_server_close()
         except OSError:
             pass
 
@@ -404,7 +491,7 @@ class ClientConnection(TCPServer):
             else:
                 await self._read_socket(socket)
         finally:
-            self._stop_idle()  # reading is over: nothing is left to time out
+            self._idle.deadline = inf  # reading is over: nothing is left to time out
 
     async def _read_socket(self, socket: trio.socket.SocketType) -> None:
         """``TCPServer._read_data`` on a plain socket (no read timeout): wait until readable,
@@ -430,23 +517,12 @@ class ClientConnection(TCPServer):
                 break
         await handle(Closed())
 
-    async def _idle_watch(self) -> None:
-        """Hypercorn's idle timer (``TCPServer._idle_timeout``) as one task per connection:
-        ``protocol_send`` moves its deadline on each ``Updated`` event."""
-        idle = self._idle
-        with idle:
-            await self.context.terminated.wait()
-            self._terminating = True  # hypercorn closes an idle connection at shutdown
-            if self._busy:
-                await trio.sleep_forever()  # until the response ends (deadline: now)
-        if self._reading_over:
-            return
-        with trio.CancelScope(shield=True):
-            await self._initiate_server_close()
-
-    def _stop_idle(self) -> None:
-        self._reading_over = True
-        self._idle.cancel()
+    def server_ends(self) -> None:
+        """The server is shutting down (``ServerEnd``): close now if idle, else once the
+        response ends (``_updated``), as hypercorn's idle timer does at shutdown."""
+        self._terminating = True
+        if not self._busy:
+            self._idle.deadline = trio.current_time()
 
     def _updated(self, idle: bool) -> None:
         self._busy = not idle

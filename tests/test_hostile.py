@@ -220,6 +220,23 @@ async def test_slowloris_headers_are_closed_at_the_idle_bound(bounded: Harness) 
     await finish(bounded)
 
 
+async def test_a_chunk_announced_past_the_body_limit_is_413_at_once(pd: Harness) -> None:
+    """The body's size is known once the chunk is announced: 413 then, not a 408 after the
+    body timeout (30 s here) while the client sends nothing more. Nothing after it runs."""
+    follow = request(b"", path=b"/v1/models", close=False).replace(b"POST", b"GET")
+    head = request(b"", b"transfer-encoding: chunked", close=False)
+    for announced in (b"ffffffff", b"400001"):  # 4 GiB; the 4 MiB limit plus one byte
+        start = time.monotonic()
+        raw = await raw_exchange(pd.url, head + announced + b"\r\n" + b"x" * 10, follow)
+        assert time.monotonic() - start < 5.0
+        assert statuses(raw) == [413], raw[:300]
+        assert b"max_request_bytes=4194304" in raw
+        line = pd.router.journal.lines[-1]
+        assert (line.outcome, line.status) == ("rejected", 413)
+    # a chunk of exactly the limit is read, then its bytes are counted as before
+    assert engine_requests(*pd.engines.values()) == 0
+
+
 async def test_a_trickled_body_is_408_at_the_body_bound(bounded: Harness) -> None:
     head = request(b"", b"content-length: %d" % len(COMPLETION))
     parts = [head, *(COMPLETION[i : i + 4] for i in range(0, len(COMPLETION), 4))]
@@ -292,6 +309,64 @@ async def test_json_bombs_are_400_in_bounded_cpu(bounded: Harness) -> None:
         assert time.process_time() - start < 1.0  # bounded CPU, generous for a busy machine
     assert engine_requests(*bounded.engines.values()) == 0
     await finish(bounded)
+
+
+async def _answered_and_kept(url: str) -> trio.SocketStream:
+    """A keep-alive connection whose one request has been answered whole."""
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(request(COMPLETION, b"content-length: %d" % len(COMPLETION), close=False))
+    seen = b""
+    while b'"choices"' not in seen:
+        seen += await stream.receive_some(65536)
+    return stream
+
+
+async def _closed_within(stream: trio.SocketStream, limit_s: float) -> float:
+    """Seconds until the router closes ``stream`` (nothing else may arrive)."""
+    start = time.monotonic()
+    with trio.fail_after(limit_s):
+        assert await _receive(stream) == b""
+    return time.monotonic() - start
+
+
+async def test_an_idle_keep_alive_connection_is_closed_at_the_idle_bound(
+    bounded: Harness,
+) -> None:
+    async with await _answered_and_kept(bounded.url) as stream:
+        took = await _closed_within(stream, limit_s=5.0)
+    assert 0.5 < took < 1.0 + 2.0, f"closed after {took:.1f}s; the idle bound is 1s"
+    await finish(bounded)
+
+
+async def test_shutdown_closes_idle_connections_at_once_and_lets_a_stream_end(
+    nursery: trio.Nursery,
+) -> None:
+    slow = {"itl_s": 0.05}  # a 20-token stream: 1 s, longer than the idle connection waits
+    h = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        engine_config=slow,
+        serving=ServingConfig(graceful_timeout_s=5.0, client_idle_timeout_s=30.0),
+    )
+    idle = await _answered_and_kept(h.url)
+    host, port = h.url.removeprefix("http://").split(":")
+    busy = await trio.open_tcp_stream(host, int(port))
+    body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "stream": True})
+    await busy.send_all(request(body, b"content-length: %d" % len(body), close=False))
+    first = await busy.receive_some(65536)
+    assert first.startswith(b"HTTP/1.1 200")
+    h.stop.set()
+    async with idle:
+        assert await _closed_within(idle, limit_s=1.0) < 1.0  # not the 30 s idle bound
+    rest = bytearray(first)
+    async with busy:
+        with trio.fail_after(5):
+            while chunk := await _receive(busy):
+                rest += chunk
+    assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), bytes(rest[-80:])
+    with trio.fail_after(5):
+        await h.stopped.wait()
 
 
 async def test_a_closed_client_connection_is_released_at_once(bounded: Harness) -> None:

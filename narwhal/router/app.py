@@ -16,7 +16,7 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from narwhal.client_connection import FRAMING_ERROR, REQUEST_ID, request_id
+from narwhal.client_connection import FRAMING_ERROR, FRAMING_STATUS, REQUEST_ID, request_id
 from narwhal.config import ConfigError, ServingConfig
 from narwhal.faults import (
     BadRequest,
@@ -234,6 +234,11 @@ class RouterApp:
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
+    def max_request_bytes(self) -> int:
+        """The body limit of the fleet file in force (a reload may change it); the
+        connection refuses a chunk announced larger at once (``client_connection``)."""
+        return self.router.config.serving.max_request_bytes
+
     def connection_failed(self) -> None:
         """A client connection failed inside the server and was closed (its error boundary,
         ``narwhal.client_connection``, calls this)."""
@@ -418,8 +423,9 @@ class RouterApp:
             )
         except Disconnected:
             framing = scope.get(FRAMING_ERROR)
-            if framing:  # the server answered 400 to a malformed body and closed
-                router.journal_unadmitted(rid_text, path, "rejected", 400, framing, caller)
+            if framing:  # the server answered a malformed body (400) or a chunk too large
+                status = scope.get(FRAMING_STATUS, 400)  # (413), and closed
+                router.journal_unadmitted(rid_text, path, "rejected", status, framing, caller)
             else:
                 left = "client left mid-body"
                 router.journal_unadmitted(rid_text, path, "cancelled", None, left, caller)

@@ -508,7 +508,10 @@ TARGETS = [
 def start_engines(scenario: Scenario, tmp: Path) -> tuple[list[Proc], str, str]:
     procs, urls = [], []
     for role in ("prefill", "decode"):
-        args = ["--itl-s", str(scenario.itl_s), "--max-model-len", "65536"]
+        # vLLM's KV lease (480 s), which the router assumes by default (engine.kv_lease_s),
+        # not the fake engine's 30 s test default: at 9,000 streams on a slow machine a
+        # handoff waits longer than 30 s for its decode, and a vLLM producer still holds it
+        args = ["--itl-s", str(scenario.itl_s), "--max-model-len", "65536", "--kv-lease-s", "480"]
         proc, url = start_fake_engine(role, args, tmp / f"engine-{role}.log")
         procs.append(proc)
         urls.append(url)

@@ -183,7 +183,8 @@ class _Http11Connection(h11.Connection):
             return
         announced = self._body_read + reader._bytes_in_chunk  # read, and the chunk's rest
         limit = self.body_limit()
-        if limit is not None and announced > limit:
+        # past the limit already read, the app has the bytes that exceed it, and answers
+        if limit is not None and self._body_read <= limit < announced:
             self.refusal = (
                 f"body exceeds max_request_bytes={limit}: {announced} bytes announced so far"
             )
@@ -285,7 +286,8 @@ class Http11Protocol(H11Protocol):
         status = 400 if status_code >= 500 else status_code
         refusal = getattr(self.connection, "refusal", "")
         message = refusal or f"request framing: malformed HTTP/1.1 ({status})"
-        payload = error_json(status, message)
+        kind = "request_too_large" if status == 413 else "invalid_request_error"  # as the app's
+        payload = error_json(status, message, kind)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(payload)),

@@ -6,6 +6,7 @@ Raw sockets where the shape cannot be sent by an HTTP client library.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -231,10 +232,38 @@ async def test_a_chunk_announced_past_the_body_limit_is_413_at_once(pd: Harness)
         assert time.monotonic() - start < 5.0
         assert statuses(raw) == [413], raw[:300]
         assert b"max_request_bytes=4194304" in raw
+        await trio.testing.wait_all_tasks_blocked()  # the request's journal line is written
         line = pd.router.journal.lines[-1]
         assert (line.outcome, line.status) == ("rejected", 413)
     # a chunk of exactly the limit is read, then its bytes are counted as before
     assert engine_requests(*pd.engines.values()) == 0
+
+
+async def test_a_body_broken_two_ways_at_once_gets_one_answer_and_the_journal_says_it(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A chunk announced past the limit whose bytes past the limit came with it (the app
+    refuses those bytes), or a chunk past the limit with a malformed end (the server
+    refuses the framing): one answer goes out, with no error in the router, and the journal
+    says what the client was told (an outside tester's finding)."""
+    small = ServingConfig(max_request_bytes=4096, client_body_timeout_s=30.0)
+    h = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"}, serving=small)
+    head = request(b"", b"transfer-encoding: chunked", close=False)
+    shapes = [
+        b"fff4\r\n" + b" " * 8000,  # 65,524 announced, 8,000 (over 4,096) already sent
+        b"1001\r\n" + b" " * 5000,  # 4,097 sent, then no chunk end where it must be
+        b"1000\r\n" + b" " * 4096 + b"\r\n1\r\n P",
+    ]
+    for body in shapes:
+        raw = await raw_exchange(h.url, head + body)
+        [status] = statuses(raw)
+        await trio.testing.wait_all_tasks_blocked()  # the request's journal line is written
+        line = h.router.journal.lines[-1]
+        assert (line.outcome, line.status) == ("rejected", status), raw[:300]
+        assert msgspec.json.encode(line.message)[1:-1] in raw, (line.message, raw[-300:])
+    assert h.router.metrics.connection_errors._value.get() == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert engine_requests(*h.engines.values()) == 0
 
 
 async def test_a_trickled_body_is_408_at_the_body_bound(bounded: Harness) -> None:

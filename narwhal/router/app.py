@@ -422,15 +422,13 @@ class RouterApp:
                 raw, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
             )
         except Disconnected:
-            framing = scope.get(FRAMING_ERROR)
-            if framing:  # the server answered a malformed body (400) or a chunk too large
-                status = scope.get(FRAMING_STATUS, 400)  # (413), and closed
-                router.journal_unadmitted(rid_text, path, "rejected", status, framing, caller)
-            else:
+            if not _journal_framing(router, scope, rid_text, path, caller):
                 left = "client left mid-body"
                 router.journal_unadmitted(rid_text, path, "cancelled", None, left, caller)
             return
         except RequestFault as fault:
+            if _journal_framing(router, scope, rid_text, path, caller):
+                return  # the server's answer went first (a body can break both ways at once)
             router.journal_unadmitted(
                 rid_text, path, "rejected", fault.status, fault.message, caller
             )
@@ -562,6 +560,19 @@ def _framing_problem(headers: list[tuple[bytes, bytes]]) -> BadRequest | None:
             "transfer-encoding: not allowed together with content-length", "transfer-encoding"
         )
     return None
+
+
+def _journal_framing(
+    router: Router, scope: Scope, rid: str, path: str, caller: Caller | None
+) -> bool:
+    """When the server answered the request's body itself (malformed: 400; a chunk
+    announced past the limit: 413) and closed, journal that answer; False: it did not."""
+    framing = scope.get(FRAMING_ERROR)
+    if not framing:
+        return False
+    status = scope.get(FRAMING_STATUS, 400)
+    router.journal_unadmitted(rid, path, "rejected", status, framing, caller)
+    return True
 
 
 async def _read_body_within(scope: Scope, receive: Receive, serving: ServingConfig) -> bytes:

@@ -92,6 +92,8 @@ SHAPES = {
     "hypercorn.protocol.h11:H11Protocol._close_stream": "6250ae85040025b4",
     "hypercorn.protocol.http_stream:HTTPStream.handle": "5cc61571acaf1005",
     "hypercorn.protocol.h11:H11Protocol._maybe_recycle": "dba7c077157520be",
+    # its keep-alive budget, which a shutdown spends (ClientConnection._serve_no_more)
+    "hypercorn.protocol.h11:H11Protocol.stream_send": "c7ef437818f28b28",
     "hypercorn.protocol.h11:H11Protocol._handle_events": "ef9aeffc27380262",
     # can_read, which PipelineWatch wraps (_handle_events clears and waits on it while a
     # pipelined request waits, _maybe_recycle sets it)
@@ -409,7 +411,6 @@ class ClientConnection(TCPServer):
         self._busy = False
         self._terminating = False  # the server is shutting down: close once idle
         self._server_end = ServerEnd.of(self.context)
-        self._server_end.add(self)
         self._corked: list[bytes] | None = None  # writes held back by cork()
         self._rest: bytes | memoryview | None = None  # what write_nowait left to write_rest
         self._rest_state = _REST_NONE
@@ -419,6 +420,8 @@ class ClientConnection(TCPServer):
         self._lock = SendLock()
         self.send_lock = self._lock  # type: ignore[assignment]  # TCPServer's uses
         self._watch: PipelineWatch | None = None  # the protocol's, once it is made
+        self._h11: Http11Protocol | None = None
+        self._server_end.add(self)  # last: it may call server_ends at once
 
     async def run(self) -> None:
         try:
@@ -462,6 +465,9 @@ class ClientConnection(TCPServer):
                 # hypercorn's ProtocolWrapper would switch to HTTP/2; ours has its interface
                 self.protocol = Http11Only(h11_protocol, self.protocol_send)  # type: ignore[assignment]
                 self._watch = h11_protocol.watch
+                self._h11 = h11_protocol
+                if self._terminating:
+                    self._serve_no_more()
                 with self._idle:
                     await self._read_data()
                 if self._idle.cancelled_caught:  # idle past keep_alive_timeout, or shutdown
@@ -525,6 +531,15 @@ class ClientConnection(TCPServer):
         self._terminating = True
         if not self._busy:
             self._idle.deadline = trio.current_time()
+        self._serve_no_more()
+
+    def _serve_no_more(self) -> None:
+        """A response that starts from now on says ``connection: close``: the connection
+        closes after it, and the client must not send another request on it (nor count on
+        one it pipelined). Hypercorn's own rule for a spent keep-alive budget."""
+        protocol = self._h11
+        if protocol is not None:
+            protocol.keep_alive_requests = protocol.config.keep_alive_max_requests
 
     def _updated(self, idle: bool) -> None:
         self._busy = not idle

@@ -371,6 +371,9 @@ async def test_an_idle_keep_alive_connection_is_closed_at_the_idle_bound(
 async def test_shutdown_closes_idle_connections_at_once_and_lets_a_stream_end(
     nursery: trio.Nursery,
 ) -> None:
+    """At a graceful shutdown an idle keep-alive connection closes at once; a stream goes on
+    to its end; a response that starts after the shutdown began says ``connection: close``
+    (no client may send another request on it, nor count on one it pipelined)."""
     slow = {"itl_s": 0.05}  # a 20-token stream: 1 s, longer than the idle connection waits
     h = await start_fleet(
         nursery,
@@ -380,20 +383,31 @@ async def test_shutdown_closes_idle_connections_at_once_and_lets_a_stream_end(
     )
     idle = await _answered_and_kept(h.url)
     host, port = h.url.removeprefix("http://").split(":")
+    whole = await trio.open_tcp_stream(host, int(port))  # answered at its end, after the stop
+    body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 20})
+    pipelined = request(b"", path=b"/v1/models", close=False).replace(b"POST", b"GET")
+    await whole.send_all(request(body, b"content-length: %d" % len(body), close=False) + pipelined)
     busy = await trio.open_tcp_stream(host, int(port))
     body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "stream": True})
     await busy.send_all(request(body, b"content-length: %d" % len(body), close=False))
     first = await busy.receive_some(65536)
     assert first.startswith(b"HTTP/1.1 200")
+    await trio.testing.wait_all_tasks_blocked()
+    assert h.router.admitted == 2
     h.stop.set()
     async with idle:
         assert await _closed_within(idle, limit_s=1.0) < 1.0  # not the 30 s idle bound
     rest = bytearray(first)
-    async with busy:
+    answer = bytearray()
+    async with busy, whole:
         with trio.fail_after(5):
             while chunk := await _receive(busy):
                 rest += chunk
+            while chunk := await _receive(whole):
+                answer += chunk
     assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), bytes(rest[-80:])
+    assert statuses(bytes(answer)) == [200]  # the pipelined request is not served
+    assert b"\r\nconnection: close\r\n" in answer.lower().split(b"\r\n\r\n")[0] + b"\r\n"
     with trio.fail_after(5):
         await h.stopped.wait()
 

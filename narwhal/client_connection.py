@@ -143,6 +143,13 @@ def _http2_refusal() -> bytes:
 HTTP2_REFUSAL = _http2_refusal()
 
 
+def _app_hook(app: Any, name: str) -> Callable[..., Any] | None:
+    """A method of the router's ASGI app (``narwhal.router.app.RouterApp``) that the
+    connection calls, reached through hypercorn's wrapper; None for another app."""
+    hook = getattr(getattr(app, "app", None), name, None)
+    return hook if callable(hook) else None
+
+
 class _Http11Connection(h11.Connection):
     """h11 that ignores what a client sends after a request that said ``Connection:
     close`` (RFC 9112 §9.6), where h11 raises on it and hypercorn then answers the request
@@ -264,9 +271,8 @@ class Http11Protocol(H11Protocol):
         self.connection = _Http11Connection(
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
-        app = getattr(self.app, "app", None)  # hypercorn's wrapper around the router's app
-        limit = getattr(app, "max_request_bytes", None)
-        if callable(limit):
+        limit = _app_hook(self.app, "max_request_bytes")
+        if limit is not None:
             self.connection.body_limit = limit
         self.can_read = self.watch = PipelineWatch(self.can_read)
 
@@ -419,8 +425,7 @@ class ClientConnection(TCPServer):
         # (write_nowait) may leave its rest to the request's task (write_rest)
         self._lock = SendLock()
         self.send_lock = self._lock  # type: ignore[assignment]  # TCPServer's uses
-        self._watch: PipelineWatch | None = None  # the protocol's, once it is made
-        self._h11: Http11Protocol | None = None
+        self._h11: Http11Protocol | None = None  # the protocol, once it is made
         self._server_end.add(self)  # last: it may call server_ends at once
 
     async def run(self) -> None:
@@ -464,7 +469,6 @@ class ClientConnection(TCPServer):
                 )
                 # hypercorn's ProtocolWrapper would switch to HTTP/2; ours has its interface
                 self.protocol = Http11Only(h11_protocol, self.protocol_send)  # type: ignore[assignment]
-                self._watch = h11_protocol.watch
                 self._h11 = h11_protocol
                 if self._terminating:
                     self._serve_no_more()
@@ -477,8 +481,8 @@ class ClientConnection(TCPServer):
             pass
 
     def _failed(self, group: BaseExceptionGroup[Exception]) -> None:
-        report = getattr(getattr(self.app, "app", None), "connection_failed", None)
-        if callable(report):
+        report = _app_hook(self.app, "connection_failed")
+        if report is not None:
             report()
         now = trio.current_time()
         if now - ClientConnection._last_logged >= ERROR_LOG_INTERVAL_S:
@@ -489,8 +493,8 @@ class ClientConnection(TCPServer):
     async def _read_data(self) -> None:
         try:
             socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
-            if self._watch is not None:
-                self._watch.watch(self._tcp_socket())
+            if self._h11 is not None:
+                self._h11.watch.watch(self._tcp_socket())
             if socket is None or self.config.read_timeout:
                 try:
                     await super()._read_data()
@@ -666,8 +670,8 @@ class ClientConnection(TCPServer):
         socket = self._tcp_socket()
         if socket is not None:
             socket.close()
-        if self._watch is not None:
-            self._watch.close()
+        if self._h11 is not None:
+            self._h11.watch.close()
 
     def _tcp_socket(self) -> Any:
         """The TCP socket, beneath TLS too; None for a test's in-memory stream."""

@@ -55,7 +55,7 @@ bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies vs the pe
 	$(PY) bench/placement.py --peers-venv $(BENCH_VENV)
 
 faults: venv         ## the fault matrix: every scenario, 200 requests at c=32, as a table
-	$(PY) -m tests.fault_matrix --requests 200 --concurrency 32
+	$(PY) -m tests.matrix.fault_matrix --requests 200 --concurrency 32
 
 fuzz: venv           ## the property tests (SSE splits, stream models) at 10x their CI example count
 	NARWHAL_FUZZ_SCALE=10 $(PY) -m pytest -q -p no:cacheprovider fuzz

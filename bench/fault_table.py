@@ -4,7 +4,7 @@
 
 Runs the router and two fake engines in-process on 127.0.0.1 with short timeouts (first
 token and silence 0.3 s, prefill 0.5 s), breaks one leg per row as
-``tests.fault_scenarios`` says, and prints a markdown table as observed.
+``tests.support.fault_scenarios`` says, and prints a markdown table as observed.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import httpcore
 import msgspec
 import trio
 
-from narwhal.config import EngineConfig, EngineSpec, FleetConfig, ServingConfig
+from narwhal.core.config import EngineConfig, EngineSpec, FleetConfig, ServingConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.router.service import Router
 from narwhal.server import serve
-from narwhal.sse import SSEParser
+from narwhal.stream.sse import SSEParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the catalogue is the tests'
-from tests.fault_scenarios import FAULTS
+from tests.support.fault_scenarios import FAULTS
 
 MODEL = "fake-model"
 

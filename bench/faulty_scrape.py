@@ -15,7 +15,7 @@ import httpcore
 import msgspec
 import trio
 
-from narwhal.config import EngineConfig, EngineSpec, FleetConfig, RecoveryConfig, ServingConfig
+from narwhal.core.config import EngineConfig, EngineSpec, FleetConfig, RecoveryConfig, ServingConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.service import Router

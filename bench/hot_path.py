@@ -15,10 +15,10 @@ import time
 
 import msgspec
 
-from narwhal.engines.chunked import ChunkedDecoder
-from narwhal.engines.stream import classify, parse_payload
 from narwhal.fake_engine.generation import VOCAB
-from narwhal.sse import SSEParser, frame
+from narwhal.stream.chunked import ChunkedDecoder
+from narwhal.stream.events import classify, parse_payload
+from narwhal.stream.sse import SSEParser, frame
 
 TEMPLATE = (
     b'{"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764450000,'

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuzz import examples
-from narwhal.engines.relay import Finish, StreamRelay
-from narwhal.router.assemble import Assembler
+from narwhal.stream.assemble import Assembler
+from narwhal.stream.rules import Finish, StreamRelay
 
 EXAMPLES = examples(200)
 text = st.text(alphabet='ab é{}":,', max_size=6)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuzz import examples, split
-from narwhal.engines.chunked import ChunkedDecoder, ChunkedError
+from narwhal.stream.chunked import ChunkedDecoder, ChunkedError
 
 
 @st.composite

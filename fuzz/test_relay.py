@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuzz import examples, split
-from fuzz.test_stream_models import Event, events
-from narwhal.engines.relay import DONE_FRAME, HOLD, Commit, Fault, Finish, Send, StreamRelay
-from narwhal.router.assemble import Assembler
-from narwhal.sse import SSEParser
+from fuzz.streams import Event, events
+from narwhal.stream.assemble import Assembler
+from narwhal.stream.rules import DONE_FRAME, HOLD, Commit, Fault, Finish, Send, StreamRelay
+from narwhal.stream.sse import SSEParser
 
 EXAMPLES = examples(300)
 streams = st.tuples(

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuzz import examples, split
-from narwhal.sse import SSEError, SSEParser
+from narwhal.stream.sse import SSEError, SSEParser
 
 payloads = st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b""))
 line_ends = st.sampled_from([b"\n", b"\r\n"])

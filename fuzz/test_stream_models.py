@@ -20,42 +20,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzz import examples, split
-from narwhal.config import EngineConfig, ServingConfig
+from fuzz.streams import Event, events
+from narwhal.core.config import EngineConfig, ServingConfig
 from narwhal.fake_engine.faults import Fault
-from narwhal.sse import SSEParser
-from tests.conftest import MODEL
-from tests.memory_fleet import RecordingSink, memory_fleet
+from narwhal.stream.sse import SSEParser
+from tests.support.fleet import MODEL
+from tests.support.memory_fleet import RecordingSink, memory_fleet
 
 FIRST_TOKEN_S = 2.55  # off the 0.1 s grid of the delays: no ties with a deadline
 SILENCE_S = 1.05
 EXAMPLES = examples(100)
 
 # ---- the generated stream ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str  # token | usage | comment | error | garbage | done
-    text: str = ""
-    code: Any = None
-
-    def frame(self) -> bytes:
-        if self.kind == "comment":
-            return b": keep-alive\n\n"
-        if self.kind == "garbage":
-            return b"data: {not json\n\n"
-        if self.kind == "done":
-            return b"data: [DONE]\n\n"
-        if self.kind == "error":
-            error = {"message": self.text, "type": "X", "param": None, "code": self.code}
-            return b"data: " + msgspec.json.encode({"error": error}) + b"\n\n"
-        chunk: dict[str, Any] = {"id": "cmpl-x", "object": "text_completion", "model": MODEL}
-        if self.kind == "token":
-            chunk["choices"] = [{"index": 0, "text": self.text, "finish_reason": None}]
-        else:
-            chunk["choices"] = []
-            chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
-        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
 @dataclass(frozen=True)
@@ -74,16 +50,6 @@ class Stream:
 
 
 delays = st.sampled_from([0.0, 0.0, 0.0, 0.3, 0.9, 1.7, 3.1])
-events = st.one_of(
-    st.builds(Event, st.just("token"), st.sampled_from(["a", "bc", " d", "é"])),
-    st.builds(Event, st.sampled_from(["usage", "comment", "garbage", "done"])),
-    st.builds(
-        Event,
-        st.just("error"),
-        st.sampled_from(["boom", "over capacity"]),
-        st.sampled_from([None, 500, 503, 429, 400, 404, 700, "oops"]),
-    ),
-)
 streams = st.builds(
     Stream,
     st.sampled_from([0.0, 0.3, 3.1]),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from narwhal.config import FleetConfig
+from narwhal.core.config import FleetConfig
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import crossed_handoff, identity_problem, probe_prompt
 from narwhal.router.discovery import resolve_once

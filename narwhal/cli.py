@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from narwhal.config import ConfigError, FleetConfig, parse_config
+from narwhal.core.config import ConfigError, FleetConfig, parse_config
 from narwhal.logs import LogFormat
 
 if TYPE_CHECKING:

@@ -29,8 +29,9 @@ connection handler is kept whole except for five rules, each in code below:
 
 A write nothing contends for also goes straight to the socket: one non-blocking ``send``,
 which the kernel almost always takes whole, instead of a lock, a shielded scope and two
-scheduler trips per chunk. Three per-request costs are trimmed the same way (issue 19): the
-idle timer is the read loop's cancel scope, whose deadline moves, and the server's shutdown
+scheduler trips per chunk. Three per-request costs are trimmed the same way
+(``bench/results/relay-reactor.md``): the idle timer is the read loop's cancel scope,
+whose deadline moves, and the server's shutdown
 reaches it through ``ServerEnd`` (hypercorn starts a task, under a lock, at every response
 and cancels it at every request; a task per connection waiting on the shutdown event cost
 about 2 KB a connection); the read loop waits
@@ -66,7 +67,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
-from narwhal.faults import error_json
+from narwhal.core.faults import error_json
 
 log = logging.getLogger("narwhal.connection")
 # what ClientConnection copies, overrides or relies on (narwhal.shapes checks it at start)

@@ -19,12 +19,12 @@ import trio
 import trio.lowlevel
 from hypercorn.config import Sockets
 
-from narwhal.config import EngineSpec, FleetConfig
+from narwhal.core.config import EngineSpec, FleetConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.logs import configure as configure_logs
 from narwhal.router.service import Router
 from narwhal.server import bind_sockets, hypercorn_config, serve
-from narwhal.sse import DONE, SSEParser
+from narwhal.stream.sse import DONE, SSEParser
 
 MODEL = "fake-model"
 HOST = "127.0.0.1"

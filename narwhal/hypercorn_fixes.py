@@ -14,7 +14,7 @@ and h11's state does not change with it; the patched ``app_send`` writes exactly
 bytes to ``protocol_send``. Start, end (h11 writes the last chunk), HEAD, 204/304 and
 anything else keep hypercorn's path.
 
-``DirectBody`` goes one step further for the relay (issue 19): found from the ASGI ``send``
+``DirectBody`` goes one step further for the relay: found from the ASGI ``send``
 once per request, it writes each chunk of a streamed response to the connection itself
 (``ClientConnection.write_nowait``), after the same checks, and corks the connection so
 that the head goes out with the first chunk and the last chunk with the end.

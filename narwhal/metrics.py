@@ -31,11 +31,11 @@ from prometheus_client import (
     multiprocess,
 )
 
-from narwhal.faults import BreakerClass, Phase
-from narwhal.router.breaker import ProbeOutcome
-from narwhal.router.handoff import DROP_REASONS, FATES
-from narwhal.router.placement import REASONS
-from narwhal.router.retry import Denial
+from narwhal.core.breaker import ProbeOutcome
+from narwhal.core.faults import BreakerClass, Phase
+from narwhal.core.handoff import DROP_REASONS, FATES
+from narwhal.core.placement import REASONS
+from narwhal.core.retry import Denial
 
 # Buckets for LLM serving: handoffs are milliseconds to tens of seconds (KV stalls of
 # 15-30 s are real), inter-token gaps milliseconds to seconds, requests up to minutes.
@@ -69,8 +69,9 @@ DENIALS = tuple(d.value for d in Denial)
 
 class RequestBuckets:
     """One request's observations of a histogram, counted here and added to it once
-    (``flush``): the per-token path takes no lock and calls no metric (issue 19). Each
-    observation lands in the bucket prometheus-client's ``observe`` would pick (the first
+    (``flush``): the per-token path takes no lock and calls no metric
+    (``bench/results/relay-reactor.md``). Each observation lands in the bucket
+    prometheus-client's ``observe`` would pick (the first
     upper bound it does not exceed)."""
 
     __slots__ = ("_bounds", "_counts", "_histogram", "_sum")
@@ -341,7 +342,7 @@ class Metrics:
             "server (protocol or codec) that ended that connection only.",
         )
         self._initialise(engine_ids)
-        # per-request series, bound once (issue 19)
+        # per-request series, bound once: a label lookup per request is measurable on the hot path
         self.requests_of = Children(self.requests)
         self.handoffs_of = Children(self.handoffs)
         self.disconnects_of = Children(self.disconnects)

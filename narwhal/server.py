@@ -16,7 +16,7 @@ from hypercorn.utils import wrap_app
 
 from narwhal import client_connection, hypercorn_fixes, trio_accept
 from narwhal.client_connection import ClientConnection
-from narwhal.config import FleetConfig
+from narwhal.core.config import FleetConfig
 from narwhal.router.app import RouterApp, WorkerGroup
 from narwhal.router.service import FAIL_SEND_BOUND_S, Router
 from narwhal.shapes import verify

@@ -50,8 +50,8 @@ from hypercorn.config import Sockets
 from hypercorn.utils import repr_socket_addr
 from prometheus_client.multiprocess import mark_process_dead
 
-from narwhal.config import ConfigError, FleetConfig, load_config
-from narwhal.faults import error_json
+from narwhal.core.config import ConfigError, FleetConfig, load_config
+from narwhal.core.faults import error_json
 from narwhal.logs import announce, log_event
 from narwhal.router.service import Router
 from narwhal.server import hypercorn_config, serve

@@ -58,7 +58,7 @@ SAMPLE_S = 0.5
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """narwhal/engines/connector.py NixlConnector.prefill_body, copied."""
+    """narwhal/core/connector.py NixlConnector.prefill_body, copied."""
     dropped = ("stream_options", "min_tokens", "n", "best_of", "max_completion_tokens")
     out = {k: v for k, v in body.items() if k not in dropped}
     out["max_tokens"] = 1
@@ -68,7 +68,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_body(body: dict[str, Any], descriptor: dict[str, Any]) -> dict[str, Any]:
-    """narwhal/engines/connector.py NixlConnector.decode_body, copied (descriptor untouched)."""
+    """narwhal/core/connector.py NixlConnector.decode_body, copied (descriptor untouched)."""
     out = {
         k: v for k, v in body.items() if k not in ("kv_transfer_params", "prompt_logprobs", "echo")
     }
@@ -80,12 +80,12 @@ def decode_body(body: dict[str, Any], descriptor: dict[str, Any]) -> dict[str, A
 def check_bodies_match_router() -> str:
     try:
         sys.path.insert(0, str(ROOT))
-        from narwhal.engines.connector import NixlConnector
+        from narwhal.core.connector import NixlConnector
     except Exception as exc:  # the vLLM venv has no msgspec: fine, the copy stands
         return f"router connector not importable ({type(exc).__name__}); using the copy"
     sample = {"model": MODEL, "prompt": [5, 6], "max_tokens": 9, "temperature": 0, "n": 1}
     assert NixlConnector().prefill_body(sample) == prefill_body(sample), "prefill body drifted"
-    return "prefill body checked against narwhal.engines.connector.NixlConnector"
+    return "prefill body checked against narwhal.core.connector.NixlConnector"
 
 
 # --------------------------------------------------------------------------- processes

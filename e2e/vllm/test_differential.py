@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_shape_captures import diff_answers, fold, unexplained
+from tests.support.shapes import diff_answers, fold, unexplained
 
 from .capture_shapes import SHAPES
 from .conftest import MODEL, Fleet, http
@@ -49,7 +49,7 @@ def answer(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def streamed(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """A streamed answer, folded by the router's Assembler (itself checked against vLLM's
-    non-streaming answers by tests/test_shape_captures.py), or the error."""
+    non-streaming answers by tests/support/shapes.py), or the error."""
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     _, raw = http("POST", f"{url}/v1/{endpoint}", stream)
     return fold(raw, chat=endpoint.startswith("chat"), model=MODEL)

@@ -17,7 +17,15 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
-from narwhal.engines.connector import NixlConnector, PrefillResult
+from narwhal.core.connector import NixlConnector, PrefillResult
+from narwhal.core.faults import (
+    ConnectTimeout,
+    EngineFault,
+    EngineStatusError,
+    EngineUnreachable,
+    Phase,
+    StreamBroken,
+)
 from narwhal.engines.transport import (
     IDLE_EXPIRY_S,
     BodyTooLarge,
@@ -29,14 +37,6 @@ from narwhal.engines.transport import (
     tcp_connect,
     tls_connect,
     tls_context,
-)
-from narwhal.faults import (
-    ConnectTimeout,
-    EngineFault,
-    EngineStatusError,
-    EngineUnreachable,
-    Phase,
-    StreamBroken,
 )
 from narwhal.tracing import NO_HEADERS, Headers
 

@@ -15,9 +15,9 @@ from typing import Literal
 import msgspec
 import trio
 
+from narwhal.core.faults import RequestFault
 from narwhal.engines.client import DecodeStream, EngineClient
-from narwhal.engines.relay import Fault, Finish, StreamRelay
-from narwhal.faults import RequestFault
+from narwhal.stream.rules import Fault, Finish, StreamRelay
 
 Side = Literal["producer", "consumer"]
 _counter = itertools.count(1)

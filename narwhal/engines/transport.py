@@ -26,7 +26,7 @@ from typing import Self
 import h11
 import trio
 
-from narwhal.engines.chunked import ChunkedDecoder, ChunkedError
+from narwhal.stream.chunked import ChunkedDecoder, ChunkedError
 
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never race its close
@@ -208,8 +208,8 @@ class Pool:
         """Send a request and read the response head; the caller reads the body and closes
         the Response. Holds a capacity-limiter slot until then."""
         response = Response(self)
-        # with its checkpoint even when a slot is free (issue 19 asked to drop it; no CPU
-        # saving could be measured, and it paces a burst of new requests' connects)
+        # with its checkpoint even when a slot is free: dropping it saved no CPU that could
+        # be measured, and it paces a burst of new requests' connects
         await self.limiter.acquire_on_behalf_of(response)
         try:
             for _ in range(2):  # a reused connection closed under us gets one fresh retry
@@ -265,7 +265,7 @@ class Response:
         self.status = 0
         self.done = False
         self._holding = True
-        # a chunked body is decoded here, not by h11 (see narwhal.engines.chunked)
+        # a chunked body is decoded here, not by h11 (see narwhal.stream.chunked)
         self._chunked: ChunkedDecoder | None = None
         self._early: list[bytes] = []  # body bytes that came in with the head
         self._keep_alive = False

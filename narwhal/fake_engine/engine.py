@@ -40,7 +40,7 @@ StreamHandler = Callable[[trio.abc.Stream], Awaitable[None]]
 
 class Network(Protocol):
     """Where an engine listens instead of sockets: the tests' in-memory network
-    (``tests/memory_network.py``), so timing tests run under trio's MockClock."""
+    (``tests/support/memory_network.py``), so timing tests run under trio's MockClock."""
 
     def listen(self, host: str, port: int, handler: StreamHandler) -> None: ...
     def unlisten(self, host: str, port: int) -> None: ...

@@ -17,8 +17,8 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from narwhal.client_connection import FRAMING_ERROR, FRAMING_STATUS, REQUEST_ID, request_id
-from narwhal.config import ConfigError, ServingConfig
-from narwhal.faults import (
+from narwhal.core.config import ConfigError, ServingConfig
+from narwhal.core.faults import (
     BadRequest,
     BodyCut,
     BodyTimeout,
@@ -31,9 +31,9 @@ from narwhal.faults import (
     TooLarge,
     error_json,
 )
+from narwhal.core.requests import parse_request
 from narwhal.hypercorn_fixes import DirectBody, disconnect_hook
 from narwhal.router.journal import Caller
-from narwhal.router.requests import parse_request
 from narwhal.router.service import Router
 
 Scope = MutableMapping[str, Any]

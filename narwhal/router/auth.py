@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import os
 
-from narwhal.config import ConfigError
+from narwhal.core.config import ConfigError
 
 
 class ApiKeys:

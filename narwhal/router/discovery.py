@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from narwhal.config import DiscoverBlock, DiscoveryConfig, EngineSpec, FleetConfig
-from narwhal.config import nameserver_address as parse_nameserver
+from narwhal.core.config import DiscoverBlock, DiscoveryConfig, EngineSpec, FleetConfig
+from narwhal.core.config import nameserver_address as parse_nameserver
 from narwhal.metrics import Metrics
 from narwhal.router.health import Health
 

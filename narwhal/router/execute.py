@@ -20,11 +20,9 @@ import trio
 from opentelemetry.trace import Span, SpanKind
 
 from narwhal import tracing
-from narwhal.config import FleetConfig
-from narwhal.engines.client import DecodeStream, EngineClient
-from narwhal.engines.connector import PrefillResult
-from narwhal.engines.relay import Commit, Send, StreamRelay
-from narwhal.faults import (
+from narwhal.core.config import FleetConfig
+from narwhal.core.connector import PrefillResult
+from narwhal.core.faults import (
     BreakerClass,
     DeadlineExpired,
     FirstTokenTimeout,
@@ -35,20 +33,22 @@ from narwhal.faults import (
     RequestFault,
     SilenceTimeout,
 )
+from narwhal.core.fleet import EngineState, Fleet, Leg
+from narwhal.core.handoff import Fate, Handoff, too_old
+from narwhal.core.lifecycle import Input, Lifecycle, State
+from narwhal.core.placement import choose
+from narwhal.core.policies import prefix_key
+from narwhal.core.requests import ClientRequest
+from narwhal.core.retry import RetryBudget, RetryDecision, decide
+from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.metrics import Metrics, RequestBuckets
-from narwhal.router.assemble import Assembler, Echo, prompt_echo
-from narwhal.router.fleet import EngineState, Fleet, Leg
-from narwhal.router.handoff import Fate, Handoff, too_old
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, Caller, JournalLine, Outcome
-from narwhal.router.lifecycle import Input, Lifecycle, State
-from narwhal.router.placement import choose
-from narwhal.router.policies import prefix_key
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.relay_loop import DirectSink, RelayLoop
-from narwhal.router.requests import ClientRequest
-from narwhal.router.retry import RetryBudget, RetryDecision, decide
 from narwhal.router.stream_reactor import StreamReactor
+from narwhal.stream.assemble import Assembler, Echo, prompt_echo
+from narwhal.stream.rules import Commit, Send, StreamRelay
 
 PHASE_OF = {
     State.ADMITTED: Phase.ADMISSION,

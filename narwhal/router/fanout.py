@@ -25,13 +25,13 @@ from typing import Any
 import msgspec
 import trio
 
-from narwhal.config import FleetConfig
-from narwhal.engines.relay import DONE_FRAME
-from narwhal.faults import RequestFault
+from narwhal.core.config import FleetConfig
+from narwhal.core.faults import RequestFault
+from narwhal.core.lifecycle import Input, State
+from narwhal.core.requests import ClientRequest
 from narwhal.router.execute import ClientSink, RequestRun, RouterState, RunRecord
 from narwhal.router.journal import AttemptLine
-from narwhal.router.lifecycle import Input, State
-from narwhal.router.requests import ClientRequest
+from narwhal.stream.rules import DONE_FRAME
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode

@@ -27,14 +27,14 @@ from typing import Any, Protocol
 
 import trio
 
-from narwhal.config import FleetConfig
+from narwhal.core.breaker import BreakerState, ProbeOutcome
+from narwhal.core.config import FleetConfig
+from narwhal.core.faults import BreakerClass, RequestFault
+from narwhal.core.fleet import EngineState, Fleet, Leg
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
-from narwhal.faults import BreakerClass, RequestFault
 from narwhal.logs import log_event
 from narwhal.metrics import Metrics
-from narwhal.router.breaker import BreakerState, ProbeOutcome
-from narwhal.router.fleet import EngineState, Fleet, Leg
 from narwhal.router.journal import Journal
 
 log = logging.getLogger("narwhal.health")

@@ -47,7 +47,7 @@ class AttemptLine(msgspec.Struct, omit_defaults=True):
     error: str | None = None  # the fault's message
     phase: str | None = None
     retry: str | None = None  # the retry decision taken after this attempt failed
-    handoff: str | None = None  # the KV descriptor's fate (narwhal.router.handoff.Fate)
+    handoff: str | None = None  # the KV descriptor's fate (narwhal.core.handoff.Fate)
 
 
 class Caller(msgspec.Struct, frozen=True):

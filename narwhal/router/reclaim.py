@@ -10,7 +10,7 @@ deadline passed, its attempt failed), and its cancellation must not reach the re
 being cancelled. Each leg is bounded by ``engine.first_token_timeout_s``, goes to a healthy
 consumer with room (one that already moved KV from that producer first), never feeds the
 breaker or the client metrics, and runs at most once per descriptor. The verdicts are
-``narwhal.router.handoff``'s.
+``narwhal.core.handoff``'s.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from typing import Protocol
 
 import trio
 
-from narwhal.config import FleetConfig
+from narwhal.core.config import FleetConfig
+from narwhal.core.faults import EngineFault
+from narwhal.core.fleet import EngineState, Fleet
+from narwhal.core.handoff import Fate, Handoff, reclaim_verdict
 from narwhal.engines.client import EngineClient
-from narwhal.faults import EngineFault
 from narwhal.logs import log_event
 from narwhal.metrics import Metrics
-from narwhal.router.fleet import EngineState, Fleet
-from narwhal.router.handoff import Fate, Handoff, reclaim_verdict
 
 log = logging.getLogger("narwhal.reclaim")
 QUEUE_SIZE = 4096  # orphans waiting; past it they are dropped (and counted), never awaited

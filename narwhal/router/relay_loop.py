@@ -1,4 +1,4 @@
-"""The relay's shell: one decode stream to the client, the hot path (issue 19).
+"""The relay's shell: one decode stream to the client, the hot path.
 
 The rules are ``StreamRelay``'s (sans-IO); this moves bytes and owns the silence clock.
 One read is ``take``: the rules, the first-token mark, the inter-token gaps and, once the
@@ -20,12 +20,12 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
+from narwhal.core.lifecycle import Lifecycle
 from narwhal.engines.client import DecodeStream
-from narwhal.engines.relay import Commit, Fault, Finish, Hold, Send, StreamRelay
 from narwhal.engines.transport import TransportError
 from narwhal.metrics import RequestBuckets
-from narwhal.router.lifecycle import Lifecycle
 from narwhal.router.stream_reactor import RESUME, StreamReactor
+from narwhal.stream.rules import Commit, Fault, Finish, Hold, Send, StreamRelay
 
 HELD = object()  # metadata before the first token: held, and the first-token clock runs
 FLUSH = object()  # a direct write left a rest: the request's task writes it

@@ -16,11 +16,11 @@ from typing import Protocol
 
 import trio
 
-from narwhal.config import FleetConfig
-from narwhal.faults import RequestFault
+from narwhal.core.config import FleetConfig
+from narwhal.core.engine_report import ReportError, parse_report
+from narwhal.core.faults import RequestFault
+from narwhal.core.fleet import EngineState, Fleet
 from narwhal.metrics import Metrics
-from narwhal.router.engine_report import ReportError, parse_report
-from narwhal.router.fleet import EngineState, Fleet
 from narwhal.router.health import Health
 
 IDLE_RECHECK_S = 1.0  # scraping off: how often to look whether a reload turned it on

@@ -22,10 +22,13 @@ import msgspec
 import trio
 
 from narwhal import tracing
-from narwhal.config import ConfigError, FleetConfig, load_config
+from narwhal.core.config import ConfigError, FleetConfig, load_config
+from narwhal.core.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
+from narwhal.core.fleet import Fleet
+from narwhal.core.requests import ClientRequest
+from narwhal.core.retry import RetryBudget
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import Connect
-from narwhal.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
 from narwhal.logs import count_drops as count_log_drops
 from narwhal.logs import log_context, log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
@@ -33,12 +36,9 @@ from narwhal.router.auth import ApiKeys
 from narwhal.router.discovery import Discovery
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fanout import FanOutRun
-from narwhal.router.fleet import Fleet
 from narwhal.router.health import Health
 from narwhal.router.journal import Caller, Journal, JournalLine, Outcome
 from narwhal.router.reclaim import Reclaimer
-from narwhal.router.requests import ClientRequest
-from narwhal.router.retry import RetryBudget
 from narwhal.router.scraper import Scraper
 from narwhal.router.stream_reactor import StreamReactor
 
@@ -84,7 +84,7 @@ class Router:
             _warn_plain_http_keys(config)
         self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
         self.scraper = Scraper(self)  # engines' /metrics for placement, same nursery
-        self.reactor = StreamReactor()  # parked streams' reads (issue 19), same nursery
+        self.reactor = StreamReactor()  # parked streams' reads, same nursery
         self.config_path = config_path
         self.draining = False
         self.drain_deadline = math.inf
@@ -127,7 +127,7 @@ class Router:
         The client's disconnect cancels the request's nursery: a watcher task awaits
         ``wait_disconnect``, unless the server offers ``on_disconnect`` (it registers a
         callback called when the client goes, at once if it has gone already), which costs
-        the request no task of its own (issue 19)."""
+        the request no task of its own."""
         run: Run = (
             FanOutRun(self, self.config, req, rid, sink)
             if req.fanout > 1

@@ -1,12 +1,11 @@
-"""One task that reads every parked decode stream (issue 19): the relay's per-token work
+"""One task that reads every parked decode stream: the relay's per-token work
 without a task switch per token.
 
 A decode leg that waits in its own task pays, per token, trio's readiness registration
 (an ``epoll_ctl`` re-arm), a reschedule, a run-loop turn and the coroutine frames between
-``wait_readable`` and the relay. ``bench/relay_floor.py`` (256 streams, 50 ms apart, no
-parsing) measured the bare relay from one task over a private level-triggered epoll at
-0.60x the CPU per chunk of one trio task per stream, and 0.47x of that relay under the
-router's former layering (three coroutine layers, a deadline moved per chunk).
+``wait_readable`` and the relay. One task over a private level-triggered epoll pays none
+of that per token (``bench/relay_floor.py`` measures both shapes; the figures are in
+``bench/results/relay-reactor.md``).
 
 So a streaming request whose next steps need no waiting *parks* here: its task waits in
 ``park`` (cancellable as any checkpoint: its deadline, its client's disconnect) while this

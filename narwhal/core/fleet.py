@@ -1,0 +1,213 @@
+"""Fleet state: engines, their in-flight legs, and reservations.
+
+Placement is a pure function of this state (``narwhal.core.placement``); reservations are
+async context managers, so a leg's count is released on every exit path, cancellation
+included.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Literal
+
+from narwhal.core.breaker import Breaker
+from narwhal.core.config import EngineSpec, RecoveryConfig
+from narwhal.core.engine_report import EngineReport
+from narwhal.core.policies import PrefixRing
+
+Leg = Literal["prefill", "decode"]  # the two legs of an attempt; an engine serves one as it
+HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engine is gone
+
+
+class EngineState:
+    __slots__ = (
+        "breaker",
+        "checked_at",
+        "failed_as",
+        "failed_with",
+        "health_failures",
+        "inflight",
+        "inflight_gauges",
+        "report",
+        "scrape_failures",
+        "spec",
+        "up",
+    )
+
+    def __init__(self, spec: EngineSpec, recovery: RecoveryConfig) -> None:
+        self.spec = spec
+        self.inflight: dict[Leg, int] = {"prefill": 0, "decode": 0}
+        self.inflight_gauges: dict[Leg, Any] = {}  # Prometheus children, when exported
+        self.breaker = Breaker(recovery.eject_after, recovery.failure_quarantine_s)
+        # the leg of its last counted failure, and the peer of that attempt: a consumer
+        # that failed a crossed decode is probed with a handoff from that same producer
+        self.failed_as: Leg | None = None
+        self.failed_with: str | None = None
+        # active health (SPEC 3, /ready): placeable only once it answered /health, and no
+        # longer after HEALTH_FAILS_TO_LEAVE checks in a row went unanswered
+        self.up = False
+        self.health_failures = 0
+        self.checked_at: float | None = None
+        # its own account of its load, from its /metrics (placement.metrics_interval_s)
+        self.report: EngineReport | None = None
+        self.scrape_failures = 0  # in a row; a scrape never moves the breaker
+
+    def note_health(self, ok: bool, now: float) -> str | None:
+        """Record one active health check; the transition it caused ("joined", "left")."""
+        self.checked_at = now
+        if ok:
+            self.health_failures = 0
+            if not self.up:
+                self.up = True
+                return "joined"
+            return None
+        self.health_failures += 1
+        if self.up and self.health_failures >= HEALTH_FAILS_TO_LEAVE:
+            self.up = False
+            return "left"
+        return None
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def load(self) -> int:
+        return self.inflight["prefill"] + self.inflight["decode"]
+
+    def snapshot(self, now: float, held_in: bool, interval_s: float = 0.0) -> dict[str, object]:
+        """The operator's view (``/narwhal/engines``); times are seconds from ``now``."""
+        b = self.breaker
+        return {
+            "id": self.id,
+            "url": self.url,
+            "role": self.spec.role,
+            "inflight": dict(self.inflight),
+            "breaker": {
+                "state": b.state.value,
+                "streak": b.streak,
+                "last_cause": b.last_cause,
+                "ejection_cause": b.ejection_cause.value if b.ejection_cause else None,
+                "ejections": b.ejections,
+            },
+            # an ejected engine stays out until a probe passes: no fixed end time
+            "ejected_until": "probe" if b.state.value != "closed" else None,
+            "ejected_for_s": None if b.ejected_at is None else round(now - b.ejected_at, 3),
+            "quarantined_for_s": round(max(0.0, b.quarantined_until - now), 3) or None,
+            "held_in": held_in,
+            "up": self.up,
+            "health_failures": self.health_failures,
+            "last_health_ago_s": None
+            if self.checked_at is None
+            else round(now - self.checked_at, 3),
+            "report": None if self.report is None else self.report.view(now, interval_s),
+            "scrape_failures": self.scrape_failures,
+            "last_probe": b.last_probe,
+            "last_probe_ago_s": None
+            if b.last_probe_at is None
+            else round(now - b.last_probe_at, 3),
+        }
+
+
+class Reservation:
+    """One in-flight leg on one engine, held for the leg's whole life."""
+
+    __slots__ = ("engine", "leg")
+
+    def __init__(self, engine: EngineState, leg: Leg) -> None:
+        self.engine = engine
+        self.leg = leg
+
+    async def __aenter__(self) -> EngineState:
+        self.engine.inflight[self.leg] += 1
+        gauge = self.engine.inflight_gauges.get(self.leg)
+        if gauge is not None:
+            gauge.inc()
+        return self.engine
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.engine.inflight[self.leg] -= 1
+        gauge = self.engine.inflight_gauges.get(self.leg)
+        if gauge is not None:
+            gauge.dec()
+
+
+class Fleet:
+    def __init__(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
+        self.engines: list[EngineState] = []
+        self.by_id: dict[str, EngineState] = {}
+        self.producers: list[EngineState] = []
+        self.consumers: list[EngineState] = []
+        self.turn = 0  # rotates ties so equal engines share load
+        # active health checks run (the server's background nursery): placement then takes
+        # only engines that answered; without them (a bare Router) every engine is taken
+        self.health_checked = False
+        # (producer id, consumer id) pairs that moved KV: the consumer knows the producer
+        self.paired: set[tuple[str, str]] = set()
+        self.reload(specs, recovery)
+
+    def reload(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
+        """Engines keep their state (breaker, in-flight counts) when id and URL stay; a
+        removed engine leaves the lists, and its in-flight legs release on the old object."""
+        engines = []
+        for spec in specs:
+            state = self.by_id.get(spec.id)
+            if state is None or state.spec.url != spec.url:
+                state = EngineState(spec, recovery)
+            else:
+                state.spec = spec
+                state.breaker.eject_after = recovery.eject_after
+                state.breaker.quarantine_s = recovery.failure_quarantine_s
+            engines.append(state)
+        self.engines = engines
+        self.by_id = {e.id: e for e in engines}
+        self.producers = [e for e in engines if e.spec.can_prefill]
+        self.consumers = [e for e in engines if e.spec.can_decode]
+        # prefix affinity's ring: a producer added or removed moves only its own keys
+        self.ring = PrefixRing([e.id for e in self.producers])
+
+    def reserve(self, engine: EngineState, leg: Leg) -> Reservation:
+        return Reservation(engine, leg)
+
+    def reserved(self) -> int:
+        """Legs in flight across the fleet (0 after a drain)."""
+        return sum(e.load for e in self.engines)
+
+    def placeable(self, leg: Leg, now: float) -> tuple[list[EngineState], bool]:
+        """The engines placement may use for ``leg``, and whether they are held in.
+
+        Healthy engines (closed breaker, not quarantined) when there are any; otherwise
+        every engine of the role is held in: the last engine able to serve a role is never
+        quarantined or probe-held out, since refusing all traffic helps nobody.
+        """
+        engines = self.producers if leg == "prefill" else self.consumers
+        if self.health_checked:  # an engine that never answered, or stopped, is not taken
+            engines = [e for e in engines if e.up]
+        healthy = [e for e in engines if e.breaker.healthy(now)]
+        return (healthy, False) if healthy else (engines, bool(engines))
+
+    def held_in(self, now: float) -> set[str]:
+        """Ids of unhealthy engines that stay placeable as the last of a role."""
+        held: set[str] = set()
+        for leg in ("prefill", "decode"):
+            engines, is_held = self.placeable(leg, now)
+            if is_held:
+                held.update(e.id for e in engines)
+        return held
+
+    def ready(self, now: float) -> bool:
+        """At least one healthy producer and one healthy consumer that answer."""
+        for leg in ("prefill", "decode"):
+            engines, held_in = self.placeable(leg, now)
+            if held_in or not engines:
+                return False
+        return True

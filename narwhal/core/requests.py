@@ -1,0 +1,238 @@
+"""Client request validation (SPEC 3): msgspec structs over the fields the router acts on.
+
+Everything else in the body passes through to the engines unchanged, except the reserved
+fields: a top-level ``kv_transfer_params`` is dropped (only a producer may hand out a
+descriptor) and ``vllm_xargs.kv_transfer_params`` is refused outright.
+
+Out-of-range values are refused here, before any engine leg, with vLLM's own limits. The
+prefill leg's body replaces or drops the output fields (SPEC 4.1: ``max_tokens`` 1, no
+``max_completion_tokens``, ``min_tokens``, ``n``, ``best_of`` or ``stream_options``), so a
+bad value there would pass the producer and be refused only by the consumer, after the
+producer had computed the prompt and pinned its KV blocks for a decode that never comes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from narwhal.core.faults import BadRequest, ModelNotServed, Phase
+
+MAX_INT32 = 2**31 - 1  # beyond any context length, and fits an engine's int32 counters
+INT64 = 2**63  # vLLM's bound on a seed and a priority: they travel as MessagePack int64
+FINITE = 1.7976931348623157e308  # the largest float: ``le=FINITE`` refuses 1e999 (infinity)
+
+TokenCount = Annotated[int, Meta(ge=1, le=MAX_INT32)]
+MinTokens = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+Choices = Annotated[int, Meta(ge=1)]
+# -1 asks for the whole vocabulary; no upper bound of ours: the engine's --max-logprobs
+# sets it, and the producer checks it before it computes anything
+Logprobs = Annotated[int, Meta(ge=-1, le=MAX_INT32)]
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+TopK = Annotated[int, Meta(ge=-1, le=MAX_INT32)]  # 0 and -1 both mean "off"
+Probability = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Positive = Annotated[float, Meta(gt=0, le=FINITE)]
+Int64 = Annotated[int, Meta(ge=-INT64, le=INT64 - 1)]
+AtLeastOne = Annotated[int, Meta(ge=1, le=MAX_INT32)]
+Truncation = Annotated[int, Meta(ge=-1, le=INT64 - 1)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: Choices | None = None
+    best_of: Choices | None = None
+    max_tokens: TokenCount | None = None
+    min_tokens: MinTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Positive | None = None
+    seed: Int64 | None = None
+    priority: Int64 | None = None
+    prompt_logprobs: Logprobs | None = None
+    stream_interval: AtLeastOne | None = None
+    truncate_prompt_tokens: Truncation | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    def output_limit(self) -> tuple[str, int] | None:
+        """The field that caps the output and its value, as vLLM reads it."""
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
+
+
+class CompletionFields(_Common, kw_only=True):
+    prompt: str | list[str | int | list[int]]
+    logprobs: Logprobs | None = None
+
+
+class ChatFields(_Common, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs | None = None
+
+    def output_limit(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:  # vLLM prefers it over max_tokens
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().output_limit()
+
+
+class ClientRequest(msgspec.Struct):
+    endpoint: str
+    chat: bool
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    n: int = 1  # completions per prompt
+    prompts: list[Any] | None = None  # several prompts (a completions list), else None
+
+    @property
+    def fanout(self) -> int:
+        """How many prefill/decode requests this one runs as (SPEC 3, "Fan-out")."""
+        return len(self.prompts or (None,)) * self.n
+
+    def split(self) -> list[tuple[int, int, ClientRequest]]:
+        """The sub-requests, prompt-major then ``n`` (OpenAI's choice order): (prompt, j,
+        request) with one prompt and ``n`` 1 each."""
+        base = {k: v for k, v in self.body.items() if k not in ("n", "best_of")}
+        prompts = self.prompts if self.prompts is not None else [base.get("prompt")]
+        subs = []
+        seed = base.get("seed")
+        for p, prompt in enumerate(prompts):
+            for j in range(self.n):
+                body = {**base, "prompt": prompt} if self.prompts is not None else dict(base)
+                if type(seed) is int and j:  # n samples, not n copies of one
+                    body["seed"] = seed + j
+                sub = ClientRequest(self.endpoint, self.chat, body, self.stream, self.include_usage)
+                subs.append((p, j, sub))
+        return subs
+
+
+_decode_any = msgspec.json.Decoder().decode
+_PATH = re.compile(r"at `\$\.([^`\[]+)")
+
+
+def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16) -> ClientRequest:
+    """Validate a completion or chat body; raise BadRequest / ModelNotServed."""
+    chat = endpoint.endswith("/chat/completions")
+    try:
+        body = _decode_any(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"body: not valid JSON ({exc})", "body") from None
+    except RecursionError:  # a JSON bomb: refuse it, never a 500
+        raise BadRequest("body: JSON nested too deeply", "body") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"body: must be a JSON object, got {type(body).__name__}", "body")
+    try:
+        fields: _Common = msgspec.convert(body, ChatFields if chat else CompletionFields)
+    except msgspec.ValidationError as exc:
+        match = _PATH.search(str(exc))
+        param = match.group(1) if match else _missing_field(str(exc))
+        raise BadRequest(f"{param}: {exc}", param) from None
+    if fields.model != model:
+        raise ModelNotServed(f"model '{fields.model}' is not served here", phase=Phase.ADMISSION)
+    if fields.best_of is not None and fields.best_of > 1:
+        raise BadRequest(
+            f"best_of: {fields.best_of} is not served: the engines would each rank their own "
+            "candidates; ask for n completions instead",
+            "best_of",
+        )
+    _check_combinations(fields, body)
+    _refuse_what_is_not_served(fields, body)
+    n = fields.n or 1
+    if n > 1 and fields.temperature == 0:  # vLLM's own rule: greedy sampling gives one answer
+        raise BadRequest(f"n: must be 1 when using greedy sampling, got {n}", "n")
+    prompts = _prompts(getattr(fields, "prompt", None))
+    count = len(prompts or (None,)) * n
+    if count > max_fanout:
+        param = "n" if prompts is None else "prompt"
+        raise BadRequest(
+            f"{param}: {count} completions ({len(prompts or (None,))} prompt(s) x n={n}) exceed "
+            f"serving.max_fanout={max_fanout}",
+            param,
+        )
+    if fields.vllm_xargs is not None and "kv_transfer_params" in fields.vllm_xargs:
+        raise BadRequest(
+            "vllm_xargs.kv_transfer_params: reserved; the router alone hands descriptors to "
+            "engines",
+            "vllm_xargs.kv_transfer_params",
+        )
+    body.pop("kv_transfer_params", None)
+    options = fields.stream_options
+    return ClientRequest(
+        endpoint=endpoint,
+        chat=chat,
+        body=body,
+        stream=bool(fields.stream),
+        include_usage=bool(options and options.include_usage),
+        n=n,
+        prompts=prompts,
+    )
+
+
+def _prompts(prompt: Any) -> list[Any] | None:
+    """Several prompts (a list of strings or of token-id lists), else None: one prompt,
+    whatever its shape (a string, token ids, a list holding one of either)."""
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(type(p) is int for p in prompt):
+        return None  # one prompt as token ids
+    return list(prompt)
+
+
+def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
+    """SPEC 3: a requested field is never silently dropped. What the router does not serve
+    yet (echo in chat) is a 400 naming the field, never an answer that lacks what was asked
+    for; prompt logprobs on a stream are refused as vLLM refuses them."""
+    prompt = getattr(fields, "prompt", None)
+    if isinstance(prompt, list):
+        if not prompt:
+            raise BadRequest("prompt: an empty list holds no prompt", "prompt")
+        if any(type(p) is int for p in prompt) and not all(type(p) is int for p in prompt):
+            raise BadRequest(
+                "prompt: a list mixes token ids with prompts; send token ids or prompts",
+                "prompt",
+            )
+    if body.get("echo") and getattr(fields, "prompt", None) is None:
+        raise BadRequest(
+            "echo: served through prefill and decode for completions only (chat's echo of "
+            "the last message is not); ask without echo",
+            "echo",
+        )
+    if body.get("prompt_logprobs") is not None and fields.stream:
+        raise BadRequest(  # vLLM's own rule; served from the prefill leg when not streaming
+            "prompt_logprobs: not available when stream is true", "prompt_logprobs"
+        )
+
+
+def _check_combinations(fields: _Common, body: dict[str, Any]) -> None:
+    """The rules that involve two fields (each field's own range is in its annotation)."""
+    limit = fields.output_limit()
+    if fields.min_tokens is not None and limit is not None and fields.min_tokens > limit[1]:
+        name, value = limit
+        raise BadRequest(
+            f"min_tokens: must not exceed {name} (min_tokens={fields.min_tokens}, {name}={value})",
+            "min_tokens",
+        )
+    if body.get("stream_options") and not fields.stream:  # vLLM's own test: truthy options
+        raise BadRequest(
+            "stream_options: can only be defined when stream is true", "stream_options"
+        )
+
+
+def _missing_field(message: str) -> str:
+    match = re.search(r"missing required field `([^`]+)`", message)
+    return match.group(1) if match else "body"

@@ -1,0 +1,101 @@
+"""Sans-IO meaning of a decode stream (SPEC 6): which SSE payloads are generated output.
+
+A payload is decoded into a narrow struct (only the fields the router acts on) and
+classified. A generated token is a choice with text, delta content, reasoning or tool
+calls, or a finish reason (an empty completion that stopped at once is still output).
+Role-only deltas, usage chunks and anything else are metadata: they keep a stream alive
+but do not satisfy the first-token budget.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+
+from narwhal.core.faults import InStreamError, Phase, StreamBroken
+from narwhal.stream.sse import DONE
+
+
+class Kind(IntEnum):
+    METADATA = 0
+    TOKEN = 1
+    DONE = 2
+
+
+class Delta(msgspec.Struct):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class Choice(msgspec.Struct):
+    index: int = 0
+    text: str | None = None
+    delta: Delta | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def is_output(self) -> bool:
+        if self.text or self.finish_reason is not None:
+            return True
+        d = self.delta
+        return d is not None and bool(
+            d.content or d.reasoning_content or d.reasoning or d.tool_calls
+        )
+
+
+class ErrorObject(msgspec.Struct):
+    message: Any = None
+    type: Any = None
+    code: Any = None
+
+
+class Chunk(msgspec.Struct):
+    id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    choices: list[Choice] = []
+    usage: dict[str, Any] | None = None
+    error: ErrorObject | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(Chunk).decode
+
+
+def parse_payload(payload: bytes) -> Chunk | None:
+    """The chunk a ``data:`` payload carries; None for ``[DONE]``.
+
+    Raises InStreamError for an error object and StreamBroken for garbage.
+    """
+    if payload == DONE:
+        return None
+    try:
+        chunk = _decode_chunk(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise StreamBroken(
+            f"engine sent a malformed stream chunk: {exc}", phase=Phase.DECODE
+        ) from None
+    if chunk.error is not None:
+        raise in_stream_error(chunk.error)
+    return chunk
+
+
+def in_stream_error(err: ErrorObject) -> InStreamError:
+    code = err.code
+    status = code if type(code) is int and 400 <= code <= 599 else 500
+    message = err.message if isinstance(err.message, str) else "engine reported an error"
+    kind = err.type if isinstance(err.type, str) and err.type else "engine_error"
+    return InStreamError(status, message, kind, phase=Phase.DECODE)
+
+
+def classify(chunk: Chunk | None) -> Kind:
+    if chunk is None:
+        return Kind.DONE
+    for choice in chunk.choices:
+        if choice.is_output():
+            return Kind.TOKEN
+    return Kind.METADATA

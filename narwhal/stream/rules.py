@@ -1,0 +1,133 @@
+"""The rules of a decode stream, sans-IO (SPEC 6): engine bytes in, one action out per read.
+
+``StreamRelay.feed(data)`` takes what one read of the engine's body returned and says what
+the client is owed, h11-style: nothing yet (``HOLD``), the first output with the metadata
+held before it (``Commit``: the 200 headers go out with it), more output (``Send``), the end
+(``Finish``: the last bytes with ``[DONE]``, or the assembled JSON of a non-streaming
+client), or a fault (``Fault``, with the output that came before it in the same read, so
+the outcome never depends on how the engine's bytes were split). ``end_of_stream()`` is
+the engine closing its body before ``[DONE]``.
+
+The rules:
+* metadata (role-only deltas, usage, comments) before the first generated token is held
+  back and goes out with it; it never commits the response;
+* ``[DONE]`` before any token is a broken stream (502), after one it finishes;
+* an error object in the stream is a fault with its own status; garbage is a 502;
+* the engine closing before ``[DONE]`` is a 502 (``stream ended before [DONE]``).
+
+The request path, the readmission probe and ``narwhal check`` all read streams through it;
+the trio shells around it only move bytes and own the clocks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from msgspec import Struct
+
+from narwhal.core.faults import Phase, RequestFault, StreamBroken
+from narwhal.stream.events import Kind, classify, parse_payload
+from narwhal.stream.sse import SSEError, SSEParser
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+class Hold(Struct, frozen=True):
+    """Nothing for the client yet."""
+
+
+class Commit(Struct, frozen=True):
+    """The first output: the response commits (200 headers) and these bytes follow."""
+
+    data: bytes
+
+
+class Send(Struct, frozen=True):
+    data: bytes
+
+
+class Finish(Struct, frozen=True):
+    """The end of a good stream: the last bytes (streaming) or the JSON body."""
+
+    data: bytes
+
+
+class Fault(Struct, frozen=True):
+    """The stream failed; ``flush`` (a Commit or Send) goes out before the fault is told."""
+
+    fault: RequestFault
+    flush: Commit | Send | None = None
+
+
+HOLD = Hold()
+Action = Hold | Commit | Send | Finish | Fault
+
+
+class Collector(Protocol):
+    """What assembles a non-streaming client's JSON (``narwhal.stream.assemble``)."""
+
+    def add(self, payload: bytes) -> None: ...  # one chunk's raw JSON
+    def body(self) -> bytes: ...
+
+
+class StreamRelay:
+    """One decode stream's rules. ``collector`` None: the client streams (SSE relayed)."""
+
+    __slots__ = ("_collector", "_held", "_parser", "committed", "tokens")
+
+    def __init__(self, collector: Collector | None = None) -> None:
+        self._collector = collector
+        self._parser = SSEParser()
+        self._held: list[bytes] = []  # framed metadata waiting for the first token
+        self.tokens = 0
+        self.committed = False  # a Commit was given: later output is Send
+
+    def feed(self, data: bytes) -> Action:
+        out = self._held
+        try:
+            for payload in self._payloads(data):
+                chunk = parse_payload(payload)
+                if chunk is None:
+                    if not self.tokens:
+                        raise StreamBroken(
+                            "stream ended with [DONE] before any token arrived",
+                            phase=Phase.DECODE,
+                        )
+                    return self._finish(out)
+                if classify(chunk) is Kind.TOKEN:
+                    self.tokens += 1
+                if self._collector is not None:
+                    self._collector.add(payload)
+                else:
+                    out.append(b"data: " + payload + b"\n\n")
+        except RequestFault as fault:
+            return Fault(fault, self._output(out) if out and self.tokens else None)
+        if not self.tokens:
+            return HOLD
+        self._held = []
+        return self._output(out) if out else HOLD
+
+    def end_of_stream(self) -> Fault:
+        """The engine's body ended without ``[DONE]``."""
+        phase = Phase.STREAM if self.tokens else Phase.DECODE
+        return Fault(StreamBroken("stream ended before [DONE]", phase=phase))
+
+    def _payloads(self, data: bytes) -> list[bytes]:
+        try:
+            return self._parser.feed(data)
+        except SSEError as exc:  # an engine's unframeable bytes are its fault (502)
+            raise StreamBroken(
+                f"engine sent a malformed stream: {exc}", phase=Phase.DECODE
+            ) from None
+
+    def _output(self, out: list[bytes]) -> Commit | Send:
+        data = b"".join(out)
+        if self.committed:
+            return Send(data)
+        self.committed = True
+        return Commit(data)
+
+    def _finish(self, out: list[bytes]) -> Finish:
+        if self._collector is not None:
+            return Finish(self._collector.body())
+        return Finish(b"".join(out) + DONE_FRAME)

@@ -1,0 +1,423 @@
+"""The stream reactor (issue 19): parked decode streams are read from one task, and every
+way out of a park (a result, an error, cancellation, the reactor stopping) leaves the
+parked request's task in charge with its socket unregistered."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from narwhal.client_connection import SendLock
+from narwhal.engines.client import EngineClient
+from narwhal.router.stream_reactor import (
+    RESUME,
+    STALE_DUES_FACTOR,
+    STALE_DUES_SLACK,
+    StreamReactor,
+)
+from tests.support.fleet import MODEL, finish, start_fleet
+
+
+def reader(sock: socket.socket, got: list[bytes], until: bytes) -> Callable[[], object]:
+    """An ``on_ready`` that reads what is there and hands back ``"done"`` after ``until``."""
+
+    def on_ready() -> object:
+        data = sock.recv(4096)
+        got.append(data)
+        return "done" if b"".join(got).endswith(until) else None
+
+    return on_ready
+
+
+@pytest.fixture
+async def reactor(nursery: trio.Nursery) -> StreamReactor:
+    reactor = StreamReactor()
+    await nursery.start(reactor.run)
+    return reactor
+
+
+async def test_a_parked_task_sleeps_until_its_callback_hands_back(reactor: StreamReactor) -> None:
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    got: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        result: list[object] = []
+
+        async def parked() -> None:
+            result.append(await reactor.park(ours.fileno(), reader(ours, got, b"end")))
+
+        nursery.start_soon(parked)
+        for part in (b"one ", b"two ", b"end"):
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.send(part)
+    assert result == ["done"]
+    assert b"".join(got) == b"one two end"
+    assert len(got) == 3  # one call per readiness, in the reactor's task
+    ours.close()
+    theirs.close()
+
+
+async def test_what_the_callback_raises_is_raised_in_the_parked_task(
+    reactor: StreamReactor,
+) -> None:
+    ours, theirs = socket.socketpair()
+
+    def broken() -> object:
+        raise ValueError("engine garbage")
+
+    theirs.send(b"x")
+    with pytest.raises(ValueError, match="engine garbage"):
+        await reactor.park(ours.fileno(), broken)
+    # the socket is free again: parking it once more registers it anew
+    assert await reactor.park(ours.fileno(), lambda: "again") == "again"
+    ours.close()
+    theirs.close()
+
+
+async def test_on_due_is_called_at_its_time_and_names_the_next(
+    reactor: StreamReactor, autojump_clock: trio.testing.MockClock
+) -> None:
+    ours, theirs = socket.socketpair()
+    start = trio.current_time()
+    calls: list[float] = []
+
+    def on_due() -> float:
+        calls.append(trio.current_time() - start)
+        if len(calls) == 3:
+            raise ValueError("the third call fails")
+        return trio.current_time() + 2.0
+
+    with pytest.raises(ValueError, match="third"):
+        await reactor.park(ours.fileno(), lambda: None, start + 1.0, on_due)
+    assert calls == pytest.approx([1.0, 3.0, 5.0])
+    ours.close()
+    theirs.close()
+
+
+async def test_cancellation_unparks_and_the_callback_never_runs_after(
+    reactor: StreamReactor,
+) -> None:
+    ours, theirs = socket.socketpair()
+    calls: list[str] = []
+    with trio.move_on_after(0.05) as scope:
+        await reactor.park(ours.fileno(), lambda: calls.append("late"))
+    assert scope.cancelled_caught
+    theirs.send(b"after the deadline")
+    await trio.testing.wait_all_tasks_blocked()
+    await trio.sleep(0.01)  # a turn of the reactor's loop, had the socket stayed in it
+    assert calls == []
+    ours.close()
+    theirs.close()
+
+
+async def test_a_stopping_reactor_hands_every_parked_task_back(nursery: trio.Nursery) -> None:
+    reactor = StreamReactor()
+    stop = trio.CancelScope()
+
+    async def run_until_stopped(task_status: trio.TaskStatus[None]) -> None:
+        with stop:
+            await reactor.run(task_status=task_status)
+
+    await nursery.start(run_until_stopped)
+    ours, theirs = socket.socketpair()
+    results: list[object] = []
+    async with trio.open_nursery() as parked:
+        parked.start_soon(lambda: _park_into(reactor, ours, results))
+        await trio.testing.wait_all_tasks_blocked()
+        stop.cancel()
+    assert results == [RESUME]
+    assert not reactor.running
+    # and with no reactor running, a park is a checkpoint that says: read it yourself
+    assert await reactor.park(ours.fileno(), lambda: "never") is RESUME
+    ours.close()
+    theirs.close()
+
+
+async def _park_into(reactor: StreamReactor, sock: socket.socket, results: list[object]) -> None:
+    results.append(await reactor.park(sock.fileno(), lambda: None))
+
+
+async def test_the_send_lock_may_be_released_by_another_task() -> None:
+    """A partial client write begun in the reactor's task is finished, and the lock
+    released, by the request's task (trio's Lock refuses that)."""
+    lock = SendLock()
+    lock.acquire_nowait()
+    assert lock.locked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_release, lock)
+    assert not lock.locked()
+    async with lock:
+        assert lock.locked()
+    assert not lock.locked()
+
+
+async def _release(lock: SendLock) -> None:
+    lock.release()
+
+
+async def _serve_once(nursery: trio.Nursery, parts: list[bytes], gates: list[trio.Event]) -> str:
+    """A one-connection HTTP server on loopback that writes ``parts``, each after the first
+    once its gate is set."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+
+    async def answer() -> None:
+        async with listener, await listener.accept() as conn:
+            await conn.receive_some()
+            await conn.send_all(parts[0])
+            for part, gate in zip(parts[1:], gates, strict=True):
+                await gate.wait()
+                await conn.send_all(part)
+            await trio.sleep_forever()  # keep-alive: the socket stays open, never readable
+
+    nursery.start_soon(answer)
+    port = listener.socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+EVENT = b"data: {}\n\n"
+CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+
+
+async def test_a_body_read_whole_with_its_head_is_never_parked(nursery: trio.Nursery) -> None:
+    """The bytes that came with the head may hold the whole body: its socket will not be
+    readable again (keep-alive), so parking on it would wait for ever."""
+    url = await _serve_once(nursery, [HEAD + CHUNK + b"0\r\n\r\n"], [])
+    client = EngineClient()
+    async with client.decode(url, "/v1/completions", {"model": MODEL}, None) as stream:
+        assert await stream.read() == EVENT
+        assert stream.park_fd() == -1
+        assert stream.read_nowait() is None
+        assert await stream.read() is None
+    await client.aclose()
+
+
+async def test_read_nowait_says_nothing_yet_then_the_batch_then_go_on(
+    nursery: trio.Nursery,
+) -> None:
+    gates = [trio.Event(), trio.Event()]
+    url = await _serve_once(nursery, [HEAD + CHUNK, CHUNK + CHUNK, b"0\r\n\r\n"], gates)
+    client = EngineClient()
+    async with client.decode(url, "/v1/completions", {"model": MODEL}, None) as stream:
+        assert await stream.read() == EVENT
+        assert stream.park_fd() >= 0
+        assert stream.read_nowait() == b""  # nothing there yet
+        gates[0].set()
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(stream.park_fd())
+        assert stream.read_nowait() == EVENT + EVENT
+        gates[1].set()
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(stream.park_fd())
+        assert stream.read_nowait() is None  # the end: read() finishes it
+        assert await stream.read() is None
+    await client.aclose()
+
+
+async def test_streams_and_json_answers_are_relayed_from_the_reactor(
+    nursery: trio.Nursery,
+) -> None:
+    # tokens 2 ms apart: one socket read each, so the stream parks between them
+    pd = await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, engine_config={"itl_s": 0.002}
+    )
+    parks: list[int] = []
+    park = pd.router.reactor.park
+
+    async def counted(fd: int, *rest: Any) -> object:
+        parks.append(fd)
+        return await park(fd, *rest)
+
+    pd.router.reactor.park = counted  # type: ignore[method-assign]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 12}
+    reply = await pd.post("/v1/completions", {**body, "stream": True})
+    assert reply.status == 200
+    events = [e for e in reply.body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    texts = [msgspec.json.decode(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert len([t for t in texts if t]) == 12
+    streamed = len(parks)
+    assert streamed >= 1
+    answer = await pd.post("/v1/completions", body)
+    assert answer.status == 200
+    assert msgspec.json.decode(answer.body)["usage"]["completion_tokens"] == 12
+    assert len(parks) > streamed
+    await finish(pd)
+
+
+# ---- the silence clock of a parked stream ---------------------------------------------
+
+SILENCE = 10.0
+TOKEN = (
+    b'data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+    b'"text":" fox","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+)
+
+
+class _SocketStream:
+    """A decode stream over one end of a socketpair: SSE bytes, no HTTP framing."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def park_fd(self) -> int:
+        return self.sock.fileno()
+
+    def read_nowait(self) -> bytes | None:
+        try:
+            return self.sock.recv(65536) or None
+        except BlockingIOError:
+            return b""
+
+    async def read(self) -> bytes | None:
+        await trio.lowlevel.wait_readable(self.sock)
+        return self.sock.recv(65536) or None
+
+    async def fail(self, exc: BaseException) -> None:
+        return None
+
+    async def drain(self) -> None:
+        return None
+
+
+class _Run:
+    """The request side of a relay: counts what it is told, writes nowhere."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.lifecycle = self
+        self.output_seen = False
+
+    def first_token(self) -> None:
+        self.output_seen = True
+
+    def echoed(self, data: bytes) -> bytes:
+        return data
+
+    async def output(self, action: object) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def finish(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+class _Direct:
+    def send_nowait(self, data: bytes) -> bool:
+        return True
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def silence_ends(gaps: list[float]) -> float:
+    """When the old clock (moved on every read) fires: ``SILENCE`` after the read before
+    the first gap that long, or after the last read."""
+    t = 0.0
+    for gap in gaps:
+        if gap >= SILENCE:
+            break
+        t += gap
+    return t + SILENCE
+
+
+async def _relay_until_silent(gaps: list[float]) -> float:
+    from narwhal.metrics import Metrics, RequestBuckets
+    from narwhal.router.relay_loop import RelayLoop
+    from narwhal.stream.rules import StreamRelay
+
+    reactor = StreamReactor()
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(reactor.run)
+
+        async def engine() -> None:
+            theirs.send(TOKEN)
+            for gap in gaps:
+                await trio.sleep(gap)
+                theirs.send(TOKEN)
+            await trio.sleep_forever()
+
+        nursery.start_soon(engine)
+        start = trio.current_time()
+        clock = trio.CancelScope(deadline=start + 100.0)  # the first-token budget
+        gauge = RequestBuckets(Metrics(["d0"], model="m").token_gap)
+        loop = RelayLoop(_Run(), StreamRelay(None), clock, SILENCE, gauge, _Direct(), reactor)  # type: ignore[arg-type]
+        with clock:
+            await loop.relay_all(_SocketStream(ours))  # type: ignore[arg-type]
+        assert clock.cancelled_caught
+        fired = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    ours.close()
+    theirs.close()
+    return fired
+
+
+gap_values = st.one_of(
+    st.floats(0.01, SILENCE * 0.49), st.floats(SILENCE * 0.51, SILENCE * 0.99), st.floats(11, 15)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(gap_values, max_size=25))
+def test_a_parked_stream_goes_silent_exactly_silence_after_its_last_read(gaps: list[float]) -> None:
+    """While parked, the deadline moves only at half the silence or on a read after it
+    (``RelayLoop.on_due``), not on every read: it still fires when the old clock, moved on
+    every read, would have."""
+    fired = trio.run(_relay_until_silent, gaps, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert fired == pytest.approx(silence_ends(gaps), abs=1e-6)
+
+
+async def test_a_request_that_left_is_not_kept_alive_until_its_due(
+    reactor: StreamReactor,
+) -> None:
+    """A due far ahead outlives the park that asked for it; what the park held (the
+    request's callbacks and all they reach) must not: at thousands of requests a second
+    that was tens of MiB of finished requests."""
+
+    class Request:  # stands for a request's objects, reached from its callbacks
+        def on_ready(self) -> object:
+            return "done"
+
+        def on_due(self) -> float:
+            return trio.current_time() + 3600
+
+    ours, theirs = socket.socketpair()
+    theirs.send(b"x")
+    request = Request()
+    gone = weakref.ref(request)
+    far = trio.current_time() + 3600
+    assert await reactor.park(ours.fileno(), request.on_ready, far, request.on_due) == "done"
+    del request
+    # the next stream served takes the reactor loop's own reference to the last one
+    theirs.send(b"y")
+    assert await reactor.park(ours.fileno(), lambda: "next") == "next"
+    gc.collect()
+    assert gone() is None
+    ours.close()
+    theirs.close()
+
+
+async def test_moved_dues_do_not_pile_up(reactor: StreamReactor) -> None:
+    """Each move of a due leaves a stale entry until its time; the heap is rebuilt before
+    it holds more than a few per parked stream."""
+    ours, theirs = socket.socketpair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reactor.park, ours.fileno(), lambda: None, trio.current_time() + 60)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(10 * STALE_DUES_SLACK):
+            reactor.set_due(ours.fileno(), trio.current_time() + 60 + i)
+            assert len(reactor._dues) <= STALE_DUES_FACTOR + STALE_DUES_SLACK + 1
+        nursery.cancel_scope.cancel()
+    ours.close()
+    theirs.close()

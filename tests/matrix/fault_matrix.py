@@ -1,0 +1,777 @@
+"""The fault matrix (issue 6): many requests per scenario against fake engines that break in
+scripted ways, then one reconciliation of what the client saw, what the router's journal
+says and what the engines logged, against the invariants of SPEC.md.
+
+``make faults`` runs every scenario at 200 requests, concurrency 32 (``python -m
+tests.matrix.fault_matrix``); ``tests/matrix/test_fault_matrix.py`` runs them all at a
+small count on every ``make test``. Everything runs in one trio run over real loopback sockets.
+
+Fleet: two producers (p0, p1) and three consumers (d0, d1, d2); a scenario breaks p0 (one
+of two producers), d0 (one of three consumers), every consumer, or the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import httpcore
+import msgspec
+import trio
+
+from narwhal.core.config import EngineConfig, RecoveryConfig, ServingConfig
+from narwhal.fake_engine import generation as gen
+from narwhal.fake_engine.faults import Fault
+from narwhal.router.health import live_tasks
+from narwhal.router.journal import Journal
+from narwhal.stream.sse import SSEParser
+from tests.support.fleet import MODEL, Harness, start_fleet
+
+ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode", "d2": "decode"}
+CONSUMERS = ("d0", "d1", "d2")
+SERVING = ServingConfig(
+    request_timeout_s=4.0,
+    prefill_timeout_s=0.5,
+    max_attempts=2,
+    # the issue's bound, attempts <= 1.2 x requests + 3, holds at any request count when the
+    # initial retry credit is at most 3 (the default of 10 meets it from 35 requests on)
+    retry_budget=3.0,
+    retry_backoff_s=0.01,
+    graceful_timeout_s=0.5,
+)
+ENGINE = EngineConfig(
+    first_token_timeout_s=0.5,
+    decode_read_timeout_s=0.5,
+    connect_timeout_s=0.5,
+    health_timeout_s=0.5,
+    max_connections=64,
+)
+RECOVERY = RecoveryConfig(eject_after=3, readmit_interval_s=0.25)
+CLIENT_LIMIT_S = SERVING.request_timeout_s + 2.0  # past this a request counts as hung
+DRAIN_S = 2.0
+CANCEL_LAG_S = 1.0
+# every request also carries a forged descriptor aimed at a real-looking producer
+FORGED = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "forged",
+    "remote_block_ids": [[1, 2]],
+    "remote_host": "127.0.0.1",
+    "remote_port": 1,
+    "remote_request_id": "forged",
+}
+# tasks that exist only while a request does: hypercorn's ASGI call and the router's own
+REQUEST_TASKS = (
+    "hypercorn.trio.task_group._handle",
+    "narwhal.router.service",
+    "narwhal.router.execute",
+)
+_REFUSED = ("reused", "unknown", "forged", "wrong_engine", "expired")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    armed: dict[str, tuple[Fault, ...]] = field(default_factory=dict)  # engine -> faults
+    stopped: tuple[str, ...] = ()  # engines refusing connections for the whole run
+    disconnect_after_s: float | None = None  # the client gives up this long after sending
+    disconnect_after_tokens: int | None = None  # ... or after this many streamed tokens
+    read_pause_s: float = 0.0  # a slow reader: this long between reads
+    max_tokens: int = 8
+    engine_config: dict[str, Any] = field(default_factory=dict)
+    recover_at: float | None = None  # fraction of the run after which armed faults clear
+    flap_every: int = 0  # toggle the armed faults every N requests
+    expect: str = ""  # what the scenario must additionally show (checked in ``extra``)
+    # the front door: every Nth client stops reading after the response head (its stream
+    # must end at the request deadline), or opens an HTTP/2 connection first (refused with
+    # GOAWAY); the journal written to a failing disk or pipe
+    stall_every: int = 0
+    stall_tokens: int = 30_000
+    http2_every: int = 0
+    journal: str = ""  # "" | "/dev/full" | "broken pipe"
+
+
+def _on(engine: str, *faults: Fault) -> dict[str, tuple[Fault, ...]]:
+    return {engine: faults}
+
+
+def _always(**kw: Any) -> Fault:
+    return Fault(rate=1.0, **kw)
+
+
+BAD_DESCRIPTORS: dict[str, Fault] = {
+    "no descriptor": _always(kind="no_descriptor"),
+    "engine id empty": _always(kind="bad_engine_id", value=""),
+    "engine id int": _always(kind="bad_engine_id", value=7),
+    "engine id null": _always(kind="bad_engine_id", value=None),
+    "engine id list": _always(kind="bad_engine_id", value=["a"]),
+    "block ids negative": _always(kind="bad_block_ids", value=[[1, -2]]),
+    "block ids float": _always(kind="bad_block_ids", value=[[1.5]]),
+    "block ids bool": _always(kind="bad_block_ids", value=[[True]]),
+    "block ids string": _always(kind="bad_block_ids", value="1,2"),
+    "block ids null": _always(kind="bad_block_ids", value=None),
+    "block ids mixed": _always(kind="bad_block_ids", value=[[1, "2"]]),
+}
+
+SCENARIOS: list[Scenario] = [
+    Scenario("healthy fleet"),
+    Scenario("producer refused", stopped=("p0",)),
+    Scenario("producer hung", armed=_on("p0", _always(kind="hang"))),
+    Scenario("producer 5xx", armed=_on("p0", _always(kind="status", status=503))),
+    Scenario("producer 4xx", armed=_on("p0", _always(kind="status", status=400))),
+    *(
+        Scenario(f"bad descriptor: {name}", armed=_on("p0", fault))
+        for name, fault in BAD_DESCRIPTORS.items()
+    ),
+    Scenario("producer reset mid-body", armed=_on("p0", _always(kind="close_mid_body"))),
+    Scenario("consumer refused", stopped=("d0",)),
+    Scenario("consumer no headers", armed=_on("d0", _always(kind="hang", leg="decode"))),
+    Scenario(
+        "consumer headers then nothing", armed=_on("d0", _always(kind="headers_then_silence"))
+    ),
+    Scenario(
+        "consumer N tokens then stall",
+        armed=_on("d0", _always(kind="tokens_then_silence", tokens=3)),
+    ),
+    Scenario(
+        "consumer N tokens then close", armed=_on("d0", _always(kind="tokens_then_close", tokens=3))
+    ),
+    Scenario("consumer malformed SSE", armed=_on("d0", _always(kind="malformed_chunk", tokens=2))),
+    Scenario(
+        "consumer 5xx before first chunk",
+        armed={c: (Fault(kind="status", status=503, leg="decode", rate=0.2),) for c in CONSUMERS},
+    ),
+    Scenario(
+        "consumer slow drip inside limits",
+        armed=_on("d0", _always(kind="slow_drip", interval_s=0.05)),
+    ),
+    Scenario(
+        "consumer in-stream error",
+        armed=_on("d0", _always(kind="stream_error", code=500, tokens=2)),
+    ),
+    Scenario(
+        "client disconnect during prefill",
+        disconnect_after_s=0.25,
+        engine_config={"prefill_delay_per_token_s": 0.04},  # ~0.45 s prefills (< 0.5 s bound)
+    ),
+    Scenario(
+        "client disconnect between prefill and decode",
+        armed={c: (_always(kind="hang", leg="decode"),) for c in CONSUMERS},
+        disconnect_after_s=0.15,
+    ),
+    Scenario(
+        "client disconnect mid-stream",
+        disconnect_after_tokens=2,
+        engine_config={"itl_s": 0.02},
+        max_tokens=32,
+    ),
+    Scenario("slow reader", read_pause_s=0.01, max_tokens=64),
+    Scenario("stalled reader past the deadline", stall_every=4, expect="stalled cut"),
+    Scenario("HTTP/2 clients beside HTTP/1.1", http2_every=2, expect="h2 refused"),
+    Scenario("journal on a full disk", journal="/dev/full", expect="journal drops"),
+    Scenario("journal on a broken pipe", journal="broken pipe", expect="journal drops"),
+    Scenario(
+        "one of three consumers failing 100%",
+        armed=_on("d0", _always(kind="status", status=500, leg="decode")),
+        expect="d0 ejected",
+    ),
+    Scenario(
+        "all consumers failing",
+        armed={c: (_always(kind="status", status=500, leg="decode"),) for c in CONSUMERS},
+    ),
+    Scenario(
+        "engine recovering",
+        armed=_on("d0", _always(kind="status", status=503, leg="decode")),
+        recover_at=0.3,
+        expect="d0 readmitted",
+    ),
+    Scenario(
+        "flapping engine",
+        armed=_on("d0", _always(kind="tokens_then_close", tokens=1)),
+        flap_every=20,
+    ),
+    Scenario(
+        "health 200 while inference hangs",
+        armed=_on("d0", _always(kind="headers_then_silence")),
+        expect="d0 ejected",
+    ),
+]
+
+
+# ---- the client side --------------------------------------------------------------------
+
+
+@dataclass
+class ClientResult:
+    index: int
+    tag: str
+    stream: bool
+    chat: bool
+    status: int | None = None
+    rid: str | None = None
+    outcome: str = ""  # ok | http-NNN | terminal-error | truncated | disconnected | hung | wrong
+    tokens: int = 0
+    disconnected_at: float | None = None
+    h2_refused: bool | None = None  # None: this client made no HTTP/2 connection
+
+
+def _stalls(sc: Scenario, i: int) -> bool:
+    return bool(sc.stall_every) and i % sc.stall_every == 0
+
+
+def _body(sc: Scenario, i: int, tag: str) -> tuple[str, dict[str, Any], bool, bool]:
+    stream, chat = i % 2 == 0, i % 4 in (1, 2)
+    text = f"{tag} The quick brown fox jumps over the lazy dog"
+    max_tokens = sc.stall_tokens if _stalls(sc, i) else sc.max_tokens
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "stream": stream}
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    body["kv_transfer_params"] = FORGED
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return path, body, stream, chat
+
+
+def _text(payloads: list[Any], chat: bool) -> str:
+    out = []
+    for chunk in payloads:
+        for choice in chunk.get("choices") or []:
+            out.append((choice.get("delta") or {}).get("content") or "" if chat else choice["text"])
+    return "".join(out)
+
+
+async def one_request(
+    pool: httpcore.AsyncConnectionPool, url: str, sc: Scenario, i: int
+) -> ClientResult:
+    tag = f"{sc.name.replace(' ', '_')}#{i:05d}"
+    path, body, stream, chat = _body(sc, i, tag)
+    result = ClientResult(i, tag, stream, chat)
+    if sc.http2_every and i % sc.http2_every == 0:
+        result.h2_refused = await _http2_client(url)
+    if _stalls(sc, i):
+        return await _stalled_request(url, path, body, result)
+    expected = gen.generate(gen.prompt_of(body, chat)[0], sc.max_tokens)
+    headers = [(b"content-type", b"application/json")]
+    with trio.move_on_after(CLIENT_LIMIT_S) as limit:
+        with trio.move_on_after(sc.disconnect_after_s or math.inf):
+            async with pool.stream(
+                "POST", url + path, headers=headers, content=msgspec.json.encode(body)
+            ) as resp:
+                result.status = resp.status
+                result.rid = dict(resp.headers).get(b"x-request-id", b"").decode() or None
+                if resp.status != 200 or not stream:
+                    raw = await resp.aread()
+                    result.outcome = _whole(resp.status, raw, chat, expected)
+                    return result
+                await _read_stream(resp, sc, result, chat, expected)
+                return result
+        result.outcome = "disconnected"
+        result.disconnected_at = trio.current_time()
+    if limit.cancelled_caught:
+        result.outcome = "hung"
+    return result
+
+
+STALL_S = CLIENT_LIMIT_S  # a stalled client reads nothing for this long
+
+
+async def _stalled_request(
+    url: str, path: str, body: dict[str, Any], result: ClientResult
+) -> ClientResult:
+    """A client that reads the response head, then nothing for ``STALL_S``, then the rest:
+    the router must have ended the stream at the request deadline (invariant 10), with the
+    terminal event when it still fit in the socket buffers, else by closing."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((host, int(port)))
+    payload = msgspec.json.encode(body)
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    ).encode()
+    async with trio.SocketStream(sock) as stream:
+        await stream.send_all(head + payload)
+        first = await stream.receive_some(256)
+        result.status = int(first.split(b" ", 2)[1]) if first.startswith(b"HTTP/1.1 ") else None
+        for line in first.split(b"\r\n"):
+            if line.lower().startswith(b"x-request-id:"):
+                result.rid = line.split(b":", 1)[1].strip().decode()
+        await trio.sleep(STALL_S)  # the stall is the behaviour under test
+        tail = b""
+        with trio.move_on_after(5.0) as limit:
+            while True:
+                try:
+                    chunk = await stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    break
+                if not chunk:
+                    break
+                tail = (tail + chunk)[-8192:]
+                if tail.endswith(b"\r\n0\r\n\r\n"):
+                    break
+    if limit.cancelled_caught:
+        result.outcome = "hung"
+    elif b'data: {"error"' in tail and tail.endswith(b"\r\n0\r\n\r\n"):
+        result.outcome = "terminal-error"
+    else:
+        result.outcome = "stalled-cut"  # the router closed on a client that read nothing
+    return result
+
+
+async def _http2_client(url: str) -> bool:
+    """An HTTP/2 prior-knowledge client whose body is still arriving when it is answered;
+    True when the router refused it with GOAWAY(HTTP_1_1_REQUIRED)."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        (":scheme", "http"),
+        (":authority", "127.0.0.1"),
+        ("content-length", str(10 << 20)),
+    ]
+    conn.send_headers(1, headers)
+    conn.send_data(1, b"x" * 15_000)
+    host, port = url.removeprefix("http://").split(":")
+    raw = b""
+    with trio.move_on_after(5.0):
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            try:
+                await stream.send_all(conn.data_to_send())
+                while chunk := await stream.receive_some(65536):
+                    raw += chunk
+            except trio.BrokenResourceError:
+                pass
+    events = conn.receive_data(raw) if raw else []
+    return any(
+        isinstance(e, h2.events.ConnectionTerminated)
+        and e.error_code == h2.errors.ErrorCodes.HTTP_1_1_REQUIRED
+        for e in events
+    )
+
+
+def _whole(status: int, raw: bytes, chat: bool, expected: str) -> str:
+    if status != 200:
+        return f"http-{status}"
+    try:
+        choice = msgspec.json.decode(raw)["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        return "wrong"  # a 200 without a complete answer
+    return "ok" if text == expected else "wrong"
+
+
+async def _read_stream(
+    resp: httpcore.Response, sc: Scenario, result: ClientResult, chat: bool, expected: str
+) -> None:
+    parser, payloads, done, error = SSEParser(), [], False, False
+    async for data in resp.aiter_stream():
+        for event in parser.feed(data):
+            if event == b"[DONE]":
+                done = True
+                continue
+            chunk = msgspec.json.decode(event)
+            if "error" in chunk:
+                error = True
+                continue
+            payloads.append(chunk)
+            result.tokens = len(payloads) - (1 if chat else 0)
+        if sc.disconnect_after_tokens is not None and result.tokens >= sc.disconnect_after_tokens:
+            result.outcome = "disconnected"
+            result.disconnected_at = trio.current_time()
+            return  # leaving the context closes the connection: the client is gone
+        if sc.read_pause_s:
+            await trio.sleep(sc.read_pause_s)  # the slow reader is the behaviour under test
+    if error:
+        result.outcome = "terminal-error"
+    elif done:
+        result.outcome = "ok" if _text(payloads, chat) == expected else "wrong"
+    else:
+        result.outcome = "truncated"  # a 200 stream cut without a terminal event
+
+
+# ---- running a scenario -------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    name: str
+    requests: int
+    outcomes: Counter[str]
+    journal_ok: bool
+    attempts: int
+    reached: int
+    hung: int
+    retries_after_output: int
+    descriptor_misuse: int
+    leaks: str
+    cancel_lag_s: float | None
+    cut_without_terminal: int
+    wrong_answers: int
+    extra: str
+    problems: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def _journal(sc: Scenario, keep: int) -> Journal:
+    """The scenario's journal: in memory, or also written to a failing disk or pipe."""
+    if sc.journal == "broken pipe":
+        read_end, write_end = os.pipe()
+        journal = Journal(f"/dev/fd/{write_end}", keep=keep)
+        os.close(write_end)
+        os.close(read_end)  # the reader is gone before the first line
+        return journal
+    return Journal(sc.journal or None, keep=keep)
+
+
+async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
+    async with trio.open_nursery() as nursery:
+        journal = _journal(sc, requests * 4 + 100)
+        h = await start_fleet(
+            nursery,
+            ROLES,
+            engine_config={"log_size": requests * 8 + 100, **sc.engine_config},
+            journal=journal,
+            serving=SERVING,
+            engine=ENGINE,
+            recovery=RECOVERY,
+        )
+        for eid in sc.stopped:
+            h.engines[eid].stop()
+        arm = _armer(h, sc)
+        arm(True)
+        results = await _load(h, sc, requests, concurrency, arm)
+        report = await _reconcile(h, sc, results)
+        if sc.expect.endswith("readmitted"):
+            await _await_readmission(h, report)
+        h.stop.set()
+        with trio.fail_after(5):
+            await h.stopped.wait()
+        nursery.cancel_scope.cancel()  # the engines
+    return report
+
+
+async def _await_readmission(h: Harness, report: Report) -> None:
+    """The probe readmits a recovered engine within a few readmission intervals."""
+    if h.router.fleet.by_id["d0"].breaker.ejections == 0:
+        report.extra = "d0 never ejected in so short a run"
+        return
+    with trio.move_on_after(20 * RECOVERY.readmit_interval_s):
+        await h.router.health.wait_event("readmitted", "d0")
+        report.extra = "d0 readmitted: yes"
+        return
+    report.extra = "d0 readmitted: NO"
+    report.problems.append("d0 was not readmitted after it recovered")
+
+
+def _armer(h: Harness, sc: Scenario) -> Callable[[bool], None]:
+    def arm(on: bool) -> None:
+        for eid, faults in sc.armed.items():
+            h.engines[eid].faults.clear()
+            if on:
+                h.engines[eid].faults.push(*faults)
+
+    return arm
+
+
+async def _load(
+    h: Harness, sc: Scenario, requests: int, concurrency: int, arm: Callable[[bool], None]
+) -> list[ClientResult]:
+    results: list[ClientResult] = []
+    pool = httpcore.AsyncConnectionPool(max_connections=concurrency, keepalive_expiry=5.0)
+    next_index = 0
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < requests:
+            i = next_index
+            next_index += 1
+            if sc.recover_at is not None and i == int(requests * sc.recover_at):
+                arm(False)
+            if sc.flap_every and i and i % sc.flap_every == 0:
+                arm((i // sc.flap_every) % 2 == 0)
+            results.append(await one_request(pool, h.url, sc, i))
+
+    async with pool, trio.open_nursery() as workers:
+        for _ in range(concurrency):
+            workers.start_soon(worker)
+    return results
+
+
+async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> Report:
+    router, problems = h.router, []
+    with trio.move_on_after(DRAIN_S):
+        await router.wait_drained()
+        await router.reclaimer.wait_idle()
+    # a readmission probe in flight holds one producer and one consumer leg: not a leak
+    probes = router.health.probe_handoffs
+    reserved = router.fleet.reserved() - 2 * probes
+    busy = max(0, sum(active for _, active in router.client.connections().values()) - 2 * probes)
+    tasks = live_tasks(REQUEST_TASKS)
+    slots = router.admitted  # max_inflight slots still held
+    if reserved or busy or tasks or slots:
+        problems.append(
+            f"after {DRAIN_S:g}s: {reserved} reservations, {busy} busy, {tasks} tasks, "
+            f"{slots} admission slots"
+        )
+    stranded, fates = _stranded_kv(h)
+    leaks = f"{reserved}/{busy}/{tasks}/{slots}/{stranded}"
+    if fates:
+        problems.append(fates)
+
+    outcomes = Counter(r.outcome for r in results)
+    lines = router.journal.lines
+    ids = Counter(line.request_id for line in lines)
+    # a client that gives up before its request is even read never reaches the router: the
+    # only requests the router may not have are ones whose client disconnected
+    unseen = len(results) - router.received
+    journal_ok = (
+        router.journal.written == router.received
+        and 0 <= unseen <= outcomes["disconnected"]
+        and all(n == 1 for n in ids.values())
+        and all(r.rid is None or ids[r.rid] == 1 for r in results)
+    )
+    by_id = {line.request_id: line for line in lines}
+    for r in results:
+        line = by_id.get(r.rid or "")
+        if line is not None and (r.outcome == "ok") != (line.outcome == "completed"):
+            journal_ok = False
+    if not journal_ok:
+        problems.append(
+            f"journal {router.journal.written} lines, router {router.received}, "
+            f"client {len(results)}"
+        )
+    legs = _legs(h.engines.values())
+    # attempts as the router records them (refused connections included), and as the
+    # producers saw them: the engines can never have seen more than the router sent
+    attempts = sum(len(line.attempts) for line in lines)
+    reached = len({leg["request_id"].rsplit("-", 1)[0] for leg in legs if leg["prefill"]})
+    if attempts > 1.2 * len(results) + 3 or reached > attempts:
+        problems.append(f"{attempts} attempts ({reached} reached a producer) for {len(results)}")
+    after_output = _retries_after_output(legs)
+    misuse = _descriptor_misuse(h.engines.values(), legs)
+    lag = _cancel_lag(results, legs)
+    if lag is not None and lag > CANCEL_LAG_S:
+        problems.append(f"an engine leg outlived its client's disconnect by {lag:.2f}s")
+    for name, count in (
+        ("hung", outcomes["hung"]),
+        ("retries after output", after_output),
+        ("descriptor misuse", misuse),
+        ("200 cut without a terminal event", outcomes["truncated"]),
+        ("wrong or empty 200 answers", outcomes["wrong"]),
+    ):
+        if count:
+            problems.append(f"{count} {name}")
+    extra = _expectation(h, sc, problems) or await _front_door(h, sc, results, problems)
+    return Report(
+        sc.name,
+        len(results),
+        outcomes,
+        journal_ok,
+        attempts,
+        reached,
+        outcomes["hung"],
+        after_output,
+        misuse,
+        leaks,
+        lag,
+        outcomes["truncated"],
+        outcomes["wrong"],
+        extra,
+        problems,
+    )
+
+
+def _stranded_kv(h: Harness) -> tuple[int, str]:
+    """KV blocks the producers still hold once the router is idle (leases not yet run out),
+    and a problem when the handoff fates do not add up (invariant 7): every descriptor
+    decoded, expired or orphaned, and every one not decoded reclaimed, or its reclaim
+    failed or dropped (counted), never forgotten."""
+    now = trio.current_time()
+    stranded = sum(
+        1 for e in h.engines.values() for lease in e.store.leases.values() if lease.expires_at > now
+    )
+    value = h.router.metrics.registry.get_sample_value
+
+    def fate(name: str) -> float:
+        return value("narwhal_handoffs_total", {"fate": name}) or 0.0
+
+    produced = fate("produced")
+    left = fate("expired") + fate("orphaned")
+    reclaim = fate("reclaimed") + fate("reclaim_failed") + fate("reclaim_dropped")
+    if produced != fate("decoded") + left or (
+        h.router.config.engine.reclaim_orphans and reclaim != left
+    ):
+        return (
+            stranded,
+            f"handoff fates do not add up: {produced} produced, {left} left, "
+            f"{reclaim} reclaim outcomes",
+        )
+    return stranded, ""
+
+
+def _legs(engines: Any) -> list[dict[str, Any]]:
+    """Client-request legs on every engine (probes left out), marked prefill or decode."""
+    out = []
+    for engine in engines:
+        for entry in engine.log:
+            rid = entry["request_id"]
+            if not rid or rid.startswith("probe-") or not rid.endswith(("-prefill", "-decode")):
+                continue
+            out.append({**entry, "prefill": rid.endswith("-prefill")})
+    return out
+
+
+def _retries_after_output(legs: list[dict[str, Any]]) -> int:
+    """Requests with more than one decode leg that sent the client tokens."""
+    speaking: Counter[str] = Counter()
+    for leg in legs:
+        if not leg["prefill"] and leg["tokens"] > 0:
+            speaking[leg["request_id"].split("-a", 1)[0]] += 1
+    return sum(1 for n in speaking.values() if n > 1)
+
+
+def _descriptor_misuse(engines: Any, legs: list[dict[str, Any]]) -> int:
+    """Descriptors pulled twice, never issued, forged or expired; client descriptors sent."""
+    misuse = 0
+    for engine in engines:
+        misuse += sum(engine.counters[f"kv_pull_refused_{why}"] for why in _REFUSED)
+    for leg in legs:
+        kv = leg["body"].get("kv_transfer_params")
+        if leg["prefill"] and kv != {"do_remote_decode": True}:
+            misuse += 1
+        if not leg["prefill"] and isinstance(kv, dict) and kv.get("remote_engine_id") == "forged":
+            misuse += 1
+    return misuse
+
+
+def _cancel_lag(results: list[ClientResult], legs: list[dict[str, Any]]) -> float | None:
+    """The longest an engine leg ran on after its client disconnected (None: no disconnects)."""
+    gone = {r.tag: r.disconnected_at for r in results if r.disconnected_at is not None}
+    if not gone:
+        return None
+    worst = 0.0
+    for leg in legs:
+        tag = _tag_of(leg["body"])
+        at = gone.get(tag)
+        if at is None:
+            continue
+        end = leg["end"] if leg["end"] is not None else trio.current_time()
+        worst = max(worst, end - at)
+    return worst
+
+
+def _tag_of(body: dict[str, Any]) -> str:
+    text = body.get("prompt")
+    if not isinstance(text, str):
+        messages = body.get("messages") or [{}]
+        text = str(messages[0].get("content", ""))
+    return text.split(" ", 1)[0]
+
+
+async def _front_door(
+    h: Harness, sc: Scenario, results: list[ClientResult], problems: list[str]
+) -> str:
+    """What the front-door scenarios must show besides the invariants above."""
+    if sc.expect == "stalled cut":
+        stalled = [r for r in results if _stalls(sc, r.index)]
+        lines = {line.request_id: line for line in h.router.journal.lines}
+        late = [r for r in stalled if r.outcome not in ("stalled-cut", "terminal-error")]
+        ended = Counter(lines[r.rid].outcome for r in stalled if r.rid in lines)
+        if late or ended["completed"]:
+            problems.append(f"stalled readers not ended at the deadline: {len(late)}, {ended}")
+        return f"stalled: {len(stalled)}, journal {dict(ended)}"
+    if sc.expect == "h2 refused":
+        tried = [r.h2_refused for r in results if r.h2_refused is not None]
+        if not all(tried):
+            problems.append(f"{tried.count(False)} HTTP/2 clients not refused with GOAWAY")
+        return f"HTTP/2 refused: {sum(tried)}/{len(tried)}"
+    if sc.expect == "journal drops":
+        journal = h.router.journal
+        await trio.to_thread.run_sync(journal.flush)
+        if journal.dropped < journal.written:
+            problems.append(f"journal dropped {journal.dropped} of {journal.written} lines")
+        return f"journal dropped {journal.dropped}/{journal.written}"
+    return ""
+
+
+def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
+    """A failing engine is out of placement at the end (ejected, or being probed)."""
+    if not sc.expect.endswith("ejected"):
+        return ""
+    state = h.router.fleet.by_id["d0"]
+    breaker = state.breaker.state.value
+    ok = breaker in ("ejected", "probing")
+    if not ok:
+        problems.append(f"expected {sc.expect}, d0 is {breaker}")
+    return f"{sc.expect}: {'yes' if ok else 'NO'} ({breaker}, {state.breaker.ejections} ejections)"
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+
+def table(reports: list[Report]) -> str:
+    head = (
+        "| scenario | requests | client outcomes | journal = client | attempts: journal / "
+        "reached a producer (limit) | hung | retries after output | descriptor misuse "
+        "| leaks res/conn/tasks/slots/kv | cancel lag max | cut w/o terminal | verdict |"
+    )
+    rows = [head, "|" + "---|" * 12]
+    for r in reports:
+        outcomes = " ".join(f"{k}:{v}" for k, v in sorted(r.outcomes.items()))
+        lag = "-" if r.cancel_lag_s is None else f"{r.cancel_lag_s * 1000:.0f} ms"
+        limit = int(1.2 * r.requests + 3)
+        verdict = "pass" if r.passed else "FAIL: " + "; ".join(r.problems)
+        if r.extra:
+            verdict += f" ({r.extra})"
+        rows.append(
+            f"| {r.name} | {r.requests} | {outcomes} | {'yes' if r.journal_ok else 'NO'} "
+            f"| {r.attempts} / {r.reached} ({limit}) | {r.hung} | {r.retries_after_output} "
+            f"| {r.descriptor_misuse} | {r.leaks} | {lag} | {r.cut_without_terminal} | {verdict} |"
+        )
+    return "\n".join(rows)
+
+
+async def run_all(
+    scenarios: list[Scenario], requests: int, concurrency: int, echo: bool = False
+) -> list[Report]:
+    reports = []
+    for sc in scenarios:
+        report = await run_scenario(sc, requests, concurrency)
+        if echo:
+            print(f"{sc.name}: {'pass' if report.passed else report.problems}", file=sys.stderr)
+        reports.append(report)
+    return reports
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--only", help="run the scenarios whose name contains this")
+    args = parser.parse_args()
+    chosen = [s for s in SCENARIOS if not args.only or args.only in s.name]
+    reports = trio.run(run_all, chosen, args.requests, args.concurrency, True)
+    print(table(reports))
+    failed = [r.name for r in reports if not r.passed]
+    print(f"\n{len(reports) - len(failed)}/{len(reports)} scenarios hold every invariant")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

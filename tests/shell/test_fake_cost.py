@@ -1,0 +1,416 @@
+"""The fake engine's cost model: slots and a FIFO queue, prefill time per uncached prompt
+token, a prefix cache of chained prompt-block hashes (LRU), a slowdown, and their
+``/metrics`` in vLLM's names. Engines run on the in-memory network under trio's MockClock,
+so every duration is exact virtual time (costs are powers of two: exact floats)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h11
+import msgspec
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.cli import build_parser
+from narwhal.fake_engine import cost
+from narwhal.fake_engine import generation as gen
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from tests.support.memory_network import MemoryNetwork
+
+MODEL = "tiny"
+MS = 62.5  # per prompt token: 16 tokens (a block) take exactly one second
+
+
+def _engine(nursery: trio.Nursery, name: str = "e0", **fields: Any) -> tuple[FakeEngine, Any]:
+    net = MemoryNetwork(nursery)
+    engine = FakeEngine(FakeEngineConfig(model=MODEL, **fields), network=net)
+    engine.attach(name)
+    return engine, net
+
+
+async def _call(
+    net: MemoryNetwork, host: str, method: str, path: str, body: Any = None
+) -> tuple[int, bytes]:
+    """One HTTP/1.1 exchange on a fresh in-memory connection."""
+    stream = await net.open_stream(host, 80)
+    try:
+        conn = h11.Connection(h11.CLIENT)
+        data = b"" if body is None else msgspec.json.encode(body)
+        headers = [("host", host), ("content-length", str(len(data))), ("connection", "close")]
+        out = conn.send(h11.Request(method=method, target=path, headers=headers)) or b""
+        if data:
+            out += conn.send(h11.Data(data=data)) or b""
+        out += conn.send(h11.EndOfMessage()) or b""
+        await stream.send_all(out)
+        status, parts = 0, []
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(bytes(await stream.receive_some(65536)))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                return status, b"".join(parts)
+    finally:
+        await stream.aclose()
+
+
+def _words(tag: str, count: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(count))
+
+
+def _prefill_body(prompt: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+
+
+def _stream_body(prompt: str, tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": True}
+
+
+async def _timed(net: MemoryNetwork, host: str, body: dict[str, Any]) -> float:
+    start = trio.current_time()
+    status, content = await _call(net, host, "POST", "/v1/completions", body)
+    assert status == 200, content
+    if body.get("stream"):
+        assert content.endswith(b"data: [DONE]\n\n")
+    return trio.current_time() - start
+
+
+async def _metrics(net: MemoryNetwork, host: str) -> dict[str, float]:
+    status, text = await _call(net, host, "GET", "/metrics")
+    assert status == 200
+    out = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _m(name: str) -> str:
+    return f'vllm:{name}{{model_name="{MODEL}"}}'
+
+
+# ---- slots and the queue -----------------------------------------------------------------
+
+
+async def test_requests_beyond_the_slots_wait_in_fifo_order_and_show_in_metrics(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    engine, net = _engine(nursery, slots=1, itl_s=1.0)
+    done: dict[str, float] = {}
+
+    async def client(name: str) -> None:
+        await _timed(net, "e0", _stream_body(f"prompt {name}", 5))  # 4 s of tokens
+        done[name] = trio.current_time()
+
+    async with trio.open_nursery() as clients:
+        for name in "abc":
+            clients.start_soon(client, name)
+            await trio.sleep(0.25)  # virtual: a, b, c arrive in this order
+        metrics = await _metrics(net, "e0")
+        assert metrics[_m("num_requests_running")] == 1
+        assert metrics[_m("num_requests_waiting")] == 2
+        assert engine.stats()["waiting"] == 2
+    assert done == {"a": 4.0, "b": 8.0, "c": 12.0}
+    metrics = await _metrics(net, "e0")
+    assert metrics[_m("num_requests_running")] == 0
+    assert metrics[_m("num_requests_waiting")] == 0
+
+
+async def test_a_client_that_leaves_while_queued_leaves_the_queue(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    engine, net = _engine(nursery, slots=1, itl_s=1.0)
+    async with trio.open_nursery() as clients:
+        clients.start_soon(_timed, net, "e0", _stream_body("first", 5))
+        await trio.sleep(0.5)
+        with trio.move_on_after(1.0):
+            await _timed(net, "e0", _stream_body("second", 5))
+        await trio.sleep(0.5)
+        assert engine.waiting == 0
+        assert (await _metrics(net, "e0"))[_m("num_requests_running")] == 1
+    # the slot went to nobody else: the next request starts at once
+    assert await _timed(net, "e0", _stream_body("third", 2)) == 1.0
+
+
+async def test_without_slots_nothing_queues(nursery: trio.Nursery, autojump_clock: Any) -> None:
+    engine, net = _engine(nursery, itl_s=1.0)
+    async with trio.open_nursery() as clients:
+        for name in "abc":
+            clients.start_soon(_timed, net, "e0", _stream_body(name, 3))
+        await trio.sleep(0.5)
+        metrics = await _metrics(net, "e0")
+        assert metrics[_m("num_requests_running")] == 3
+        assert metrics[_m("num_requests_waiting")] == 0
+    assert trio.current_time() == 2.0
+    assert not engine.config.cost_model
+
+
+async def test_an_admitted_prompt_holds_kv_blocks_while_it_runs(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    _, net = _engine(nursery, slots=2, itl_s=1.0, kv_blocks=100)
+    async with trio.open_nursery() as clients:
+        clients.start_soon(_timed, net, "e0", _stream_body(_words("w", 40), 3))  # 3 blocks
+        await trio.sleep(0.5)
+        assert (await _metrics(net, "e0"))[_m("kv_cache_usage_perc")] == 0.03
+    assert (await _metrics(net, "e0"))[_m("kv_cache_usage_perc")] == 0.0
+
+
+# ---- prefill time and the prefix cache -----------------------------------------------------
+
+
+async def test_prefill_time_is_proportional_to_the_prompt(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    _, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS)
+    assert await _timed(net, "e0", _prefill_body(_words("a", 16))) == 1.0
+    assert await _timed(net, "e0", _prefill_body(_words("b", 48))) == 3.0
+    # no prefix cache: the same prompt again costs as much
+    assert await _timed(net, "e0", _prefill_body(_words("b", 48))) == 3.0
+    metrics = await _metrics(net, "e0")
+    assert metrics[_m("prefix_cache_queries_total")] == 0
+    assert metrics[_m("prefix_cache_hits_total")] == 0
+
+
+async def test_a_shared_prefix_is_computed_once(nursery: trio.Nursery, autojump_clock: Any) -> None:
+    engine, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
+    prefix = _words("system", 160)  # 10 blocks
+    assert await _timed(net, "e0", _prefill_body(prefix + " " + _words("q", 16))) == 11.0
+    assert await _timed(net, "e0", _prefill_body(prefix + " " + _words("r", 16))) == 1.0
+    metrics = await _metrics(net, "e0")
+    assert metrics[_m("prefix_cache_queries_total")] == 2 * 176
+    assert metrics[_m("prefix_cache_hits_total")] == 160
+    # another prefix shares nothing
+    assert await _timed(net, "e0", _prefill_body(_words("other", 32))) == 2.0
+    assert (await _metrics(net, "e0"))[_m("prefix_cache_hits_total")] == 160
+    assert engine.counters["prompt_tokens_cached"] == 160
+
+
+async def test_a_fully_cached_prompt_still_computes_its_last_token(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    _, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
+    prompt = _words("x", 32)  # two full blocks: the hit stops short of the last token
+    assert await _timed(net, "e0", _prefill_body(prompt)) == 2.0
+    assert await _timed(net, "e0", _prefill_body(prompt)) == 1.0  # block 2 recomputed
+    assert (await _metrics(net, "e0"))[_m("prefix_cache_hits_total")] == 16
+
+
+async def test_the_least_recently_used_prefix_is_evicted(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    engine, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=10)
+    a, b = _words("a", 161), _words("b", 161)  # 10 full blocks each, and one token
+    assert await _timed(net, "e0", _prefill_body(a)) == 161 / 16
+    assert await _timed(net, "e0", _prefill_body(a)) == 1 / 16
+    assert await _timed(net, "e0", _prefill_body(b)) == 161 / 16  # evicts all of a
+    assert await _timed(net, "e0", _prefill_body(a)) == 161 / 16
+    assert engine.prefix_cache.evictions == 20
+    assert engine.stats()["prefix_cache"]["blocks"] == 10
+
+
+async def test_a_chat_prompt_is_its_rendered_messages(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    _, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
+    system = {"role": "system", "content": _words("rule", 60)}  # 64 tokens with its header
+
+    def chat(question: str) -> dict[str, Any]:
+        messages = [system, {"role": "user", "content": question}]
+        return {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+
+    start = trio.current_time()
+    assert (await _call(net, "e0", "POST", "/v1/chat/completions", chat(_words("q", 12))))[0] == 200
+    assert trio.current_time() - start == 5.0  # 64 + 4 + 12 tokens
+    start = trio.current_time()
+    assert (await _call(net, "e0", "POST", "/v1/chat/completions", chat(_words("z", 12))))[0] == 200
+    assert trio.current_time() - start == 1.0  # the system message's 4 blocks were cached
+
+
+async def test_same_worker_decode_finds_the_prefill_in_the_cache(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """A ``both`` engine that prefilled a prompt decodes it without computing it again."""
+    _, net = _engine(nursery, role="both", prefill_ms_per_token=MS, prefix_cache_blocks=64)
+    prompt = _words("p", 80)  # 5 blocks
+    assert await _timed(net, "e0", _prefill_body(prompt)) == 5.0
+    assert await _timed(net, "e0", _stream_body(prompt, 4)) == 1.0  # the last block again
+
+
+async def test_a_consumer_caches_the_prompt_it_pulled(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    net = MemoryNetwork(nursery)
+    fields: dict[str, Any] = {"model": MODEL, "prefill_ms_per_token": MS}
+    producer = FakeEngine(FakeEngineConfig(role="prefill", **fields), network=net)
+    consumer = FakeEngine(
+        FakeEngineConfig(role="decode", prefix_cache_blocks=64, **fields), network=net
+    )
+    producer.attach("p")
+    consumer.attach("d")
+    prompt = _words("p", 80)
+    status, body = await _call(net, "p", "POST", "/v1/completions", _prefill_body(prompt))
+    assert status == 200
+    decode = _stream_body(prompt, 2) | {
+        "kv_transfer_params": msgspec.json.decode(body)["kv_transfer_params"]
+    }
+    assert await _timed(net, "d", decode) == 0.0  # pulled, not computed
+    assert await _timed(net, "d", _stream_body(prompt, 2)) == 1.0  # local: 4 blocks cached
+    assert consumer.counters["kv_pull_ok"] == 1
+
+
+# ---- slowdown -----------------------------------------------------------------------------
+
+
+async def test_a_slowdown_of_two_doubles_every_modelled_time(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fields: dict[str, Any] = {"prefill_ms_per_token": MS, "itl_s": 0.25}
+    _, net = _engine(nursery, "fast", **fields)
+    _, slow_net = _engine(nursery, "slow", slowdown=2.0, **fields)
+    body = _stream_body(_words("w", 16), 5)  # 1 s of prefill, 4 gaps of 0.25 s
+    assert await _timed(net, "fast", body) == 2.0
+    assert await _timed(slow_net, "slow", body) == 4.0
+    # the older option, in seconds per token, is scaled too
+    _, old = _engine(nursery, "old", prefill_delay_per_token_s=0.125, slowdown=2.0)
+    assert await _timed(old, "old", _prefill_body(_words("w", 16))) == 4.0
+
+
+# ---- sans IO: tokens, block hashes, the LRU --------------------------------------------
+
+
+def test_prompt_tokens_are_as_many_as_the_engine_counts() -> None:
+    bodies: list[tuple[dict[str, Any], bool]] = [
+        ({"prompt": "a b  c\n d"}, False),
+        ({"prompt": ""}, False),
+        ({"prompt": [5, 6, 7]}, False),
+        ({"prompt": ["x y", "z"]}, False),
+        ({"messages": [{"role": "user", "content": "hi there"}]}, True),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a b"}]}]}, True),
+        ({"messages": ["odd", {"role": "system"}]}, True),
+    ]
+    for body, chat in bodies:
+        assert len(cost.prompt_tokens(body, chat)) == gen.prompt_of(body, chat)[1], body
+
+
+def test_a_block_hash_depends_on_the_whole_prefix() -> None:
+    one, two = [1] * 16, [2] * 16
+    assert cost.block_hashes(one + two)[1] != cost.block_hashes(two + two)[1]
+    assert cost.block_hashes(one + two)[0] == cost.block_hashes(one + one)[0]
+    assert len(cost.block_hashes(one + two + [3] * 15)) == 2  # only full blocks
+
+
+def test_eviction_takes_the_tail_of_the_oldest_prompt_first() -> None:
+    cache = cost.PrefixCache(10)
+    a = list(range(161))  # 10 blocks
+    cache.insert(a)
+    cache.insert([-1] * 81)  # 5 new blocks push out a's last 5: its head still hits
+    assert cache.lookup(a) == 80
+    assert cache.evictions == 5
+
+
+def test_a_prompt_computed_again_is_the_most_recently_used() -> None:
+    cache = cost.PrefixCache(10)
+    a, b, c = ([n] * 81 for n in (1, 2, 3))  # 5 blocks each
+    cache.insert(a)
+    cache.insert(b)
+    cache.insert(a)  # touched: b is now the least recently used
+    cache.insert(c)
+    assert (cache.lookup(a), cache.lookup(b), cache.lookup(c)) == (80, 0, 80)
+
+
+def test_a_prompt_larger_than_the_cache_keeps_its_head() -> None:
+    cache = cost.PrefixCache(4)
+    cache.insert(list(range(161)))
+    assert cache.lookup(list(range(161))) == 64
+
+
+def test_no_capacity_no_cache() -> None:
+    cache = cost.PrefixCache(0)
+    cache.insert(list(range(64)))
+    assert cache.lookup(list(range(64))) == 0
+    assert (cache.queries, cache.hits) == (0, 0)
+
+
+_BLOCKS = st.lists(st.integers(0, 2), max_size=5)  # prompts built from 3 distinct blocks
+
+
+def _prompt(blocks: list[int], tail: int) -> list[int]:
+    return [t for b in blocks for t in [b] * cost.BLOCK_TOKENS] + [7] * tail
+
+
+@given(
+    st.lists(st.tuples(_BLOCKS, st.integers(0, 20)), max_size=6),
+    st.tuples(_BLOCKS, st.integers(0, 20)),
+    st.integers(1, 40),
+)
+def test_the_hit_is_the_longest_cached_run_of_leading_blocks(
+    seen: list[tuple[list[int], int]], query: tuple[list[int], int], capacity: int
+) -> None:
+    """With room for everything, a lookup finds the longest common prefix with any prompt
+    computed before, in whole blocks, short of the last token; with less room, no more."""
+    big, small = cost.PrefixCache(1000), cost.PrefixCache(capacity)
+    prompts = [_prompt(*p) for p in seen]
+    for p in prompts:
+        big.insert(p)
+        small.insert(p)
+        assert len(small.blocks) <= capacity
+    q = _prompt(*query)
+    expected = 0
+    for p in prompts:
+        common = 0
+        for x, y in zip(q[: len(q) - 1], p, strict=False):
+            if x != y:
+                break
+            common += 1
+        expected = max(expected, common - common % cost.BLOCK_TOKENS)
+    assert big.lookup(q) == expected
+    assert small.lookup(q) <= expected
+    assert (big.queries, big.hits) == (len(q), expected)
+
+
+# ---- the command line ------------------------------------------------------------------
+
+
+def test_the_options_default_to_off() -> None:
+    args = build_parser().parse_args(["fake-engine", "--port", "0"])
+    config = FakeEngineConfig(**cost.config_fields(args))
+    assert config == FakeEngineConfig()
+    assert not config.cost_model
+
+
+def test_the_options_reach_the_config() -> None:
+    argv = ["fake-engine", "--port", "0", "--slots", "4", "--prefill-ms-per-token", "0.5"]
+    argv += ["--prefix-cache-blocks", "1024", "--slowdown", "2"]
+    config = FakeEngineConfig(**cost.config_fields(build_parser().parse_args(argv)))
+    assert (config.slots, config.prefill_ms_per_token) == (4, 0.5)
+    assert (config.prefix_cache_blocks, config.slowdown) == (1024, 2.0)
+    assert config.cost_model
+
+
+@pytest.mark.parametrize(
+    "option", [["--slots", "-1"], ["--slowdown", "0"], ["--prefill-ms-per-token", "-2"]]
+)
+def test_negative_costs_are_refused(option: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["fake-engine", "--port", "0", *option])
+    assert exc.value.code == 2
+    assert "must be" in capsys.readouterr().err

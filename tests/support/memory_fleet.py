@@ -1,0 +1,98 @@
+"""A router over fake engines on an in-memory network (``tests.support.memory_network``): with
+trio's MockClock and autojump, virtual time only moves when everything waits, so timeouts
+fire at exactly their budgets. The timing tests and the stream models use it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+
+from narwhal.core.requests import parse_request
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.router.journal import Journal
+from narwhal.router.service import Router
+from narwhal.stream.sse import SSEParser
+from tests.support.fleet import MODEL, fleet_config
+from tests.support.memory_network import MemoryNetwork
+
+
+@dataclass
+class RecordingSink:
+    """The client side of one request, with the virtual time of everything it received."""
+
+    committed: bool = False
+    finished: bool = False
+    events: list[tuple[float, str, Any]] = field(default_factory=list)
+
+    def _log(self, what: str, data: Any) -> None:
+        self.events.append((trio.current_time(), what, data))
+
+    async def commit(self, data: bytes) -> None:
+        self.committed = True
+        self._log("commit", data)
+
+    async def send(self, data: bytes) -> None:
+        self._log("send", data)
+
+    async def end(self, data: bytes = b"") -> None:
+        self.finished = True
+        self._log("end", data)
+
+    async def respond_json(self, status: int, body: bytes) -> None:
+        self.committed = self.finished = True
+        self._log("json", (status, msgspec.json.decode(body)))
+
+    @property
+    def error(self) -> tuple[float, int, str]:
+        """(time, status, message) of the failure the client saw, JSON or terminal event."""
+        when, what, data = self.events[-1]
+        if what == "json":
+            return when, data[0], data[1]["error"]["message"]
+        payload = msgspec.json.decode(SSEParser().feed(data)[-1])
+        return when, payload["error"]["code"], payload["error"]["message"]
+
+
+@dataclass
+class MemoryFleet:
+    router: Router
+    producer: FakeEngine
+    consumer: FakeEngine
+    others: list[FakeEngine] = field(default_factory=list)  # more consumers: d1, d2, ...
+
+    async def request(self, body: dict[str, Any], path: str = "/v1/completions") -> RecordingSink:
+        sink = RecordingSink()
+        req = parse_request(msgspec.json.encode(body), endpoint=path, model=MODEL)
+        await self.router.handle(req, "rid", sink, trio.sleep_forever)
+        return sink
+
+
+async def memory_fleet(
+    nursery: trio.Nursery,
+    *,
+    itl_s: float = 0.0,
+    prefill_delay: float = 0.0,
+    consumers: int = 1,
+    **sections: Any,
+) -> MemoryFleet:
+    net = MemoryNetwork(nursery)
+    engines = []
+    names = [("producer", "prefill")] + [(f"consumer{i}", "decode") for i in range(consumers)]
+    for name, role in names:
+        cfg = FakeEngineConfig(
+            model=MODEL,
+            role=role,
+            itl_s=itl_s,
+            prefill_delay_per_token_s=prefill_delay,  # type: ignore[arg-type]
+        )
+        engine = FakeEngine(cfg, network=net)
+        engine.attach(name)
+        engines.append(engine)
+    urls = {"p0": (engines[0].url, "prefill")}
+    urls.update({f"d{i}": (e.url, "decode") for i, e in enumerate(engines[1:])})
+    config = fleet_config(urls, **sections)
+    router = Router(config, connect=net.open_stream, journal=Journal(keep=100))
+    await nursery.start(router.health.run)
+    return MemoryFleet(router, engines[0], engines[1], engines[2:])

@@ -1,0 +1,30 @@
+"""Raw-socket helpers: what a client reads off the wire."""
+
+from __future__ import annotations
+
+import trio
+
+from narwhal.stream.sse import SSEParser
+
+
+async def read_answer(stream: trio.SocketStream) -> bytes:
+    """One read of what the router answered; empty once the connection is gone."""
+    try:
+        return await stream.receive_some(65536)
+    except trio.BrokenResourceError:
+        return b""
+
+
+async def open_stream_and_vanish(url: str, body: bytes) -> None:
+    """Raw HTTP/1.1 over a socket: read until the first SSE event, then close the socket."""
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
+    await stream.send_all(request)
+    parser = SSEParser()  # header and chunk-size lines carry no data field: ignored
+    while not parser.feed(await stream.receive_some(65536)):
+        pass
+    await stream.aclose()

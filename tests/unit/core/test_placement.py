@@ -1,0 +1,186 @@
+"""Placement is a pure function of fleet state (SPEC 4.4)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.core.config import EngineSpec, PlacementConfig, RecoveryConfig
+from narwhal.core.engine_report import EngineReport
+from narwhal.core.fleet import Fleet, Leg
+from narwhal.core.placement import Choice, choose
+
+LEAST = PlacementConfig(prefix_affinity=False)
+ROTATE = PlacementConfig(policy="round_robin", prefix_affinity=False)
+AFFINITY = PlacementConfig()
+
+
+def _fleet(*roles: str) -> Fleet:
+    specs = tuple(EngineSpec(f"e{i}", f"http://h:{i + 1}", r) for i, r in enumerate(roles))  # type: ignore[arg-type]
+    return Fleet(specs, RecoveryConfig())
+
+
+def _id(fleet: Fleet, leg: Leg, config: PlacementConfig = LEAST, **kw: object) -> str:
+    pool = fleet.producers if leg == "prefill" else fleet.consumers
+    choice = choose(pool, leg, config, rng=random.Random(0), now=0.0, **kw)  # type: ignore[arg-type]
+    assert choice is not None
+    return choice.engine.id
+
+
+def test_roles_decide_the_candidates() -> None:
+    fleet = _fleet("prefill", "decode", "both")
+    assert [e.id for e in fleet.producers] == ["e0", "e2"]
+    assert [e.id for e in fleet.consumers] == ["e1", "e2"]
+
+
+def test_fewest_legs_of_two_and_ties_rotate() -> None:
+    fleet = _fleet("both", "both")
+    fleet.engines[0].inflight["decode"] = 2
+    assert _id(fleet, "decode") == "e1"
+    fleet.engines[0].inflight["decode"] = 0
+    assert [_id(fleet, "decode", turn=t) for t in range(4)] == ["e0", "e1", "e0", "e1"]
+    assert _id(fleet, "decode", turn=0, prefer_not="e0") == "e1"
+
+
+def test_the_engines_own_queue_counts_while_fresh() -> None:
+    fleet = _fleet("both", "both")
+    fleet.engines[0].report = EngineReport(at=0.0, running=4, waiting=6, kv_usage=0.0)
+    fleet.engines[1].inflight["prefill"] = 3
+    assert _id(fleet, "prefill") == "e1"  # 10 queued there against 3 legs here
+    stale = choose(fleet.producers, "prefill", LEAST, rng=random.Random(0), now=3.5)
+    assert stale is not None
+    assert stale.engine.id == "e0"
+
+
+def test_our_own_legs_count_once() -> None:
+    """The engine's queue counts the legs this router sent it: only the rest is added."""
+    fleet = _fleet("both", "both")
+    fleet.engines[0].inflight["prefill"] = 5  # ours, and all the engine runs
+    fleet.engines[0].report = EngineReport(at=0.0, running=5, waiting=0, kv_usage=0.0, ours=5)
+    fleet.engines[1].inflight["prefill"] = 2
+    fleet.engines[1].report = EngineReport(at=0.0, running=2, waiting=4, kv_usage=0.0, ours=2)
+    assert _id(fleet, "prefill") == "e0"  # 5 against 2 + 4 others (counted twice: 10 to 8)
+
+
+def test_a_full_kv_cache_steers_decode_only() -> None:
+    fleet = _fleet("both", "both")
+    fleet.engines[0].report = EngineReport(at=0.0, running=0, waiting=0, kv_usage=0.9)
+    fleet.engines[1].inflight["decode"] = 2
+    assert _id(fleet, "decode") == "e1"
+    assert _id(fleet, "prefill") == "e0"
+
+
+def test_avoided_engines_only_when_nothing_else_is_left() -> None:
+    fleet = _fleet("both", "both")
+    fleet.engines[1].inflight["decode"] = 5
+    assert _id(fleet, "decode", avoid={"e0"}) == "e1"
+    assert _id(fleet, "decode", avoid={"e0", "e1"}) == "e0"
+    assert choose([], "decode", LEAST, rng=random.Random(0), now=0.0) is None
+
+
+def test_round_robin_rotates_over_the_role_wherever_it_sits_in_the_fleet() -> None:
+    fleet = _fleet("prefill", "decode", "prefill", "decode", "prefill")
+    picks = [_id(fleet, "prefill", ROTATE, turn=t) for t in range(6)]
+    assert picks == ["e0", "e2", "e4", "e0", "e2", "e4"]
+    assert [_id(fleet, "decode", LEAST, turn=t) for t in range(4)] == ["e1", "e3", "e1", "e3"]
+
+
+def test_round_robin_rotates_whatever_the_load() -> None:
+    fleet = _fleet("both", "both", "both")
+    fleet.engines[1].inflight["prefill"] = 9
+    picks = [_id(fleet, "prefill", ROTATE, turn=t) for t in range(6)]
+    assert picks == ["e0", "e1", "e2", "e0", "e1", "e2"]
+
+
+def test_a_shared_prefix_stays_on_one_producer_until_it_is_loaded() -> None:
+    fleet = _fleet("prefill", "prefill", "prefill", "decode")
+    key = "system: you are a helpful assistant " * 10
+    home = _id(fleet, "prefill", AFFINITY, key=key, ring=fleet.ring)
+    assert {
+        _id(fleet, "prefill", AFFINITY, key=key, ring=fleet.ring, turn=t) for t in range(5)
+    } == {home}
+    fleet.by_id[home].inflight["prefill"] = 10  # far past 1.25 x the mean
+    choice = choose(
+        fleet.producers,
+        "prefill",
+        AFFINITY,
+        rng=random.Random(0),
+        now=0.0,
+        key=key,
+        ring=fleet.ring,
+    )
+    assert choice is not None
+    assert choice.engine.id != home
+    assert choice.reason == "spill"
+
+
+@given(
+    inflight=st.lists(st.integers(0, 20), min_size=1, max_size=6),
+    unhealthy=st.sets(st.integers(0, 5)),
+    avoid=st.sets(st.integers(0, 5)),
+    seed=st.integers(0, 2**32),
+    policy=st.sampled_from(["least_loaded", "round_robin"]),
+    affinity=st.booleans(),
+    key=st.text(max_size=20),
+)
+def test_never_an_engine_that_is_not_placeable(
+    inflight: list[int],
+    unhealthy: set[int],
+    avoid: set[int],
+    seed: int,
+    policy: str,
+    affinity: bool,
+    key: str,
+) -> None:
+    """Whatever the loads, policy and avoid set: a placeable engine, and one outside the
+    avoid set whenever there is one."""
+    fleet = _fleet(*["prefill"] * len(inflight))
+    for i, (engine, legs) in enumerate(zip(fleet.engines, inflight, strict=True)):
+        engine.inflight["prefill"] = legs
+        if i in unhealthy:
+            engine.breaker.quarantined_until = 1e9
+            engine.breaker.quarantine_s = 1e9
+    candidates, _ = fleet.placeable("prefill", 0.0)
+    avoided = {f"e{i}" for i in avoid}
+    config = PlacementConfig(policy=policy, prefix_affinity=affinity)  # type: ignore[arg-type]
+    choice = choose(
+        candidates,
+        "prefill",
+        config,
+        rng=random.Random(seed),
+        now=0.0,
+        avoid=avoided,
+        key=key,
+        ring=fleet.ring,
+    )
+    assert isinstance(choice, Choice)
+    assert choice.engine in candidates
+    if any(e.id not in avoided for e in candidates):
+        assert choice.engine.id not in avoided
+
+
+def test_equal_engines_share_the_load_under_least_loaded() -> None:
+    fleet = _fleet(*["decode"] * 4)
+    rng, seen = random.Random(7), Counter[str]()
+    for turn in range(400):
+        choice = choose(fleet.consumers, "decode", LEAST, rng=rng, now=0.0, turn=turn)
+        assert choice is not None
+        choice.engine.inflight["decode"] += 1
+        seen[choice.engine.id] += 1
+    assert max(seen.values()) - min(seen.values()) <= 4, seen
+
+
+async def test_reservations_release_on_every_exit_path() -> None:
+    fleet = _fleet("both")
+    engine = fleet.engines[0]
+    async with fleet.reserve(engine, "prefill"):
+        assert engine.inflight == {"prefill": 1, "decode": 0}
+    try:
+        async with fleet.reserve(engine, "decode"):
+            raise RuntimeError("leg failed")
+    except RuntimeError:
+        pass
+    assert fleet.reserved() == 0

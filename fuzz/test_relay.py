@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from fuzz import examples, split
 from fuzz.streams import Event, events
 from narwhal.stream.assemble import Assembler
-from narwhal.stream.rules import DONE_FRAME, HOLD, Commit, Fault, Finish, Send, StreamRelay
-from narwhal.stream.sse import SSEParser
+from narwhal.stream.rules import HOLD, Commit, Fault, Finish, Send, StreamRelay
+from narwhal.stream.sse import DONE_FRAME, SSEParser
 
 EXAMPLES = examples(300)
 streams = st.tuples(

@@ -33,6 +33,7 @@ from prometheus_client import (
 
 from narwhal.core.breaker import ProbeOutcome
 from narwhal.core.faults import BreakerClass, Phase
+from narwhal.core.fleet import LEGS
 from narwhal.core.handoff import DROP_REASONS, FATES
 from narwhal.core.placement import REASONS
 from narwhal.core.retry import Denial
@@ -367,7 +368,7 @@ class Metrics:
             self.handoffs.labels(fate)
         for reason in DROP_REASONS:
             self.reclaim_dropped.labels(reason)
-        for leg in ("prefill", "decode"):
+        for leg in LEGS:
             for why in REASONS:
                 self.placements.labels(leg, why)
         for engine in engine_ids:
@@ -375,8 +376,8 @@ class Metrics:
 
     def add_engine(self, engine: str) -> None:
         self.engines.add(engine)
-        for phase in ("prefill", "decode"):
-            self.legs_inflight.labels(engine, phase)
+        for leg in LEGS:
+            self.legs_inflight.labels(engine, leg)
         for cls in BREAKER_CLASSES:
             self.leg_failures.labels(engine, cls)
         for outcome in PROBE_OUTCOMES:
@@ -393,7 +394,7 @@ class Metrics:
         that no longer exists. Its legs still in flight keep their gauge objects."""
         self.engines.discard(engine)
         labelled: list[tuple[Any, tuple[str, ...]]] = [
-            *((self.legs_inflight, (engine, phase)) for phase in ("prefill", "decode")),
+            *((self.legs_inflight, (engine, leg)) for leg in LEGS),
             *((self.leg_failures, (engine, cls)) for cls in BREAKER_CLASSES),
             *((self.probes, (engine, outcome)) for outcome in PROBE_OUTCOMES),
             *((self.engine_requests, (engine, state)) for state in ("running", "waiting")),

@@ -15,7 +15,9 @@ from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
 from narwhal.core.policies import PrefixRing
 
-Leg = Literal["prefill", "decode"]  # the two legs of an attempt; an engine serves one as it
+# the two legs of an attempt; an engine serves either, as its role allows
+Leg = Literal["prefill", "decode"]
+LEGS: tuple[Leg, ...] = ("prefill", "decode")
 HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engine is gone
 
 
@@ -198,7 +200,7 @@ class Fleet:
     def held_in(self, now: float) -> set[str]:
         """Ids of unhealthy engines that stay placeable as the last of a role."""
         held: set[str] = set()
-        for leg in ("prefill", "decode"):
+        for leg in LEGS:
             engines, is_held = self.placeable(leg, now)
             if is_held:
                 held.update(e.id for e in engines)
@@ -206,7 +208,7 @@ class Fleet:
 
     def ready(self, now: float) -> bool:
         """At least one healthy producer and one healthy consumer that answer."""
-        for leg in ("prefill", "decode"):
+        for leg in LEGS:
             engines, held_in = self.placeable(leg, now)
             if held_in or not engines:
                 return False

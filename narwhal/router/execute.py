@@ -49,6 +49,7 @@ from narwhal.router.relay_loop import DirectSink, RelayLoop
 from narwhal.router.stream_reactor import StreamReactor
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo
 from narwhal.stream.rules import Commit, Send, StreamRelay
+from narwhal.stream.sse import frame
 
 PHASE_OF = {
     State.ADMITTED: Phase.ADMISSION,
@@ -153,7 +154,7 @@ class RunRecord:
         self._record(fault)
         error = fault.error_json()
         if committed:
-            await self._end_stream(b"data: " + error + b"\n\n")
+            await self._end_stream(frame(error))
         else:
             await self.sink.respond_json(fault.status, error)
 

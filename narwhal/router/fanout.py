@@ -31,7 +31,7 @@ from narwhal.core.lifecycle import Input, State
 from narwhal.core.requests import ClientRequest
 from narwhal.router.execute import ClientSink, RequestRun, RouterState, RunRecord
 from narwhal.router.journal import AttemptLine
-from narwhal.stream.rules import DONE_FRAME
+from narwhal.stream.sse import DONE, DONE_FRAME, frame, framed_payloads
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -134,10 +134,10 @@ class FanOutRun(RunRecord):
     async def child_output(self, k: int, data: bytes) -> None:
         """Frames from child ``k``'s stream: re-indexed and sent (the first commits)."""
         frames = []
-        for frame in data.split(b"\n\n"):
-            if not frame.startswith(b"data: ") or frame == DONE_FRAME[:-2]:
+        for payload in framed_payloads(data):
+            if payload == DONE:
                 continue
-            chunk = _decode(frame[6:])
+            chunk = _decode(payload)
             if not isinstance(chunk, dict):
                 continue
             choices = chunk.get("choices") or []
@@ -148,7 +148,7 @@ class FanOutRun(RunRecord):
             for choice in choices:
                 if isinstance(choice, dict):
                     choice["index"] = k + (choice.get("index") or 0)
-            frames.append(b"data: " + _encode(chunk) + b"\n\n")
+            frames.append(frame(_encode(chunk)))
         if not frames:
             return
         async with self._write_lock:
@@ -182,7 +182,7 @@ class FanOutRun(RunRecord):
                 "choices": [],
                 "usage": self._summed([self._usage.get(k) for k in range(len(self.children))]),
             }
-            tail = b"data: " + _encode(usage_chunk) + b"\n\n"
+            tail = frame(_encode(usage_chunk))
         async with self._write_lock:
             committed = self.lifecycle.committed
             if not committed:

@@ -24,7 +24,7 @@ import trio
 from narwhal import tracing
 from narwhal.core.config import ConfigError, FleetConfig, load_config
 from narwhal.core.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
-from narwhal.core.fleet import Fleet
+from narwhal.core.fleet import LEGS, Fleet
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget
 from narwhal.engines.client import EngineClient
@@ -292,8 +292,8 @@ class Router:
         """Reservations move their engine's in-flight gauge (resolved once, not per leg)."""
         for engine in self.fleet.engines:
             engine.inflight_gauges = {
-                phase: self.metrics.legs_inflight.labels(engine.id, phase)
-                for phase in ("prefill", "decode")
+                leg: self.metrics.legs_inflight.labels(engine.id, leg)
+                for leg in LEGS
             }
 
     def reload_file(self) -> dict[str, list[str]]:

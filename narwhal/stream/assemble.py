@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from narwhal.core.connector import PrefillResult
+from narwhal.stream.sse import frame, framed_payloads
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -275,11 +276,11 @@ class Echo:
         """A streaming client's frames as vLLM streams an echo: the prompt (and its
         logprobs) in the first output chunk, every later offset continued."""
         frames = []
-        for frame in data.split(b"\n\n"):
-            if not frame.startswith(b"data: {"):
-                frames.append(frame)
+        for payload in framed_payloads(data):
+            if not payload.startswith(b"{"):
+                frames.append(frame(payload))
                 continue
-            chunk = _decode(frame[6:])
+            chunk = _decode(payload)
             choices = chunk.get("choices") if isinstance(chunk, dict) else None
             for choice in choices or ():
                 if not isinstance(choice, dict):
@@ -291,8 +292,8 @@ class Echo:
                         self._merge(choice)
                         continue
                 self._shift(choice)
-            frames.append(b"data: " + _encode(chunk) if choices else frame)
-        return b"\n\n".join(frames)
+            frames.append(frame(_encode(chunk) if choices else payload))
+        return b"".join(frames)
 
     def _merge(self, choice: dict[str, Any]) -> None:
         generated = choice["logprobs"]

@@ -27,9 +27,7 @@ from msgspec import Struct
 
 from narwhal.core.faults import Phase, RequestFault, StreamBroken
 from narwhal.stream.events import Kind, classify, parse_payload
-from narwhal.stream.sse import SSEError, SSEParser
-
-DONE_FRAME = b"data: [DONE]\n\n"
+from narwhal.stream.sse import DONE_FRAME, SSEError, SSEParser, frame
 
 
 class Hold(Struct, frozen=True):
@@ -99,7 +97,7 @@ class StreamRelay:
                 if self._collector is not None:
                     self._collector.add(payload)
                 else:
-                    out.append(b"data: " + payload + b"\n\n")
+                    out.append(frame(payload))
         except RequestFault as fault:
             return Fault(fault, self._output(out) if out and self.tokens else None)
         if not self.tokens:

@@ -61,3 +61,12 @@ class SSEParser:
 def frame(payload: bytes) -> bytes:
     """One SSE event carrying ``payload`` (which must not contain a newline)."""
     return b"data: " + payload + b"\n\n"
+
+
+DONE_FRAME = frame(DONE)
+
+
+def framed_payloads(data: bytes) -> list[bytes]:
+    """The payloads of bytes the router framed itself with ``frame`` (one ``data:`` line per
+    event). Not a parser of what engines send: that is ``SSEParser``."""
+    return [f[6:] for f in data.split(b"\n\n") if f.startswith(b"data: ")]

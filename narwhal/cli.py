@@ -227,12 +227,12 @@ def load_fleet(path: str) -> FleetConfig:
         raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
 
 
-def _install_server_fixes() -> None:
-    from narwhal.server import install_server_fixes
-    from narwhal.shapes import ShapeMismatch
+def _verify_shapes() -> None:
+    from narwhal.frontdoor.server import verify_shapes
+    from narwhal.frontdoor.shapes import ShapeMismatch
 
     try:
-        install_server_fixes()
+        verify_shapes()
     except ShapeMismatch as exc:
         raise StartupError(EXIT_VERSIONS, f"narwhal: cannot start: {exc}") from None
 
@@ -292,8 +292,8 @@ def check_tls(certfile: str | None, keyfile: str | None, hc: HypercornConfig) ->
 
 
 def listen(hc: HypercornConfig, host: str, port: int) -> Sockets:
-    """Bind and listen now (``narwhal.server.bind_sockets``), naming what went wrong."""
-    from narwhal.server import bind_sockets
+    """Bind and listen now (``narwhal.frontdoor.server.bind_sockets``), naming what went wrong."""
+    from narwhal.frontdoor.server import bind_sockets
 
     try:
         return bind_sockets(hc)
@@ -324,12 +324,12 @@ def _why(exc: Exception) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from narwhal.frontdoor.server import close_sockets, hypercorn_config
     from narwhal.logs import announce, configure
-    from narwhal.server import close_sockets, hypercorn_config
 
     configure(args.log_format, args.log_level)
     fleet = load_fleet(args.config)
-    _install_server_fixes()
+    _verify_shapes()
     if args.journal:
         check_journal(args.journal)
     hc = hypercorn_config(
@@ -340,9 +340,9 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_workers(args, fleet, hc)
     sockets = listen(hc, args.host, args.port)
     from narwhal import tracing
+    from narwhal.frontdoor.server import serve
     from narwhal.router.journal import Journal
     from narwhal.router.service import Router
-    from narwhal.server import serve
 
     tracing.setup()  # OTEL_* environment; off unless it asks for an exporter
     try:
@@ -424,7 +424,7 @@ def worker_main() -> int:
     tracing.setup()  # each worker exports its own spans (OTEL_* environment)
     try:
         fleet = load_fleet(spec.config)
-        _install_server_fixes()
+        _verify_shapes()
         try:
             journal = Journal(spec.journal)
         except OSError as exc:

@@ -4,8 +4,8 @@ The parent (``Supervisor``) serves nothing itself. It checks the address as a si
 router would, then gives each worker its own listening socket on the same host and port
 (``SO_REUSEPORT``: the kernel spreads new connections over the workers' sockets by a hash
 of their addresses, so no worker can take another's share, as one worker's accept burst
-(``narwhal.trio_accept``) could from one shared queue) and a control channel (one end of
-a socketpair, JSON lines: ``Message``). Each worker is ``narwhal.server.serve`` in its own
+(``narwhal.frontdoor.listener``) could from one shared queue) and a control channel (one end of
+a socketpair, JSON lines: ``Message``). Each worker is ``narwhal.frontdoor.server.serve`` in its own
 process, exactly as a single router: lifespan, active health, the drain.
 
 * SIGTERM or SIGINT to the parent: every worker is told to stop and drains as one router
@@ -52,9 +52,9 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from narwhal.core.config import ConfigError, FleetConfig, load_config
 from narwhal.core.faults import error_json
+from narwhal.frontdoor.server import hypercorn_config, serve
 from narwhal.logs import announce, log_event
 from narwhal.router.service import Router
-from narwhal.server import hypercorn_config, serve
 
 log = logging.getLogger("narwhal.workers")
 

@@ -5,7 +5,7 @@ streamed and not, at temperature 0, written to ``tests/captures/shapes/``.
     python e2e/vllm/capture_shapes.py [--vllm ~/.cache/narwhal-vllm] [--out tests/captures/shapes]
 
 Starts one engine (``serve_nixl.sh``, role kv_both, the tiny dummy-weights model) on
-127.0.0.1, sends every shape, stops it. ``tests/support/shapes.py`` replays the
+127.0.0.1, sends every shape, stops it. ``tests/unit/stream/test_shape_captures.py`` replays the
 streamed captures through the router's relay and assembler and compares the result with
 the non-streamed capture, field by field.
 """

@@ -49,7 +49,7 @@ def answer(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def streamed(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """A streamed answer, folded by the router's Assembler (itself checked against vLLM's
-    non-streaming answers by tests/support/shapes.py), or the error."""
+    non-streaming answers by tests/unit/stream/test_shape_captures.py), or the error."""
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     _, raw = http("POST", f"{url}/v1/{endpoint}", stream)
     return fold(raw, chat=endpoint.startswith("chat"), model=MODEL)

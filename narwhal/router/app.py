@@ -16,7 +16,6 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from narwhal.client_connection import FRAMING_ERROR, FRAMING_STATUS, REQUEST_ID, request_id
 from narwhal.core.config import ConfigError, ServingConfig
 from narwhal.core.faults import (
     BadRequest,
@@ -32,7 +31,8 @@ from narwhal.core.faults import (
     error_json,
 )
 from narwhal.core.requests import parse_request
-from narwhal.hypercorn_fixes import DirectBody, disconnect_hook
+from narwhal.frontdoor.connection import FRAMING_ERROR, FRAMING_STATUS, REQUEST_ID, request_id
+from narwhal.frontdoor.direct import DIRECT_BODY, ON_DISCONNECT, DirectBody
 from narwhal.router.journal import Caller
 from narwhal.router.service import Router
 
@@ -73,16 +73,17 @@ class Disconnected(Exception):
 class AsgiSink:
     """Client output for one request (where the response stands is the request's lifecycle).
 
-    Under hypercorn (``DirectBody``), the head goes out with the first chunk and the last
-    chunk with the end, in one write each, and ``send_nowait`` writes a chunk to the
-    connection without the ASGI layers: the relay's per-token path."""
+    Under the front door (``DirectBody``, from the scope's extensions), the head goes out
+    with the first chunk and the last chunk with the end, in one write each, and
+    ``send_nowait`` writes a chunk to the connection without the ASGI layers: the relay's
+    per-token path."""
 
     __slots__ = ("_direct", "_pending", "_send", "rid")
 
-    def __init__(self, send: Send, rid: bytes) -> None:
+    def __init__(self, send: Send, rid: bytes, direct: DirectBody | None = None) -> None:
         self._send = send
         self.rid = rid
-        self._direct = DirectBody.of(send)
+        self._direct = direct
         self._pending: bytes | None = None  # what flush sends through the ASGI send
 
     async def commit(self, data: bytes) -> None:
@@ -236,12 +237,12 @@ class RouterApp:
 
     def max_request_bytes(self) -> int:
         """The body limit of the fleet file in force (a reload may change it); the
-        connection refuses a chunk announced larger at once (``client_connection``)."""
+        connection refuses a chunk announced larger at once (``narwhal.frontdoor.connection``)."""
         return self.router.config.serving.max_request_bytes
 
     def connection_failed(self) -> None:
         """A client connection failed inside the server and was closed (its error boundary,
-        ``narwhal.client_connection``, calls this)."""
+        ``narwhal.frontdoor.connection``, calls this)."""
         self.router.metrics.connection_errors.inc()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -440,6 +441,8 @@ class RouterApp:
                 await respond(send, fault.status, fault.error_json(), rid)
             return
 
+        extensions = scope.get("extensions") or {}  # the server's features (ASGI's channel)
+
         async def wait_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -447,11 +450,11 @@ class RouterApp:
         await router.handle(
             req,
             rid_text,
-            AsgiSink(send, rid),
+            AsgiSink(send, rid, extensions.get(DIRECT_BODY)),
             wait_disconnect,
             caller,
             scope["headers"],
-            disconnect_hook(send, scope),
+            extensions.get(ON_DISCONNECT),
         )
 
     async def _readmit_wave(self, receive: Receive, send: Send) -> None:

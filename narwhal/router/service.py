@@ -292,8 +292,7 @@ class Router:
         """Reservations move their engine's in-flight gauge (resolved once, not per leg)."""
         for engine in self.fleet.engines:
             engine.inflight_gauges = {
-                leg: self.metrics.legs_inflight.labels(engine.id, leg)
-                for leg in LEGS
+                leg: self.metrics.legs_inflight.labels(engine.id, leg) for leg in LEGS
             }
 
     def reload_file(self) -> dict[str, list[str]]:

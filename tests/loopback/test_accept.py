@@ -1,4 +1,4 @@
-"""The accept loop's bursts (``narwhal.trio_accept.accept_in_bursts``): every queued
+"""The accept loop's bursts (``narwhal.frontdoor.listener.BurstListener``): every queued
 client is handed out once, in order of arrival, and none is left open when the listener
 closes first."""
 
@@ -9,9 +9,13 @@ import socket
 import trio
 import trio.testing
 
-from narwhal.server import install_server_fixes
+from narwhal.frontdoor.listener import BurstListener
 
-install_server_fixes()  # as serving does
+
+def burst_listener() -> tuple[BurstListener, int]:
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return BurstListener(sock), sock.getsockname()[1]
 
 
 async def connected_clients(port: int, count: int) -> list[socket.socket]:
@@ -23,8 +27,7 @@ async def connected_clients(port: int, count: int) -> list[socket.socket]:
 
 
 async def test_a_burst_of_clients_is_each_accepted_once() -> None:
-    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listener.socket.getsockname()[1]
+    listener, port = burst_listener()
     clients = await connected_clients(port, 10)
     seen = []
     with trio.fail_after(5):
@@ -39,8 +42,7 @@ async def test_a_burst_of_clients_is_each_accepted_once() -> None:
 
 
 async def test_clients_queued_when_the_listener_closes_are_closed() -> None:
-    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listener.socket.getsockname()[1]
+    listener, port = burst_listener()
     clients = await connected_clients(port, 5)
     first = await listener.accept()  # takes the other four into the burst queue
     await listener.aclose()

@@ -1,4 +1,4 @@
-"""Writes to the client (``narwhal.hypercorn_fixes``): a write nothing contends for goes
+"""Writes to the client (``narwhal.frontdoor.direct``): a write nothing contends for goes
 straight to the socket, and what the kernel does not take still arrives, whole and in order."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import trio
 
-from narwhal import client_connection
 from narwhal.core.config import EngineConfig
+from narwhal.frontdoor import connection
 from narwhal.stream.sse import SSEParser
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 
@@ -91,13 +91,13 @@ async def test_the_head_goes_out_with_the_first_chunk_and_the_last_chunk_with_th
     """Issue 19: one write for the 200 head and the first events, one for the last events
     and the end of the chunked body (the router's writes to client sockets, counted)."""
     writes: list[bytes] = []
-    real_write = client_connection.os.write
+    real_write = connection.os.write
 
     def write(fd: int, data: bytes) -> int:
         writes.append(bytes(data))
         return real_write(fd, data)
 
-    monkeypatch.setattr(client_connection.os, "write", write)
+    monkeypatch.setattr(connection.os, "write", write)
     events = await read_stream(pd.url, slow=False, tokens=5)
     assert events[-1] == b"[DONE]"
     head = [w for w in writes if w.startswith(b"HTTP/1.1 200")]

@@ -75,7 +75,7 @@ async def answer(h: Harness, base: str, endpoint: str, body: dict[str, Any]) -> 
 
 async def streamed(h: Harness, base: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """A streamed answer folded by the router's Assembler (itself checked against vLLM's
-    non-streaming answers by tests/support/shapes.py), or the error."""
+    non-streaming answers by tests/unit/stream/test_shape_captures.py), or the error."""
     _, raw = await _post(h.http, f"{base}/v1/{endpoint}", body)
     return fold(raw, chat=endpoint.startswith("chat"), model=MODEL)
 

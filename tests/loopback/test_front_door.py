@@ -35,8 +35,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fuzz import examples
-from narwhal.client_connection import Http11Protocol
 from narwhal.core.config import EngineConfig, ServingConfig
+from narwhal.frontdoor.connection import Http11Protocol
 from narwhal.router.app import RouterApp
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 from tests.support.wire import read_answer

@@ -390,7 +390,7 @@ async def test_shutdown_closes_idle_connections_at_once_and_lets_a_stream_end(
 
 async def test_a_closed_client_connection_is_released_at_once(bounded: Harness) -> None:
     """hypercorn kept a connection's idle timer (and its socket, in CLOSE_WAIT) running after
-    the client closed; ``narwhal.hypercorn_fixes`` stops it when reading ends."""
+    the client closed; ``narwhal.frontdoor.direct`` stops it when reading ends."""
     idle_timers = ("hypercorn.trio.tcp_server.TCPServer._idle_timeout",)
     body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True})
     host, port = bounded.url.removeprefix("http://").split(":")

@@ -17,8 +17,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from narwhal.client_connection import SendLock
 from narwhal.engines.client import EngineClient
+from narwhal.frontdoor.connection import SendLock
 from narwhal.router.stream_reactor import (
     RESUME,
     STALE_DUES_FACTOR,

@@ -17,7 +17,7 @@ import trustme
 from cryptography.hazmat.primitives import serialization
 
 from narwhal import cli
-from narwhal.shapes import ShapeMismatch
+from narwhal.frontdoor.shapes import ShapeMismatch
 from tests.support.processes import run_narwhal
 
 FLEET = 'model = "m"\n[[engines]]\nid = "e0"\nurl = "http://127.0.0.1:9"\n'
@@ -208,13 +208,13 @@ def test_tls_files_that_cannot_be_used(
     _one_line(run_narwhal(*args), cli.EXIT_TLS, pattern)
 
 
-def test_other_versions_of_the_patched_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_versions_of_the_subclassed_internals(monkeypatch: pytest.MonkeyPatch) -> None:
     def mismatch() -> None:
         raise ShapeMismatch("hypercorn.trio.tcp_server:TCPServer.run changed")
 
-    monkeypatch.setattr("narwhal.server.install_server_fixes", mismatch)
+    monkeypatch.setattr("narwhal.frontdoor.server.verify_shapes", mismatch)
     with pytest.raises(cli.StartupError) as info:
-        cli._install_server_fixes()
+        cli._verify_shapes()
     assert info.value.status == cli.EXIT_VERSIONS
     assert info.value.message == (
         "narwhal: cannot start: hypercorn.trio.tcp_server:TCPServer.run changed"

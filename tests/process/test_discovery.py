@@ -59,7 +59,7 @@ def test_a_router_without_discover_blocks_does_not_load_dnspython() -> None:
     """dnspython and the HTTP client it loads for DNS over HTTPS are about 6 MiB of a
     router's resident memory: only a fleet with ``[[discover]]`` pays for them."""
     code = (
-        "import sys, narwhal.cli, narwhal.server, narwhal.router.app, narwhal.check\n"
+        "import sys, narwhal.cli, narwhal.frontdoor.server, narwhal.router.app, narwhal.check\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'dns', 'httpx2', 'anyio'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

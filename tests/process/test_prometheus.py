@@ -6,7 +6,7 @@ faults on one consumer, which its breaker ejects and readmits) and hang up. Then
 panel query of deploy/grafana-dashboard.json goes through Prometheus's HTTP API and must
 succeed with data, and every alert rule must be loaded, evaluated without error and
 answer its own expression through the query API. `promtool check rules` and `promtool
-check metrics` run in tests/support/deploy.py; here promtool also lints the scrape taken
+check metrics` run in tests/process/test_deploy.py; here promtool also lints the scrape taken
 under this load, which has the error, retry and ejection series an idle scrape lacks.
 """
 

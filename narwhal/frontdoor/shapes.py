@@ -1,6 +1,6 @@
 """Startup check for code that replaces or copies another library's internals.
 
-``narwhal.client_connection``, ``narwhal.hypercorn_fixes`` and ``narwhal.trio_accept``
+``narwhal.frontdoor.connection``, ``narwhal.frontdoor.direct`` and ``narwhal.frontdoor.listener``
 each list, in ``SHAPES``, the functions of hypercorn, h11 and trio whose exact source they
 were written against (a digest of it). The versions are pinned in pyproject.toml; this
 check turns a mismatch that slipped past the pins (a patch release, a vendored copy) into a

@@ -38,7 +38,7 @@ about 2 KB a connection); the read loop waits
 until the socket is readable before reading (trio tries the read first, and between
 requests that try always fails); and ``cork`` lets a response's head go out with its first
 chunk, and its last chunk with the end, in one write each. Every change is checked at
-start against the hypercorn it was written for (``SHAPES``, ``narwhal.shapes``);
+start against the hypercorn it was written for (``SHAPES``, ``narwhal.frontdoor.shapes``);
 ``docs/upstream.md`` writes each up as an upstream bug report;
 ``bench/results/server-fixes.md`` has the figures.
 """
@@ -51,8 +51,9 @@ import re
 import secrets
 import select
 from collections.abc import Awaitable, Callable, MutableMapping
+from functools import partial
 from math import inf
-from typing import Any
+from typing import Any, Protocol
 
 import h2.config
 import h2.connection
@@ -62,15 +63,17 @@ import trio
 from h11._readers import ChunkedReader
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
 from narwhal.core.faults import error_json
+from narwhal.frontdoor.direct import DIRECT_BODY, ON_DISCONNECT, DirectBody
 
 log = logging.getLogger("narwhal.connection")
-# what ClientConnection copies, overrides or relies on (narwhal.shapes checks it at start)
+# what ClientConnection copies, overrides or relies on (narwhal.frontdoor.shapes checks it at start)
 SHAPES = {
     "hypercorn.trio.tcp_server:TCPServer.run": "30e3a0c602fd1a3e",  # copied as _serve
     "hypercorn.trio.tcp_server:TCPServer.protocol_send": "22b51ba714d07580",
@@ -81,11 +84,12 @@ SHAPES = {
     "hypercorn.protocol.h11:H11Protocol._check_protocol": "aeddfcf3da9e5d85",
     "hypercorn.protocol.h11:H11Protocol._send_error_response": "41dc5295e47f10cd",
     "hypercorn.protocol:ProtocolWrapper.handle": "4cb5ff14d1842513",  # Http11Only's place
-    "hypercorn.trio.run:worker_serve": "8dc8347a9fc357ca",  # builds TCPServer by name
+    # HTTPStream gets the protocol's app from here: Http11Protocol puts _call_app there
+    "hypercorn.protocol.h11:H11Protocol._create_stream": "7170bf28649d95f1",
     # the read loop's idle scope stands in for these: the timer's task, and the Updated
     # events (idle at the connection's start and after each response, busy at each request)
     "hypercorn.trio.tcp_server:TCPServer._idle_timeout": "076077a62ad1c28f",
-    # context.terminated, which ServerEnd wraps (worker_serve sets it at shutdown)
+    # context.terminated, which ServerEnd wraps (serve_connections sets it at shutdown)
     "hypercorn.trio.worker_context:EventWrapper": "7c96abfd4a9ca2dc",
     # the chunk being read, whose announced size _Http11Connection checks (_bytes_in_chunk)
     "h11._readers:ChunkedReader": "4d2629eeaaf366b6",
@@ -110,9 +114,6 @@ ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must
 REQUEST_ID = "narwhal.request_id"
 FRAMING_ERROR = "narwhal.framing_error"
 FRAMING_STATUS = "narwhal.framing_status"  # the status that answered it (400, 413)
-# a callable the app puts in its scope: called once, when its stream closes (the client
-# went away, or the response ended), where hypercorn queues ``http.disconnect``
-ON_DISCONNECT = "narwhal.on_disconnect"
 
 
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
@@ -144,11 +145,12 @@ def _http2_refusal() -> bytes:
 HTTP2_REFUSAL = _http2_refusal()
 
 
-def _app_hook(app: Any, name: str) -> Callable[..., Any] | None:
-    """A method of the router's ASGI app (``narwhal.router.app.RouterApp``) that the
-    connection calls, reached through hypercorn's wrapper; None for another app."""
-    hook = getattr(getattr(app, "app", None), name, None)
-    return hook if callable(hook) else None
+class AppHooks(Protocol):
+    """What the connection asks of the router's app (``narwhal.router.app.RouterApp``),
+    handed to it by the serve loop (``narwhal.frontdoor.server``)."""
+
+    def max_request_bytes(self) -> int | None: ...
+    def connection_failed(self) -> None: ...
 
 
 class _Http11Connection(h11.Connection):
@@ -267,15 +269,44 @@ class PipelineWatch:
 
 
 class Http11Protocol(H11Protocol):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    """Hypercorn's HTTP/1.1 protocol with the front door's h11 (``_Http11Connection``), its
+    pipeline watch, and the app called with the extensions ``narwhal.frontdoor.direct``
+    names: the direct write and the disconnect hook of the request's stream."""
+
+    def __init__(
+        self, *args: Any, client: ClientConnection, hooks: AppHooks | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.connection = _Http11Connection(
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
-        limit = _app_hook(self.app, "max_request_bytes")
-        if limit is not None:
-            self.connection.body_limit = limit
+        if hooks is not None:
+            self.connection.body_limit = hooks.max_request_bytes
         self.can_read = self.watch = PipelineWatch(self.can_read)
+        self._client = client
+        self._app = self.app
+        self.app = self._call_app  # what hypercorn's HTTPStream calls for each request
+        # the stream whose app asked to hear of its close, and the callback
+        self._on_close: tuple[Any, Callable[[], None]] | None = None
+
+    async def _call_app(
+        self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any
+    ) -> None:
+        stream = self.stream  # HTTP/1.1: the stream of this request (one at a time)
+        if scope["type"] == "http" and isinstance(stream, HTTPStream):
+            direct = DirectBody(stream, self.connection, self._client)
+            scope["extensions"][DIRECT_BODY] = direct
+            scope["extensions"][ON_DISCONNECT] = partial(self._hear_close, stream)
+            send = direct.framing_send(send, self.send)
+        await self._app(scope, receive, send, sync_spawn, call_soon)
+
+    def _hear_close(self, stream: HTTPStream, callback: Callable[[], None]) -> None:
+        """``ON_DISCONNECT``: ``callback`` is called once, when ``stream`` closes (at once
+        when it has closed already)."""
+        if stream.closed:
+            callback()
+        else:
+            self._on_close = (stream, callback)
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
@@ -315,12 +346,9 @@ class Http11Protocol(H11Protocol):
         """Tells the app's ``ON_DISCONNECT`` callback, then hypercorn's ``http.disconnect``.
         Not when the router closed the connection itself (``ClientConnection._abort``):
         the request that made it close knows already, and ends with its own outcome."""
-        scope = getattr(self.stream, "scope", None)
-        notify = scope.pop(ON_DISCONNECT, None) if isinstance(scope, dict) else None
-        if notify is not None and not getattr(
-            getattr(self.send, "__self__", None), "aborted", False
-        ):
-            notify()
+        heard, self._on_close = self._on_close, None
+        if heard is not None and heard[0] is self.stream and not self._client.aborted:
+            heard[1]()
         await super()._close_stream()
 
 
@@ -410,8 +438,9 @@ class ClientConnection(TCPServer):
 
     _last_logged = -ERROR_LOG_INTERVAL_S
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hooks: AppHooks | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._hooks = hooks
         # the idle timer: the read loop's scope, whose deadline is keep_alive_timeout after
         # the connection went idle, inf while a request is served (no task of its own)
         self._idle = trio.CancelScope(deadline=trio.current_time() + self.config.keep_alive_timeout)
@@ -467,6 +496,8 @@ class ClientConnection(TCPServer):
                     client,
                     server,
                     self.protocol_send,
+                    client=self,
+                    hooks=self._hooks,
                 )
                 # hypercorn's ProtocolWrapper would switch to HTTP/2; ours has its interface
                 self.protocol = Http11Only(h11_protocol, self.protocol_send)  # type: ignore[assignment]
@@ -482,9 +513,8 @@ class ClientConnection(TCPServer):
             pass
 
     def _failed(self, group: BaseExceptionGroup[Exception]) -> None:
-        report = _app_hook(self.app, "connection_failed")
-        if report is not None:
-            report()
+        if self._hooks is not None:
+            self._hooks.connection_failed()
         now = trio.current_time()
         if now - ClientConnection._last_logged >= ERROR_LOG_INTERVAL_S:
             ClientConnection._last_logged = now

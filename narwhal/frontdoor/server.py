@@ -1,0 +1,204 @@
+"""Serving the router: hypercorn's connection handling over our own serve loop (each
+process of ``--workers N`` runs ``serve`` too: ``narwhal.workers``).
+
+``serve_connections`` is hypercorn's ``worker_serve`` (its lifespan, its ``Config``, its
+worker context) with two pieces of ours where that function names its own: every
+connection is a ``ClientConnection`` (``narwhal.frontdoor.connection``) and every listener
+a ``BurstListener`` (``narwhal.frontdoor.listener``). Both are built here, for this
+server's sockets only: no module global of hypercorn and no class of trio is replaced, so
+anything else in the process (a fake engine in a test, another trio server) runs stock.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState, LifespanState
+from hypercorn.utils import repr_socket_addr, wrap_app
+
+from narwhal.core.config import FleetConfig
+from narwhal.frontdoor.connection import SHAPES as CONNECTION_SHAPES
+from narwhal.frontdoor.connection import AppHooks, ClientConnection, ServerEnd
+from narwhal.frontdoor.direct import SHAPES as DIRECT_SHAPES
+from narwhal.frontdoor.listener import BurstListener
+from narwhal.frontdoor.shapes import verify
+from narwhal.router.app import RouterApp, WorkerGroup
+from narwhal.router.service import FAIL_SEND_BOUND_S, Router
+
+# what serve_connections copies: a change there is a change to check here
+SHAPES = {"hypercorn.trio.run:worker_serve": "8dc8347a9fc357ca"}
+
+
+def verify_shapes() -> None:
+    """Raise ``narwhal.frontdoor.shapes.ShapeMismatch`` when the hypercorn or h11 internals
+    that the front door subclasses or copies are not the ones it was written against."""
+    verify({**CONNECTION_SHAPES, **DIRECT_SHAPES, **SHAPES})
+
+
+def hypercorn_config(
+    fleet: FleetConfig,
+    host: str,
+    port: int,
+    *,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> HypercornConfig:
+    """Hypercorn's settings for the router; with ``certfile`` and ``keyfile`` it serves TLS."""
+    hc = HypercornConfig()
+    hc.bind = [f"{host}:{port}"]
+    hc.certfile, hc.keyfile = certfile, keyfile  # TLS when both are set (hypercorn's rule)
+    hc.keyfile_password = ""  # an encrypted key fails at start; OpenSSL never asks a terminal
+    hc.worker_class = "trio"
+    # the router ends stragglers itself at graceful_timeout_s (with a terminal event);
+    # hypercorn's own limit only backs that up
+    hc.graceful_timeout = fleet.serving.graceful_timeout_s + FAIL_SEND_BOUND_S + 1.0
+    hc.accesslog = None
+    # hypercorn's own lines ("Running on ...", its errors) go through our formatter: in
+    # JSON mode every line on stderr is JSON
+    hc.errorlog = logging.getLogger("narwhal.frontdoor.server")
+    # Hypercorn's idle timer runs from the connection's start (or its last response) until a
+    # request's headers are complete: it bounds idle keep-alive connections and slowloris
+    # headers alike. Longer than the idle expiry of common clients (httpx: 5 s).
+    hc.keep_alive_timeout = fleet.serving.client_idle_timeout_s
+    # hypercorn's default backlog (100) overflows when many clients connect at once, and
+    # the kernel's SYN retries then add seconds to their first token (seen at 1,000 streams)
+    hc.backlog = 4096
+    # Our own limit applies to the body; this bounds headers and the h11 buffer.
+    hc.h11_max_incomplete_size = 64 * 1024
+    # HTTP/2 is not served (narwhal.frontdoor.connection): a TLS client is never offered h2
+    hc.alpn_protocols = ["http/1.1"]
+    return hc
+
+
+def bind_sockets(hc: HypercornConfig) -> Sockets:
+    """Bind and listen on ``hc.bind`` now, as hypercorn's worker would (``create_sockets``,
+    then ``listen(backlog)``), so that a taken port or a bad host is the ``OSError`` of this
+    call (``socket.gaierror`` for a name that does not resolve), raised before any task
+    starts, and not an exception group out of a nursery."""
+    sockets = hc.create_sockets()
+    every = (*sockets.secure_sockets, *sockets.insecure_sockets)
+    try:
+        for sock in every:
+            sock.listen(hc.backlog)
+    except OSError:
+        close_sockets(sockets)
+        raise
+    return sockets
+
+
+def close_sockets(sockets: Sockets) -> None:
+    for sock in (*sockets.secure_sockets, *sockets.insecure_sockets, *sockets.quic_sockets):
+        sock.close()
+
+
+async def serve(
+    fleet: FleetConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    router: Router | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    sockets: Sockets | None = None,
+    workers: WorkerGroup | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until ``shutdown_trigger`` returns; report the base URL through ``nursery.start``.
+
+    ``sockets``: already listening, from ``bind_sockets`` on the same host, port and TLS
+    files (the command line binds before trio starts); bound here when None. ``workers``:
+    this process is one worker of ``--workers N`` (``narwhal.workers.ParentLink``)."""
+    verify_shapes()
+    router = router or Router(fleet)
+    hc = hypercorn_config(fleet, host, port, certfile=certfile, keyfile=keyfile)
+    asgi: Any = RouterApp(router, workers)  # hypercorn's ASGI types are structural
+    app = wrap_app(asgi, hc.wsgi_max_body_size, "asgi")  # as hypercorn.trio.serve wraps it
+    if sockets is None:
+        sockets = bind_sockets(hc)
+    wait = shutdown_trigger or trio.sleep_forever
+
+    async def trigger() -> None:
+        await wait()
+        router.begin_drain()  # then hypercorn stops accepting and waits for the handlers
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve_connections, app, hc, sockets, trigger, asgi))
+        # what startup made (modules, config, the app) lives as long as the process: out of
+        # the collector's generations, a collection walks only what requests make
+        gc.freeze()
+        task_status.started(binds[0])
+
+
+async def serve_connections(
+    app: Any,
+    hc: HypercornConfig,
+    sockets: Sockets,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    hooks: AppHooks | None = None,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Hypercorn's ``worker_serve`` for listening TCP sockets (no QUIC): the app's
+    lifespan, one ``ClientConnection`` per accepted connection in the server's nursery,
+    and on ``shutdown_trigger`` the listeners close, every connection is told
+    (``ServerEnd``) and gets ``hc.graceful_timeout`` to finish."""
+    lifespan_state: LifespanState = {}
+    lifespan = Lifespan(app, hc, lifespan_state)
+    context = WorkerContext(None)
+    end = context.terminated = ServerEnd(context.terminated)
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as server_nursery:
+            listeners, binds = await _listeners(hc, sockets)
+            task_status.started(binds)
+
+            async def connection(stream: trio.abc.Stream) -> None:
+                state = ConnectionState(lifespan_state.copy())
+                await ClientConnection(app, hc, context, state, stream, hooks=hooks).run()
+
+            try:
+                async with trio.open_nursery() as accepting:
+                    accepting.start_soon(
+                        partial(
+                            trio.serve_listeners,
+                            connection,
+                            listeners,
+                            handler_nursery=server_nursery,
+                        )
+                    )
+                    await shutdown_trigger()
+                    accepting.cancel_scope.cancel()  # the listeners close
+            finally:
+                await end.set()
+                server_nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
+
+
+async def _listeners(
+    hc: HypercornConfig, sockets: Sockets
+) -> tuple[list[trio.abc.Listener[Any]], list[str]]:
+    listeners: list[trio.abc.Listener[Any]] = []
+    binds = []
+    ssl_context = hc.create_ssl_context() if sockets.secure_sockets else None
+    for sock in sockets.secure_sockets:
+        assert ssl_context is not None
+        listeners.append(trio.SSLListener(BurstListener(sock), ssl_context, https_compatible=True))
+        binds.append(f"https://{repr_socket_addr(sock.family, sock.getsockname())}")
+    for sock in sockets.insecure_sockets:
+        listeners.append(BurstListener(sock))
+        binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+    for bind in binds:
+        await hc.log.info(f"Running on {bind} (CTRL + C to quit)")
+    return listeners, binds

@@ -349,10 +349,15 @@ def test_check_warns_when_the_leases_disagree() -> None:
         base, engine_contract=EngineContract(engine_version="0.32.0", kv_lease_s=60.0)
     )
     assert lease_warning(base) is None  # nothing pinned: nothing to compare
-    warning = lease_warning(pinned)  # ours is the 480 s default
+    warning = lease_warning(pinned)  # ours is the 30 s default, vLLM 0.32's
+    assert warning is not None
+    assert "30s" in warning
+    assert "60s" in warning
+    assert "refused" in warning
+    longer = msgspec.structs.replace(pinned, engine=EngineConfig(kv_lease_s=480.0))
+    warning = lease_warning(longer)
     assert warning is not None
     assert "480s" in warning
-    assert "60s" in warning
     assert "freed" in warning
     same = msgspec.structs.replace(pinned, engine=EngineConfig(kv_lease_s=60.0))
     assert lease_warning(same) is None

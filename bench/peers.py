@@ -52,6 +52,7 @@ URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
 TICK = os.sysconf("SC_CLK_TCK")
 MODEL = "fake-model"
 OPEN_MAX = 9000  # the most open streams this machine's descriptor limit lets us hold
+BENCH_KV_LEASE_S = 480.0  # engines and router alike: see start_engines
 
 
 @dataclass(frozen=True)
@@ -374,8 +375,10 @@ def start_narwhal(
         f'model = "{MODEL}"\n'
         + engines_toml([p_url], [d_url])
         + "[serving]\nmax_inflight = 20000\n"
-        # the peers have no first-token timeout: measure routing, not our 2.5 s default
-        "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n",
+        # the peers have no first-token timeout: measure routing, not our 2.5 s default;
+        # the engines' 480 s KV lease (start_engines), stated on this side too
+        "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n"
+        f"kv_lease_s = {BENCH_KV_LEASE_S}\n",
         tmp,
         name=name,
         root=root,
@@ -508,10 +511,17 @@ TARGETS = [
 def start_engines(scenario: Scenario, tmp: Path) -> tuple[list[Proc], str, str]:
     procs, urls = [], []
     for role in ("prefill", "decode"):
-        # vLLM's KV lease (480 s), which the router assumes by default (engine.kv_lease_s),
-        # not the fake engine's 30 s test default: at 9,000 streams on a slow machine a
-        # handoff waits longer than 30 s for its decode, and a vLLM producer still holds it
-        args = ["--itl-s", str(scenario.itl_s), "--max-model-len", "65536", "--kv-lease-s", "480"]
+        # a long KV lease on both sides (the router's fleet file says the same, start_narwhal),
+        # not vLLM 0.32's 30 s default: at 9,000 streams on a slow machine a handoff waits
+        # longer than 30 s for its decode, and the bench measures routing, not lease expiry
+        args = [
+            "--itl-s",
+            str(scenario.itl_s),
+            "--max-model-len",
+            "65536",
+            "--kv-lease-s",
+            str(BENCH_KV_LEASE_S),
+        ]
         proc, url = start_fake_engine(role, args, tmp / f"engine-{role}.log")
         procs.append(proc)
         urls.append(url)

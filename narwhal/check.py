@@ -18,9 +18,10 @@ from narwhal.router.discovery import resolve_once
 
 
 async def check_fleet(
-    fleet: FleetConfig, *, leg_timeout_s: float | None = None
+    fleet: FleetConfig, *, leg_timeout_s: float | None = None, lease_from: str | None = None
 ) -> tuple[list[str], bool]:
-    """The report lines, and whether every engine and every transfer passed."""
+    """The report lines, and whether every engine and every transfer passed.
+    ``lease_from``: the fleet file that sets ``engine.kv_lease_s`` (None: the default)."""
     timeout = fleet.engine.health_timeout_s
     legs = leg_timeout_s or max(fleet.engine.first_token_timeout_s, 5.0)
     # the engines are spoken to as the router speaks to them: its bearer token, its CA file
@@ -85,6 +86,7 @@ async def check_fleet(
     finally:
         await client.aclose()
     engines_ok = sum(reachable.values())
+    lines.append(lease_line(fleet, lease_from))
     warning = lease_warning(fleet)
     if warning:
         lines.append(warning)
@@ -96,6 +98,22 @@ async def check_fleet(
         f"{passed}/{len(pairs)} transfers moved KV"
     )
     return lines, ok
+
+
+def lease_line(fleet: FleetConfig, lease_from: str | None) -> str:
+    """The KV lease the router enforces and where it came from: a lease longer than the
+    engines' lets stale reads through silently, so an operator should see which one holds."""
+    engine = fleet.engine
+    where = (
+        f"set in {lease_from}"
+        if lease_from is not None
+        else "the default, vLLM 0.32's kv_lease_duration default; set it to your engines' "
+        "value if they set theirs"
+    )
+    return (
+        f"engine.kv_lease_s = {engine.kv_lease_s:g}s ({where}): no descriptor older than "
+        f"{engine.lease_limit_s:g}s is sent to a consumer"
+    )
 
 
 def lease_warning(fleet: FleetConfig) -> str | None:

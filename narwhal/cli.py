@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from narwhal.core.config import ConfigError, FleetConfig, parse_config
+from narwhal.core.config import ConfigError, FleetConfig, parse_config, sets_key
 from narwhal.logs import LogFormat
 
 if TYPE_CHECKING:
@@ -445,7 +445,8 @@ def _check(args: argparse.Namespace) -> int:
     from narwhal.check import check_fleet
 
     fleet = load_fleet(args.config)
-    lines, ok = trio.run(check_fleet, fleet)
+    lease_from = args.config if sets_key(args.config, "engine", "kv_lease_s") else None
+    lines, ok = trio.run(partial(check_fleet, fleet, lease_from=lease_from))
     print("\n".join(lines))
     return 0 if ok else EXIT_CHECK_FAILED
 

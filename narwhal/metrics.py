@@ -231,6 +231,11 @@ class Metrics:
             "Orphaned handoffs left to the producer's lease, by why no reclaim leg was sent.",
             ("reason",),
         )
+        self.reclaim_retries = counter(
+            "narwhal_reclaim_retries",
+            "Reclaim legs sent to a second consumer after the first one's connection failed "
+            "before the request was sent (at most one per orphan).",
+        )
         self.reclaim_seconds = histogram(
             "narwhal_reclaim_seconds",
             "Reclaim legs: orphan taken from the queue to the consumer's answer.",

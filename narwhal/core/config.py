@@ -70,6 +70,7 @@ class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 LEASE_SLACK = 0.05  # of the KV lease, kept unused at its end
+DEFAULT_KV_LEASE_S = 30.0  # vLLM 0.32's kv_lease_duration default (SPEC 2)
 
 
 class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -81,8 +82,10 @@ class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):
     max_connections: PositiveInt = 512
     ca_file: str = ""  # CA bundle for https:// engines; "" = the system trust store
     health_interval_s: PositiveFloat = 5.0  # active /health of every engine, idle or not
-    # the producers' lease: vLLM 0.32's kv_lease_duration, VLLM_NIXL_ABORT_REQUEST_TIMEOUT before
-    kv_lease_s: PositiveFloat = 480.0
+    # the producers' lease: vLLM 0.32's kv_lease_duration (30 s unless the engines set it;
+    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s, before). A default above the engines' would
+    # send descriptors whose blocks are already freed: a wrong answer with no error
+    kv_lease_s: PositiveFloat = DEFAULT_KV_LEASE_S
     reclaim_orphans: bool = True
 
     @property
@@ -186,6 +189,19 @@ def parse_config(raw: bytes, *, fmt: str, source: str = "<fleet>") -> FleetConfi
     if problems or fleet is None:
         raise ConfigError(source, problems)
     return fleet
+
+
+def sets_key(path: str | Path, section: str, key: str) -> bool:
+    """Whether the fleet file at ``path`` sets ``[section] key`` itself (False: the value in
+    force is the default). For reports such as ``narwhal check``; the file is not validated
+    here (``load_config`` does that), and one that cannot be read sets nothing."""
+    path = Path(path)
+    try:
+        doc = _decode_document(path.read_bytes(), path.suffix.lstrip(".").lower(), str(path))
+    except (OSError, ConfigError):
+        return False
+    table = doc.get(section)
+    return isinstance(table, dict) and key in table
 
 
 def _decode_document(raw: bytes, fmt: str, source: str) -> dict[str, Any]:

@@ -14,11 +14,18 @@ consumer) or ``orphaned`` (no decode will read it). Each one not decoded then ge
 reclaim outcome: ``reclaimed``, ``reclaim_failed`` or ``reclaim_dropped`` (not sent: too
 near its lease, no consumer free, the queue full, shutdown). With
 ``engine.reclaim_orphans`` off it has none: left to the lease.
+
+The reclaim leg's consumer is ``reclaim_plan``'s: never the producer (vLLM frees the blocks
+when a *consumer* refuses the request), never a consumer whose leg with this descriptor
+failed (a stopped or sick one fails the reclaim too, and nothing else would try: the
+producer holds the blocks until its lease), never one the reclaim already failed to reach.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Sequence
 from enum import StrEnum
+from typing import Protocol, TypeVar
 
 from narwhal.core.connector import PrefillResult
 
@@ -50,7 +57,7 @@ def too_old(age: float, *, handoff_timeout_s: float, lease_limit_s: float) -> st
 class Handoff:
     """One descriptor on its way from a producer to a consumer, and where it ended."""
 
-    __slots__ = ("attempt", "fate", "producer", "result", "rid", "started")
+    __slots__ = ("attempt", "failed_consumer", "fate", "producer", "result", "rid", "started")
 
     def __init__(
         self, rid: str, attempt: int, producer: str, result: PrefillResult, started: float
@@ -61,6 +68,7 @@ class Handoff:
         self.result = result
         self.started = started  # when the producer leg started (SPEC 5: handoff age)
         self.fate = Fate.ORPHANED  # until a consumer accepts it, or it is found too old
+        self.failed_consumer: str | None = None  # the consumer whose leg with it failed
 
     def age(self, now: float) -> float:
         return now - self.started
@@ -78,8 +86,8 @@ def reclaim_verdict(
 ) -> str | None:
     """None: send the reclaim leg now; else why it is dropped unsent (a ``DROP_REASONS``).
 
-    ``placeable`` counts the healthy consumers other than the producer, ``free`` those of
-    them with room for one more leg: a reclaim never queues behind client traffic."""
+    ``placeable`` counts the consumers that may take it (``reclaim_candidates``), ``free``
+    those of them with room for one more leg: a reclaim never queues behind client traffic."""
     if handoff.age(now) > limit_s:
         return "lease"  # too near the lease: the read could land after the blocks are freed
     if placeable == 0:
@@ -87,3 +95,51 @@ def reclaim_verdict(
     if free == 0:
         return "saturated"
     return None
+
+
+class Consumer(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def load(self) -> int: ...
+
+
+C = TypeVar("C", bound=Consumer)
+
+
+def reclaim_candidates(
+    handoff: Handoff, consumers: Sequence[C], *, tried: Collection[str] = ()
+) -> list[C]:
+    """The placeable consumers that may take this descriptor's reclaim leg, in fleet order:
+    not its producer, not the consumer whose leg with it failed, none already tried."""
+    barred = {handoff.producer, *tried}
+    if handoff.failed_consumer is not None:
+        barred.add(handoff.failed_consumer)
+    return [c for c in consumers if c.id not in barred]
+
+
+def reclaim_plan(
+    handoff: Handoff,
+    now: float,
+    *,
+    limit_s: float,
+    consumers: Sequence[C],
+    has_room: Callable[[C], bool],
+    paired: Collection[tuple[str, str]],
+    tried: Collection[str] = (),
+) -> C | str:
+    """Where this orphan's reclaim leg goes, or why it is dropped (a ``DROP_REASONS``).
+
+    ``consumers`` are the placeable ones (healthy, or held in as the last of their role);
+    ``tried`` the consumers the reclaim already failed to reach. A consumer that already
+    moved KV from this producer comes first (its NIXL handshake is done, it sends the
+    release at once; a cold one opens the handshake first), then the least loaded; ties go
+    to the first in fleet order."""
+    candidates = reclaim_candidates(handoff, consumers, tried=tried)
+    free = [c for c in candidates if has_room(c)]
+    reason = reclaim_verdict(
+        handoff, now, limit_s=limit_s, placeable=len(candidates), free=len(free)
+    )
+    if reason is not None:
+        return reason
+    return min(free, key=lambda c: ((handoff.producer, c.id) not in paired, c.load))

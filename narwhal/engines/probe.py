@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 import trio
 
+from narwhal.core.connector import PrefillResult
 from narwhal.core.faults import RequestFault
 from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.stream.rules import Fault, Finish, StreamRelay
@@ -30,6 +31,11 @@ class HandoffResult(msgspec.Struct):
     first_token_s: float | None = None  # from the start of the decode leg
     failed_side: Side | None = None
     error: str | None = None
+    # a descriptor no decode leg took (the consumer failed before accepting it): it pins
+    # KV on the producer until its lease unless the caller has it reclaimed
+    orphan: PrefillResult | None = None
+    request_id: str = ""  # the probe's backend id stem (``<id>-prefill``, ``<id>-decode``)
+    started: float = 0.0  # when the prefill leg started: the descriptor's age counts from it
 
 
 def probe_prompt(engine_id: str) -> str:
@@ -68,22 +74,29 @@ async def crossed_handoff(
     prefill_s = trio.current_time() - start
     decode_start = trio.current_time()
     first: list[float] = []
+    accepted = False  # the consumer answered the decode leg: reading the KV is its job
+    error: str | None = None
+    tokens = 0
     with trio.move_on_after(leg_timeout_s) as decode_clock:
         try:
             async with client.decode(
                 consumer_url, "/v1/completions", body, result, request_id=f"{rid}-decode"
             ) as stream:
+                accepted = True
                 tokens = await count_tokens(stream, lambda: first.append(trio.current_time()))
         except RequestFault as fault:
-            return HandoffResult(
-                ok=False, prefill_s=prefill_s, failed_side="consumer", error=fault.message
-            )
+            error = fault.message
     if decode_clock.cancelled_caught:
+        error = f"decode gave no complete stream within {leg_timeout_s:g}s"
+    if decode_clock.cancelled_caught or error is not None:
         return HandoffResult(
             ok=False,
             prefill_s=prefill_s,
             failed_side="consumer",
-            error=f"decode gave no complete stream within {leg_timeout_s:g}s",
+            error=error,
+            orphan=None if accepted else result,
+            request_id=rid,
+            started=start,
         )
     return HandoffResult(
         ok=True,

@@ -208,6 +208,8 @@ class FakeEngine:
             "role": self.config.role,
             "counters": dict(self.counters),
             "kv_leases_active": len(self.store.leases),
+            # of which handed out intact: KV pending a decode or a reclaim
+            "kv_leases_pending": len(self.store.pending()),
             "running": self.running - self.waiting,
             "waiting": self.waiting,
             "prefix_cache": {
@@ -491,9 +493,10 @@ class FakeEngine:
                 plan = answers.stream_plan(ask, shapes, answers.samples(ask))
             await self._stream(shapes, plan, prompt_tokens, ex, fault, entry)
             return
-        descriptor = self._produce(resp_id, prompt_tokens, chat) if produce else None
-        if descriptor is not None and fault is not None:
-            descriptor = _corrupt(descriptor, fault)
+        issued = self._produce(resp_id, prompt_tokens, chat, backend_id) if produce else None
+        descriptor = issued
+        if issued is not None and fault is not None:
+            descriptor = _corrupt(issued, fault)
         choices = answers.samples(ask)
         tokens = sum(len(c.tokens) for c in choices)
         self.counters["generation_tokens"] += tokens
@@ -503,6 +506,8 @@ class FakeEngine:
             return
         await ex.respond(200, response)
         entry["tokens"] = tokens
+        if issued is not None and descriptor is issued:
+            self.store.delivered(issued["remote_request_id"])
 
     async def _prompt(
         self, body: dict[str, Any], chat: bool, prompt_tokens: int, kv: dict[str, Any] | None
@@ -532,11 +537,11 @@ class FakeEngine:
         if delay > 0:
             await trio.sleep(delay)
 
-    def _produce(self, resp_id: str, prompt_tokens: int, chat: bool) -> dict[str, Any]:
+    def _produce(self, resp_id: str, prompt_tokens: int, chat: bool, origin: str) -> dict[str, Any]:
         """Hold the prompt's blocks under a lease; the descriptor exactly as vLLM 0.32 writes it."""
         suffix = secrets.token_hex(4)
         remote_request_id = f"{resp_id}-{suffix}" if chat else f"{resp_id}-0-{suffix}"
-        lease = self.store.issue(remote_request_id, prompt_tokens)
+        lease = self.store.issue(remote_request_id, prompt_tokens, origin=origin)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -25,6 +25,10 @@ class Lease(msgspec.Struct):
     request_id: str
     block_ids: list[list[int]]
     expires_at: float
+    origin: str = ""  # the x-request-id of the prefill leg that produced it
+    # its descriptor went out intact in a whole response: a router holds a valid handoff
+    # for these blocks, and only a decode or a reclaim (or the lease) frees them
+    delivered: bool = False
 
 
 class PullRequest(msgspec.Struct):
@@ -55,13 +59,16 @@ class KVStore:
         self._next_block = itertools.count(1)
         self.events: list[dict[str, Any]] = []
 
-    def issue(self, request_id: str, prompt_tokens: int, block_size: int = 16) -> Lease:
+    def issue(
+        self, request_id: str, prompt_tokens: int, block_size: int = 16, *, origin: str = ""
+    ) -> Lease:
         self.expire()
         count = max(1, -(-prompt_tokens // block_size))
         lease = Lease(
             request_id,
             [[next(self._next_block) for _ in range(count)]],
             trio.current_time() + self.lease_s,
+            origin,
         )
         self.leases[request_id] = lease
         self.counters["kv_leases_issued"] += 1
@@ -94,6 +101,18 @@ class KVStore:
     @staticmethod
     def blocks_of(lease: Lease) -> int:
         return sum(len(group) for group in lease.block_ids)
+
+    def delivered(self, request_id: str) -> None:
+        """The lease's descriptor reached the client whole and intact."""
+        lease = self.leases.get(request_id)
+        if lease is not None:
+            lease.delivered = True
+
+    def pending(self) -> list[Lease]:
+        """Live leases whose descriptor went out intact: KV a router could still have
+        decoded or reclaimed, held until the lease runs out otherwise."""
+        self.expire()
+        return [lease for lease in self.leases.values() if lease.delivered]
 
     def blocks_held(self) -> int:
         """Blocks under a live lease: KV a producer keeps for a consumer (expired leases

@@ -385,6 +385,9 @@ class RequestRun(RunRecord):
             try:
                 await self._decode(consumer, result if crossed else None, handoff)
             except RequestFault as fault:
+                # its reclaim goes elsewhere: a consumer that just failed this descriptor
+                # (stopped, refusing, sick) would most likely fail the reclaim too
+                handoff.failed_consumer = consumer.id
                 health.failure(consumer, fault, "decode", producer if crossed else None)
                 raise
         finally:

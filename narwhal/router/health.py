@@ -31,11 +31,13 @@ from narwhal.core.breaker import BreakerState, ProbeOutcome
 from narwhal.core.config import FleetConfig
 from narwhal.core.faults import BreakerClass, RequestFault
 from narwhal.core.fleet import EngineState, Fleet, Leg
+from narwhal.core.handoff import Fate, Handoff
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
 from narwhal.logs import log_event
 from narwhal.metrics import Metrics
 from narwhal.router.journal import Journal
+from narwhal.router.reclaim import Reclaimer
 
 log = logging.getLogger("narwhal.health")
 _ROUTINE = frozenset({"probe", "readmitted", "held_in_ended", "joined"})
@@ -49,6 +51,7 @@ class HealthHost(Protocol):
     fleet: Fleet
     metrics: Metrics
     journal: Journal
+    reclaimer: Reclaimer
 
 
 class BackgroundUnavailable(RuntimeError):
@@ -320,7 +323,7 @@ class Health:
         self.probe_handoffs += 1
         try:
             async with fleet.reserve(producer, "prefill"), fleet.reserve(consumer, "decode"):
-                return await crossed_handoff(
+                result = await crossed_handoff(
                     self.router.client,
                     config.model,
                     producer.url,
@@ -331,6 +334,26 @@ class Health:
                 )
         finally:
             self.probe_handoffs -= 1
+        self._settle_probe_handoff(result, producer, consumer)
+        return result
+
+    def _settle_probe_handoff(
+        self, result: HandoffResult, producer: EngineState, consumer: EngineState
+    ) -> None:
+        """A probe's descriptor is counted like a client's; one its consumer failed before
+        accepting pins KV as any orphan does (a failing engine is probed every
+        ``readmit_interval_s``), so it is reclaimed on another consumer the same way."""
+        if result.failed_side == "producer":
+            return  # no descriptor
+        metrics = self.router.metrics
+        metrics.handoffs_of("produced").inc()
+        if result.orphan is None:
+            metrics.handoffs_of(Fate.DECODED.value).inc()
+            return
+        metrics.handoffs_of(Fate.ORPHANED.value).inc()
+        handoff = Handoff(result.request_id, 1, producer.id, result.orphan, result.started)
+        handoff.failed_consumer = consumer.id
+        self.router.reclaimer.submit(handoff)
 
     # ---- lifecycle validation (engine contract) ------------------------------------------
 

@@ -7,10 +7,13 @@ and no compute. The queue and its workers belong to the server's background nurs
 to the request that left the orphan behind: that request is gone (its client left, its
 deadline passed, its attempt failed), and its cancellation must not reach the reclaim.
 ``submit`` never blocks and never raises, so a request's ``finally`` can call it while
-being cancelled. Each leg is bounded by ``engine.first_token_timeout_s``, goes to a healthy
-consumer with room (one that already moved KV from that producer first), never feeds the
-breaker or the client metrics, and runs at most once per descriptor. The verdicts are
-``narwhal.core.handoff``'s.
+being cancelled. Each leg is bounded by ``engine.first_token_timeout_s``, goes to a
+placeable consumer with room other than the producer and the consumer whose leg failed
+(one that already moved KV from that producer first), never feeds the breaker or the client
+metrics, and runs at most once per descriptor: a consumer whose connection fails before the
+request was sent never saw it, so it goes once more to another consumer (counted), never a
+third time. Where it goes, or why it is dropped, is ``narwhal.core.handoff``'s
+``reclaim_plan``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from typing import Protocol
 import trio
 
 from narwhal.core.config import FleetConfig
-from narwhal.core.faults import EngineFault
+from narwhal.core.faults import ConnectTimeout, EngineFault, EngineUnreachable
 from narwhal.core.fleet import EngineState, Fleet
-from narwhal.core.handoff import Fate, Handoff, reclaim_verdict
+from narwhal.core.handoff import Fate, Handoff, reclaim_plan
 from narwhal.engines.client import EngineClient
 from narwhal.logs import log_event
 from narwhal.metrics import Metrics
@@ -103,41 +106,55 @@ class Reclaimer:
                     self._settled()
 
     async def reclaim(self, handoff: Handoff) -> Fate:
-        """One orphan: its reclaim leg, or the reason it is dropped unsent."""
+        """One orphan: its reclaim leg (and at most one more after a refused connection),
+        or the reason it is dropped unsent."""
         host = self.host
-        engine_cfg = host.config.engine
-        now = trio.current_time()
-        healthy, held_in = host.fleet.placeable("decode", now)
-        candidates = [] if held_in else [e for e in healthy if e.id != handoff.producer]
-        free = [e for e in candidates if host.client.limiter(e.url).available_tokens > 0]
-        reason = reclaim_verdict(
-            handoff,
-            now,
-            limit_s=engine_cfg.lease_limit_s,
-            placeable=len(candidates),
-            free=len(free),
-        )
-        if reason is not None:
-            return self._drop(handoff, reason)
-        # a consumer that already moved KV from this producer sends the release at once; a
-        # cold one first opens its NIXL handshake, and an idle one may sit on the notice
-        paired = host.fleet.paired
-        # ties: the first in fleet order (min keeps the first of equals)
-        consumer = min(free, key=lambda e: ((handoff.producer, e.id) not in paired, e.load))
+        bound_s = host.config.engine.first_token_timeout_s
+        start = trio.current_time()
+        consumer = self._target(handoff, ())
+        if isinstance(consumer, str):
+            return self._drop(handoff, consumer)
         self.inflight += 1
         try:
-            fate = await self._leg(handoff, consumer, engine_cfg.first_token_timeout_s)
+            fate, reached = await self._leg(handoff, consumer, bound_s)
+            if not reached:  # the request never left: another consumer may still take it
+                second = self._target(handoff, (consumer.id,))
+                if not isinstance(second, str):
+                    host.metrics.reclaim_retries.inc()
+                    fate, _ = await self._leg(handoff, second, bound_s)
         finally:
             self.inflight -= 1
         host.metrics.handoffs.labels(fate.value).inc()
-        host.metrics.reclaim_seconds.observe(trio.current_time() - now)
+        host.metrics.reclaim_seconds.observe(trio.current_time() - start)
         return fate
 
-    async def _leg(self, handoff: Handoff, consumer: EngineState, bound_s: float) -> Fate:
+    def _target(self, handoff: Handoff, tried: tuple[str, ...]) -> EngineState | str:
+        """``reclaim_plan`` over the fleet as it stands now: a consumer, or a drop reason."""
+        host = self.host
+        now = trio.current_time()
+        # held-in consumers too: a breaker open for bad decodes says nothing of a refusal
+        # before admission, and the last consumers of a fleet are still the only ones left
+        consumers, _ = host.fleet.placeable("decode", now)
+        return reclaim_plan(
+            handoff,
+            now,
+            limit_s=host.config.engine.lease_limit_s,
+            consumers=consumers,
+            has_room=lambda e: host.client.limiter(e.url).available_tokens > 0,
+            paired=host.fleet.paired,
+            tried=tried,
+        )
+
+    async def _leg(
+        self, handoff: Handoff, consumer: EngineState, bound_s: float
+    ) -> tuple[Fate, bool]:
         """The consumer refuses the reclaim request before admission and, doing so, tells
         the producer to free the blocks (``NixlConnector.reclaim_body``): any answer below
-        500 is that refusal (or, from an engine that served it, a decode that read them)."""
+        500 is that refusal (or, from an engine that served it, a decode that read them).
+        Also whether the request may have reached the consumer: False only when the
+        connection failed before it was sent (refused, or the connect timed out)."""
         problem = f"no answer within {bound_s:g}s"
+        reached = True
         with trio.move_on_after(bound_s):
             try:
                 status = await self.host.client.reclaim(
@@ -145,9 +162,10 @@ class Reclaimer:
                 )
             except EngineFault as fault:
                 problem = fault.message
+                reached = not isinstance(fault, EngineUnreachable | ConnectTimeout)
             else:
                 if status < 500:
-                    return Fate.RECLAIMED
+                    return Fate.RECLAIMED, True
                 problem = f"consumer answered HTTP {status}"
         log_event(
             log,
@@ -155,7 +173,7 @@ class Reclaimer:
             "reclaim leg failed",
             {"request_id": handoff.backend_id, "consumer": consumer.id, "error": problem},
         )
-        return Fate.RECLAIM_FAILED
+        return Fate.RECLAIM_FAILED, reached
 
     def _drop(self, handoff: Handoff, reason: str) -> Fate:
         metrics = self.host.metrics

@@ -56,6 +56,14 @@ async def kv_usage(harness: Harness, engine: str = "p0") -> float:
     raise AssertionError("no vllm:kv_cache_usage_perc")
 
 
+def consumers_of(harness: Harness) -> tuple[str, str]:
+    """(the consumer the only request's decode leg met, the other one of d0 and d1)."""
+    (line,) = harness.router.journal.lines
+    failed = line.attempts[0].consumer
+    assert failed in ("d0", "d1")
+    return failed, "d1" if failed == "d0" else "d0"
+
+
 def expired_reads(harness: Harness) -> int:
     return sum(e.counters["kv_pull_refused_expired"] for e in harness.engines.values())
 
@@ -66,18 +74,22 @@ def expired_reads(harness: Harness) -> int:
 async def test_a_refused_decode_leaves_an_orphan_that_is_reclaimed_at_once(
     nursery: trio.Nursery,
 ) -> None:
-    harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
-    harness.engines["d0"].faults.push(Fault(kind="status", status=503, leg="decode"))
+    harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode", "d1": "decode"})
+    for consumer in ("d0", "d1"):  # whichever the decode meets refuses it
+        harness.engines[consumer].faults.push(Fault(kind="status", status=503, leg="decode"))
     reply = await harness.post("/v1/completions", BODY)
     assert reply.status == 502
     rid = reply.headers["x-request-id"]
     await settled(harness)
-    assert ids(harness, "d0") == [f"{rid}-a1-decode", f"{rid}-a1-reclaim"]
+    failed, other = consumers_of(harness)
+    # the reclaim goes to the other consumer: the one that just refused would refuse again
+    assert ids(harness, failed) == [f"{rid}-a1-decode"]
+    assert ids(harness, other) == [f"{rid}-a1-reclaim"]
     assert held(harness) == 0  # the producer freed the blocks, told by the consumer
     assert await kv_usage(harness) == 0
-    p0, d0 = harness.engines["p0"], harness.engines["d0"]
+    p0, reclaimer = harness.engines["p0"], harness.engines[other]
     assert (p0.counters["kv_released_unread"], p0.counters["kv_released"]) == (1, 0)
-    assert d0.counters["kv_release_sent"] == 1
+    assert reclaimer.counters["kv_release_sent"] == 1
     assert fates(harness) | {} == {
         "produced": 1,
         "decoded": 0,
@@ -89,11 +101,11 @@ async def test_a_refused_decode_leaves_an_orphan_that_is_reclaimed_at_once(
     }
     # the reclaim is a request the consumer refuses before admission: nothing computed,
     # nothing moved, the descriptor passed on untouched
-    leg = d0.log[-1]
+    leg = reclaimer.log[-1]
     assert leg["body"]["model"] == RECLAIM_MODEL
     assert leg["body"]["kv_transfer_params"]["remote_engine_id"] == p0.engine_id
-    assert d0.counters["generation_tokens"] == 0
-    assert d0.counters["kv_pull_ok"] == 0
+    assert reclaimer.counters["generation_tokens"] == 0
+    assert reclaimer.counters["kv_pull_ok"] == 0
     (line,) = harness.router.journal.lines
     assert line.attempts[0].handoff == "orphaned"
     assert harness.router.metrics.registry.get_sample_value("narwhal_reclaim_seconds_count") == 1
@@ -117,14 +129,17 @@ async def test_a_client_gone_after_prefill_leaves_no_kv_behind(nursery: trio.Nur
 async def test_the_deadline_orphan_is_reclaimed(nursery: trio.Nursery) -> None:
     harness = await start_fleet(
         nursery,
-        {"p0": "prefill", "d0": "decode"},
+        {"p0": "prefill", "d0": "decode", "d1": "decode"},
         serving=ServingConfig(graceful_timeout_s=0.5, request_timeout_s=0.4),
         engine=EngineConfig(first_token_timeout_s=0.3),
     )
-    harness.engines["d0"].faults.push(Fault(kind="hang", leg="decode"))
+    for consumer in ("d0", "d1"):
+        harness.engines[consumer].faults.push(Fault(kind="hang", leg="decode"))
     reply = await harness.post("/v1/completions", BODY)
     assert reply.status == 504
     await settled(harness)
+    _, other = consumers_of(harness)
+    assert ids(harness, other)[-1].endswith("-a1-reclaim")
     assert held(harness) == 0
     assert fates(harness)["reclaimed"] == 1
     await finish(harness)
@@ -133,17 +148,18 @@ async def test_the_deadline_orphan_is_reclaimed(nursery: trio.Nursery) -> None:
 async def test_a_fan_out_sibling_that_fails_leaves_no_orphan_behind(
     nursery: trio.Nursery,
 ) -> None:
-    harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
-    # one child's consumer closes the connection 0.3 s in, with both children decoding by
-    # then; the other's hangs until that failure cancels it
-    harness.engines["d0"].faults.push(
-        Fault(kind="script", value=[("sleep", 0.3), ("close", None)]),
-        Fault(kind="hang", leg="decode"),
-    )
+    harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode", "d1": "decode"})
+    # a child's consumer closes the connection 0.3 s in, with both children decoding by
+    # then; a second leg on the same consumer hangs until that failure cancels it
+    for consumer in ("d0", "d1"):
+        harness.engines[consumer].faults.push(
+            Fault(kind="script", value=[("sleep", 0.3), ("close", None)]),
+            Fault(kind="hang", leg="decode"),
+        )
     reply = await harness.post("/v1/completions", {**BODY, "n": 2, "temperature": 0.7})
     assert reply.status == 502
     await settled(harness)
-    reclaims = [i for i in ids(harness, "d0") if i.endswith("-reclaim")]
+    reclaims = [i for c in ("d0", "d1") for i in ids(harness, c) if i.endswith("-reclaim")]
     assert len(reclaims) == 2
     assert len(set(reclaims)) == 2
     assert held(harness) == 0
@@ -223,17 +239,20 @@ async def test_reclaim_off_leaves_the_orphan_to_the_lease(nursery: trio.Nursery)
 async def test_a_failed_reclaim_counts_against_no_breaker_and_no_client_metric(
     nursery: trio.Nursery,
 ) -> None:
-    harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
-    d0 = harness.engines["d0"]
-    d0.faults.push(
-        Fault(kind="status", status=503, leg="decode"), Fault(kind="status", leg="reclaim")
-    )
+    harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode", "d1": "decode"})
+    for consumer in ("d0", "d1"):
+        harness.engines[consumer].faults.push(
+            Fault(kind="status", status=503, leg="decode"), Fault(kind="status", leg="reclaim")
+        )
     assert (await harness.post("/v1/completions", BODY)).status == 502
     await settled(harness)
     assert fates(harness)["reclaim_failed"] == 1
     value = harness.router.metrics.registry.get_sample_value
     # the client's failed decode leg counted once; the failed reclaim not at all
-    assert harness.router.fleet.by_id["d0"].breaker.streak == 1
+    failed, other = consumers_of(harness)
+    assert ids(harness, other)[-1].endswith("-a1-reclaim")
+    assert harness.router.fleet.by_id[failed].breaker.streak == 1
+    assert harness.router.fleet.by_id[other].breaker.streak == 0
     assert (
         value(
             "narwhal_requests_total",
@@ -330,10 +349,15 @@ def test_check_warns_when_the_leases_disagree() -> None:
         base, engine_contract=EngineContract(engine_version="0.32.0", kv_lease_s=60.0)
     )
     assert lease_warning(base) is None  # nothing pinned: nothing to compare
-    warning = lease_warning(pinned)  # ours is the 480 s default
+    warning = lease_warning(pinned)  # ours is the 30 s default, vLLM 0.32's
+    assert warning is not None
+    assert "30s" in warning
+    assert "60s" in warning
+    assert "refused" in warning
+    longer = msgspec.structs.replace(pinned, engine=EngineConfig(kv_lease_s=480.0))
+    warning = lease_warning(longer)
     assert warning is not None
     assert "480s" in warning
-    assert "60s" in warning
     assert "freed" in warning
     same = msgspec.structs.replace(pinned, engine=EngineConfig(kv_lease_s=60.0))
     assert lease_warning(same) is None

@@ -529,7 +529,7 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
             f"after {DRAIN_S:g}s: {reserved} reservations, {busy} busy, {tasks} tasks, "
             f"{slots} admission slots"
         )
-    stranded, fates = _stranded_kv(h)
+    stranded, fates, excused = _stranded_kv(h)
     leaks = f"{reserved}/{busy}/{tasks}/{slots}/{stranded}"
     if fates:
         problems.append(fates)
@@ -578,6 +578,8 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
         if count:
             problems.append(f"{count} {name}")
     extra = _expectation(h, sc, problems) or await _front_door(h, sc, results, problems)
+    if excused:
+        extra = f"{extra}; {excused}" if extra else excused
     return Report(
         sc.name,
         len(results),
@@ -597,14 +599,24 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
     )
 
 
-def _stranded_kv(h: Harness) -> tuple[int, str]:
-    """KV blocks the producers still hold once the router is idle (leases not yet run out),
-    and a problem when the handoff fates do not add up (invariant 7): every descriptor
-    decoded, expired or orphaned, and every one not decoded reclaimed, or its reclaim
-    failed or dropped (counted), never forgotten."""
-    now = trio.current_time()
+# reclaim drops that leave a descriptor to its lease because no consumer could take it
+_NO_TAKER = ("lease", "no_consumer", "saturated")
+
+
+def _stranded_kv(h: Harness) -> tuple[int, str, str]:
+    """(valid descriptors stranded, a problem, why the stranded ones are excused).
+
+    Stranded: KV a producer still holds once the router is idle (lease not run out) for a
+    descriptor it handed out intact and the router held as a valid handoff (the journal's
+    attempt has a fate; a probe's counts too). Every one of those must have been decoded or
+    reclaimed (invariant 7), unless no consumer could take its reclaim (dropped for the
+    lease, no consumer, or saturation: counted, and the scenario says so). KV behind an
+    invalid descriptor, a cut response or a cancelled prefill is no router's to free.
+    Also a problem: handoff fates that do not add up (every descriptor decoded, expired or
+    orphaned, and every one not decoded reclaimed, or its reclaim failed or dropped)."""
+    lines = {line.request_id: line for line in h.router.journal.lines}
     stranded = sum(
-        1 for e in h.engines.values() for lease in e.store.leases.values() if lease.expires_at > now
+        1 for e in h.engines.values() for lease in e.store.pending() if _held(lease.origin, lines)
     )
     value = h.router.metrics.registry.get_sample_value
 
@@ -621,8 +633,33 @@ def _stranded_kv(h: Harness) -> tuple[int, str]:
             stranded,
             f"handoff fates do not add up: {produced} produced, {left} left, "
             f"{reclaim} reclaim outcomes",
+            "",
         )
-    return stranded, ""
+    drops = {r: int(value("narwhal_reclaim_dropped_total", {"reason": r}) or 0) for r in _NO_TAKER}
+    no_taker = sum(drops.values())
+    if stranded > no_taker:
+        return (
+            stranded,
+            f"{stranded} valid descriptors stranded on the producers, {no_taker} of them "
+            f"with no consumer to take their reclaim ({drops})",
+            "",
+        )
+    if stranded:
+        given = ", ".join(f"{r} {n}" for r, n in drops.items() if n)
+        return stranded, "", f"{stranded} stranded: no consumer could take a reclaim ({given})"
+    return 0, "", ""
+
+
+def _held(origin: str, lines: dict[str, Any]) -> bool:
+    """Whether the router held the descriptor of the prefill leg ``origin`` as valid: a
+    client attempt's journal entry records its fate; a probe's crossed handoff always."""
+    if origin.startswith("probe-"):
+        return True
+    stem, _, attempt = origin.removesuffix("-prefill").rpartition("-a")
+    line = lines.get(stem)
+    if line is None or not attempt.isdigit() or int(attempt) > len(line.attempts):
+        return False
+    return line.attempts[int(attempt) - 1].handoff is not None
 
 
 def _legs(engines: Any) -> list[dict[str, Any]]:

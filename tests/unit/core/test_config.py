@@ -58,7 +58,7 @@ def test_every_default() -> None:
         "max_connections": 512,
         "ca_file": "",
         "health_interval_s": 5.0,
-        "kv_lease_s": 480.0,
+        "kv_lease_s": 30.0,
         "reclaim_orphans": True,
     }
     assert msgspec.structs.asdict(fleet.recovery) == {

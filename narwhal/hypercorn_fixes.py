@@ -113,6 +113,12 @@ class DirectBody:
     async def write_rest(self) -> None:
         await self._conn.write_rest()
 
+    def delivered(self) -> bool:
+        """False once a write to the client failed or was abandoned (``ClientConnection``
+        swallows the error and closes the stream)."""
+        conn = self._conn
+        return not (conn.aborted or conn.write_failed)
+
     def cork(self) -> None:
         self._conn.cork()
 

@@ -123,6 +123,14 @@ class AsgiSink:
             {"type": "http.response.body", "body": body},
         )
 
+    def delivered(self) -> bool:
+        """False once a write to the connection broke (the client reset or closed it): what
+        was written since did not reach the client whole. The server swallows such a
+        failure, so only the connection can tell. Off hypercorn's HTTP/1.1 stream a broken
+        write raises instead, and this is True."""
+        direct = self._direct
+        return direct is None or direct.delivered()
+
     async def _corked(self, *messages: Message) -> None:
         """The messages through the ASGI send, their writes in one: the connection only
         collects the bytes until ``uncork``. The end's path has one checkpoint (hypercorn

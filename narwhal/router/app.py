@@ -203,6 +203,17 @@ async def respond_and_close(
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def _at_max_inflight(router: Router) -> str:
+    total = router.config.serving.max_inflight
+    if router.worker_count == 1:
+        return f"router is at max_inflight={total}; retry later"
+    share, count = router.inflight_limit(), router.worker_count
+    return (
+        f"router is at max_inflight={total} (this worker's share: {share}, "
+        f"of {count} workers); retry later"
+    )
+
+
 async def _linger(receive: Receive) -> None:
     dropped = 0
     with trio.move_on_after(LINGER_TIME_S):
@@ -421,11 +432,8 @@ class RouterApp:
                     "POST /narwhal/lifecycle/readmit once the fleet is back",
                     phase=Phase.ADMISSION,
                 )
-            if router.admitted >= serving.max_inflight:
-                raise Overloaded(
-                    f"router is at max_inflight={serving.max_inflight}; retry later",
-                    phase=Phase.ADMISSION,
-                )
+            if router.admitted >= router.inflight_limit():
+                raise Overloaded(_at_max_inflight(router), phase=Phase.ADMISSION)
             req = parse_request(
                 raw, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
             )

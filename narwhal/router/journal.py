@@ -245,7 +245,7 @@ class Journal:
                 done, error = _append_whole(fd, full) if regular else _write_all(fd, full)
                 if error is not None:
                     self._drop(1, f"cannot write ({error})")
-                if done:  # a line left in part (a pipe): the next line starts afresh
+                if done:  # a line left in part (a pipe, or no cut back): the next starts afresh
                     torn = full[done - 1] != 0x0A
                 with self._progress:
                     self._done = taken

@@ -384,8 +384,13 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_workers(args: argparse.Namespace, fleet: FleetConfig, hc: HypercornConfig) -> int:
     """``--workers N``: the parent (``narwhal.workers.Supervisor``) binds one listener per
     worker and supervises them; the workers are ``worker_main``."""
+    from narwhal.router.service import check_workers
     from narwhal.workers import Supervisor, WorkerSpec, bind_worker_sockets
 
+    try:
+        check_workers(fleet, args.workers, args.config)
+    except ConfigError as exc:
+        raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
     try:
         listeners = bind_worker_sockets(hc, args.workers)
     except (OSError, UnicodeError, ValueError) as exc:
@@ -435,6 +440,7 @@ def worker_main() -> int:
             router = Router(fleet, journal=journal, config_path=spec.config)
         except ConfigError as exc:
             raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
+        router.worker_index, router.worker_count = spec.index, spec.count
     except StartupError as exc:
         print(exc.message, file=sys.stderr, flush=True)
         return exc.status

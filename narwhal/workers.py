@@ -54,7 +54,7 @@ from narwhal.core.config import ConfigError, FleetConfig, load_config
 from narwhal.core.faults import error_json
 from narwhal.frontdoor.server import hypercorn_config, serve
 from narwhal.logs import announce, log_event
-from narwhal.router.service import Router
+from narwhal.router.service import Router, check_workers
 
 log = logging.getLogger("narwhal.workers")
 
@@ -554,7 +554,7 @@ class ParentLink:
         try:
             if path is None:
                 raise ConfigError("<none>", ["the router was not started from a fleet file"])
-            load_config(path)
+            check_workers(load_config(path), self.count, path)  # refused here, not by each
         except ConfigError as exc:
             body = error_json(400, exc.render(), "invalid_fleet_file", problems=exc.problems)
             return 400, body

@@ -451,6 +451,7 @@ class ClientConnection(TCPServer):
         self._rest: bytes | memoryview | None = None  # what write_nowait left to write_rest
         self._rest_state = _REST_NONE
         self.aborted = False  # _abort closed it: no disconnect is told for it
+        self.write_failed = False  # a write broke (reset, closed): later bytes never arrive
         # hypercorn's trio.Lock, owner-free: a write that the stream reactor's task began
         # (write_nowait) may leave its rest to the request's task (write_rest)
         self._lock = SendLock()
@@ -600,6 +601,7 @@ class ClientConnection(TCPServer):
         try:
             await self._write(event.data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self.write_failed = True
             await self.protocol.handle(Closed())
 
     def cork(self) -> None:
@@ -666,6 +668,7 @@ class ClientConnection(TCPServer):
             elif state == _REST_BROKEN:
                 raise trio.BrokenResourceError
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self.write_failed = True
             await self.protocol.handle(Closed())
 
     async def _write(self, data: bytes) -> None:

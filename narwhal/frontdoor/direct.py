@@ -38,6 +38,9 @@ class Connection(Protocol):
     """The writes of ``narwhal.frontdoor.connection.ClientConnection`` that ``DirectBody``
     uses."""
 
+    aborted: bool  # the connection closed it: a write was cut
+    write_failed: bool  # a write broke (reset, closed): later bytes never arrive
+
     def write_nowait(self, data: bytes) -> bool: ...
     async def write_rest(self) -> None: ...
     def cork(self) -> None: ...
@@ -100,6 +103,12 @@ class DirectBody:
 
     async def write_rest(self) -> None:
         await self._conn.write_rest()
+
+    def delivered(self) -> bool:
+        """False once a write to the client failed or was abandoned (``ClientConnection``
+        swallows the error and closes the stream)."""
+        conn = self._conn
+        return not (conn.aborted or conn.write_failed)
 
     def cork(self) -> None:
         self._conn.cork()

@@ -124,6 +124,14 @@ class AsgiSink:
             {"type": "http.response.body", "body": body},
         )
 
+    def delivered(self) -> bool:
+        """False once a write to the connection broke (the client reset or closed it): what
+        was written since did not reach the client whole. The server swallows such a
+        failure, so only the connection can tell. Off hypercorn's HTTP/1.1 stream a broken
+        write raises instead, and this is True."""
+        direct = self._direct
+        return direct is None or direct.delivered()
+
     async def _corked(self, *messages: Message) -> None:
         """The messages through the ASGI send, their writes in one: the connection only
         collects the bytes until ``uncork``. The end's path has one checkpoint (hypercorn
@@ -194,6 +202,17 @@ async def respond_and_close(
     if linger:
         await _linger(receive)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _at_max_inflight(router: Router) -> str:
+    total = router.config.serving.max_inflight
+    if router.worker_count == 1:
+        return f"router is at max_inflight={total}; retry later"
+    share, count = router.inflight_limit(), router.worker_count
+    return (
+        f"router is at max_inflight={total} (this worker's share: {share}, "
+        f"of {count} workers); retry later"
+    )
 
 
 async def _linger(receive: Receive) -> None:
@@ -414,11 +433,8 @@ class RouterApp:
                     "POST /narwhal/lifecycle/readmit once the fleet is back",
                     phase=Phase.ADMISSION,
                 )
-            if router.admitted >= serving.max_inflight:
-                raise Overloaded(
-                    f"router is at max_inflight={serving.max_inflight}; retry later",
-                    phase=Phase.ADMISSION,
-                )
+            if router.admitted >= router.inflight_limit():
+                raise Overloaded(_at_max_inflight(router), phase=Phase.ADMISSION)
             req = parse_request(
                 raw, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
             )

@@ -70,6 +70,7 @@ class ClientSink(Protocol):
     async def send(self, data: bytes) -> None: ...
     async def end(self, data: bytes = b"") -> None: ...
     async def respond_json(self, status: int, body: bytes) -> None: ...
+    def delivered(self) -> bool: ...  # False: a write broke (the client left); bytes lost
 
 
 class RouterState(Protocol):
@@ -135,13 +136,25 @@ class RunRecord:
     @contextmanager
     def last_write(self) -> Iterator[None]:
         """Around the write of the answer's end, which comes after the request is finished
-        (``Input.DONE``): if the deadline or the drain cuts it, ``fail`` records the fault
+        (``Input.DONE``). The request is completed only once its last byte is written: a
+        client that leaves while that write waits (the server swallows the broken write,
+        and a finished request's disconnect cancels nothing) is a cancelled request. If
+        the deadline or the drain cuts the write, ``fail`` records that fault instead
         (the client did not get the whole answer), though it can tell the client nothing."""
         try:
             yield
         except BaseException:
             self.cut = True
+            self._left()  # until ``fail`` says which fault cut it, if one did
             raise
+        if not self.sink.delivered():
+            self._left()
+
+    def _left(self) -> None:
+        """The client did not get the whole answer: cancelled, with no status, as a client
+        gone mid-stream is."""
+        self.outcome, self.status = "cancelled", None
+        self.cancelled_in = self.phase
 
     async def fail(self, fault: RequestFault) -> None:
         """Tell the client: JSON before the commit point, one terminal event after it."""

@@ -246,6 +246,9 @@ class _ChildSink:
     async def end(self, data: bytes = b"") -> None:
         await self.parent.child_output(self.k, data)
 
+    def delivered(self) -> bool:
+        return True  # to the parent's merge; whether the client got it is the parent's
+
     async def respond_json(self, status: int, body: bytes) -> None:
         if status == 200:
             self.parent.child_answer(self.k, body)

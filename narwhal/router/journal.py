@@ -10,14 +10,19 @@ and counted (``dropped``, and ``narwhal_journal_dropped_total`` once ``count_dro
 wired). A full disk or a stalled pipe therefore costs journal lines, never a request, an
 admission slot or the event loop. ``reopen`` makes the writer open the path again before
 its next line (logrotate's move, then SIGHUP).
+
+A regular file holds whole lines only: a line the disk took in part (a short write, then
+``ENOSPC``) is cut off again (``_append_whole``), so every line of the file parses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -222,7 +227,8 @@ class Journal:
 
     def _run(self, fd: int) -> None:
         taken = 0  # lines taken off the queue, in the order they were put
-        torn = False  # a line was written in part: start the next one on a fresh line
+        torn = False  # a line was left in part: start the next one on a fresh line
+        regular = _is_regular(fd)
         try:
             while True:
                 data = self._queue.get()
@@ -234,15 +240,12 @@ class Journal:
                 taken += 1
                 opened = self._reopen_if_asked(fd, taken)
                 if opened != fd:
-                    fd, torn = opened, False
+                    fd, torn, regular = opened, False, _is_regular(opened)
                 full = b"\n" + data if torn else data
-                done = 0
-                try:
-                    while done < len(full):
-                        done += os.write(fd, full[done:])
-                except OSError as exc:
-                    self._drop(1, f"cannot write ({exc})")
-                if done:  # a short write leaves the file mid-line: the next line starts afresh
+                done, error = _append_whole(fd, full) if regular else _write_all(fd, full)
+                if error is not None:
+                    self._drop(1, f"cannot write ({error})")
+                if done:  # a line left in part (a pipe, or no cut back): the next starts afresh
                     torn = full[done - 1] != 0x0A
                 with self._progress:
                     self._done = taken
@@ -277,3 +280,66 @@ class Journal:
         with contextlib.suppress(OSError):
             os.close(fd)
         return new
+
+
+def _is_regular(fd: int) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def _write_all(fd: int, data: bytes) -> tuple[int, OSError | None]:
+    """(bytes of ``data`` written, the error that stopped the writes, if one did)."""
+    done = 0
+    try:
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    except OSError as exc:
+        return done, exc
+    return done, None
+
+
+def _append_whole(fd: int, data: bytes) -> tuple[int, OSError | None]:
+    """Append ``data`` to a regular file whole or not at all: (bytes of it left in the
+    file, the error that stopped the write, if one did).
+
+    Every worker of ``--workers N`` appends to the file through its own descriptor
+    (``O_APPEND``), so where this line starts is known only while nobody else appends:
+    from reading the file's size to the end of the write, the writer holds an exclusive
+    ``flock``, which every narwhal writer of the file takes (one line's write: microseconds,
+    in the writer thread, never the event loop). A write that fails after part of the line
+    went in (a full disk takes what fits, then says ``ENOSPC``) is cut off by truncating
+    back to that size, and only when the file is still exactly that size plus our part: a
+    writer that takes no lock (another program) may have appended after our part, and its
+    bytes are never cut; our part then stays, and the next line starts on a fresh line.
+    On a file system without locks nothing is cut either: a truncate there could cut
+    another worker's line.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        return _write_all(fd, data)
+    try:
+        try:
+            start = os.fstat(fd).st_size
+        except OSError as exc:
+            return 0, exc
+        done, error = _write_all(fd, data)
+        if error is not None and done and _cut_back(fd, start, start + done):
+            done = 0
+        return done, error
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _cut_back(fd: int, start: int, end: int) -> bool:
+    """Truncate the file back to ``start`` if it ends at ``end`` (nobody wrote after us)."""
+    try:
+        if os.fstat(fd).st_size != end:
+            return False
+        os.ftruncate(fd, start)
+    except OSError:
+        return False
+    return True

@@ -48,6 +48,24 @@ Run = RequestRun | FanOutRun  # one client request: one prefill/decode chain, or
 FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
 
 
+def inflight_share(max_inflight: int, index: int, count: int) -> int:
+    """Worker ``index`` of ``count``'s share of ``serving.max_inflight``: the workers do
+    not share a counter, so each admits its part, and the parts sum to ``max_inflight``
+    exactly (they differ by one at most; ``check_workers`` keeps each at least 1)."""
+    return max_inflight // count + (1 if index < max_inflight % count else 0)
+
+
+def check_workers(config: FleetConfig, count: int, source: str) -> None:
+    """Refuse a fleet file that cannot be split over ``count`` workers (``--workers N``)."""
+    total = config.serving.max_inflight
+    if total < count:
+        problem = (
+            f"serving.max_inflight: {total} is fewer than the {count} workers (--workers); "
+            "each worker admits its share of it, at least 1"
+        )
+        raise ConfigError(source, [problem])
+
+
 class Router:
     def __init__(
         self,
@@ -91,9 +109,17 @@ class Router:
         self._running: set[trio.CancelScope] = set()
         self.received = 0  # requests to a completion endpoint, admitted or not
         self.admitted = 0
+        # serve --workers N: this process is worker ``worker_index`` of ``worker_count``
+        # and admits its share of max_inflight (``inflight_limit``)
+        self.worker_index, self.worker_count = 0, 1
         self.disconnects = 0
         self._drained = trio.Event()
         self._drained.set()
+
+    def inflight_limit(self) -> int:
+        """The admitted requests this process takes at once before 429."""
+        total = self.config.serving.max_inflight
+        return inflight_share(total, self.worker_index, self.worker_count)
 
     def engines_view(self) -> bytes:
         now = trio.current_time()
@@ -101,6 +127,11 @@ class Router:
         view: dict[str, object] = {
             "model": self.config.model,
             "admitted": self.admitted,
+            "max_inflight": {
+                "router": self.config.serving.max_inflight,
+                "this_worker": self.inflight_limit(),
+                "workers": self.worker_count,
+            },
             "maintenance": self.health.maintenance,
             "engines": [
                 e.snapshot(now, e.id in held, self.config.placement.metrics_interval_s)
@@ -251,6 +282,7 @@ class Router:
         """Apply a new fleet file: added engines take traffic at once, removed ones get no
         new legs while their in-flight legs finish; timeouts and limits apply to new
         requests. Discovered engines stay while their ``[[discover]]`` block does."""
+        check_workers(new, self.worker_count, self.config_path or "<reload>")
         # an unset variable refuses the file
         api_keys = ApiKeys(new.serving.api_keys_env)
         admin_keys = ApiKeys(new.serving.admin_keys_env, "serving.admin_keys_env")

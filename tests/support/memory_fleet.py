@@ -41,6 +41,9 @@ class RecordingSink:
         self.finished = True
         self._log("end", data)
 
+    def delivered(self) -> bool:
+        return True
+
     async def respond_json(self, status: int, body: bytes) -> None:
         self.committed = self.finished = True
         self._log("json", (status, msgspec.json.decode(body)))

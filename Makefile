@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BENCH_VENV ?= .bench-venv
 VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv demo fleet test lint typecheck unit rough-bench bench bench-quick bench-placement e2e-vllm e2e-lb faults soak fuzz clean
+.PHONY: venv demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement e2e-vllm e2e-lb faults soak fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ unit: venv
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
+
+LOWEST_VENV ?= .venv-lowest
+test-lowest:         ## the fast tests against the lowest trio, hypercorn and h11 pyproject allows
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOWEST_VENV)/bin/python -m pip install -q -c .ci/lowest.txt -e '.[dev]'
+	$(LOWEST_VENV)/bin/python -m pytest -q tests/unit tests/shell fuzz
 
 rough-bench: venv    ## first rough figure: 1,000 streamed 64-token requests at c=32
 	$(PY) bench/rough.py --requests 1000 --concurrency 32 --tokens 64

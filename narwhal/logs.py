@@ -22,21 +22,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import queue
 import re
 import sys
 import threading
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
+from functools import partial
 from typing import Any, Literal, TextIO
 
 import msgspec
 
+from narwhal.line_writer import LineWriter
+
 LogFormat = Literal["text", "json"]
 QUEUE_RECORDS = 4096  # log lines waiting for the writer; past this they are dropped, counted
 STOP_BOUND_S = 2.0  # at exit the writer gets this long to write what is queued
-_writer: tuple[queue.Queue[str | None], threading.Thread] | None = None
+_writer: LineWriter[str] | None = None
 _dropped = 0  # log lines dropped since start
 _on_drop: Callable[[int], object] | None = None
 _drop_lock = threading.Lock()
@@ -134,11 +136,11 @@ class TextFormatter(logging.Formatter):
 
 class _QueuedLines(logging.Handler):
     """Formats a record where it is logged (its request's context is there) and hands the
-    line to the writer thread (``_queue_line``)."""
+    line to the writer thread; a full queue drops it and counts it."""
 
-    def __init__(self, lines: queue.Queue[str | None]) -> None:
+    def __init__(self, writer: LineWriter[str]) -> None:
         super().__init__()
-        self.lines = lines
+        self.writer = writer
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -146,38 +148,30 @@ class _QueuedLines(logging.Handler):
         except Exception:
             self.handleError(record)
             return
-        _queue_line(self.lines, line)
+        if not self.writer.put(line):
+            _count_drops(1)
 
 
-def _queue_line(lines: queue.Queue[str | None], line: str) -> None:
-    """Queue ``line`` for the writer; a full queue drops it and counts it."""
-    try:
-        lines.put_nowait(line)
-    except queue.Full:
-        _count_drop()
-
-
-def _count_drop() -> None:
+def _count_drops(n: int) -> None:
     global _dropped
     with _drop_lock:  # the event loop's thread and the writer's both count
-        _dropped += 1
+        _dropped += n
     if _on_drop is not None:
         with contextlib.suppress(Exception):
-            _on_drop(1)
+            _on_drop(n)
 
 
-def _write_lines(lines: queue.Queue[str | None], stream: TextIO | None) -> None:
-    """The writer thread: one line at a time, until ``None``. A line stderr refuses (a
-    broken pipe, a closed or absent stderr) is dropped and counted."""
-    while (line := lines.get()) is not None:
-        if stream is None:  # Python's stderr when fd 2 was closed at start (2>&-)
-            _count_drop()
-            continue
-        try:
-            stream.write(line + "\n")
-            stream.flush()
-        except (OSError, ValueError):
-            _count_drop()
+def _write_line(stream: TextIO | None, line: str) -> None:
+    """On the writer thread: a line stderr refuses (a broken pipe, a closed or absent
+    stderr) is dropped and counted."""
+    if stream is None:  # Python's stderr when fd 2 was closed at start (2>&-)
+        _count_drops(1)
+        return
+    try:
+        stream.write(line + "\n")
+        stream.flush()
+    except (OSError, ValueError):
+        _count_drops(1)
 
 
 def configure(fmt: LogFormat = "text", level: str = "info") -> None:
@@ -188,14 +182,14 @@ def configure(fmt: LogFormat = "text", level: str = "info") -> None:
     9). A second call replaces the first (its thread finishes what it has)."""
     global _writer
     stop()
-    lines: queue.Queue[str | None] = queue.Queue(QUEUE_RECORDS)
-    handler = _QueuedLines(lines)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    writer = threading.Thread(
-        target=_write_lines, args=(lines, sys.stderr), name="narwhal-log", daemon=True
+    _writer = LineWriter(
+        "narwhal-log",
+        partial(_write_line, sys.stderr),
+        maxsize=QUEUE_RECORDS,
+        dropped=_count_drops,
     )
-    writer.start()
-    _writer = (lines, writer)
+    handler = _QueuedLines(_writer)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger("narwhal")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -205,13 +199,9 @@ def configure(fmt: LogFormat = "text", level: str = "info") -> None:
 def stop() -> None:
     """Let the writer thread write what is queued, within ``STOP_BOUND_S`` (at exit)."""
     global _writer
-    if _writer is None:
-        return
-    (lines, writer), _writer = _writer, None
-    deadline = time.monotonic() + STOP_BOUND_S
-    with contextlib.suppress(queue.Full):
-        lines.put(None, timeout=STOP_BOUND_S)
-    writer.join(max(0.0, deadline - time.monotonic()))
+    writer, _writer = _writer, None
+    if writer is not None:
+        writer.stop(STOP_BOUND_S)
 
 
 def count_drops(counter: Callable[[int], object]) -> None:
@@ -249,5 +239,5 @@ def announce(
         line = escape_text(text)
     if _writer is None:
         print(line, file=sys.stderr, flush=True)
-    else:  # in order with the log's lines, and never blocking either
-        _queue_line(_writer[0], line)
+    elif not _writer.put(line):  # in order with the log's lines, and never blocking either
+        _count_drops(1)

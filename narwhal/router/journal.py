@@ -21,15 +21,15 @@ import contextlib
 import fcntl
 import logging
 import os
-import queue
 import stat
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import msgspec
 
+from narwhal.line_writer import LineWriter
 from narwhal.logs import json_line
 
 Outcome = Literal["completed", "failed", "expired", "cancelled", "rejected"]
@@ -41,7 +41,6 @@ WARN_EVERY_S = 60.0  # a failing journal logs its first failure, then at most th
 # O_NONBLOCK: a FIFO with no reader fails at once (ENXIO) instead of hanging the open, and
 # a full pipe drops lines instead of stalling the writer; on a regular file it changes nothing
 OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
-_STOP: Final = b""  # never a line: every line ends with a newline
 
 
 class AttemptLine(msgspec.Struct, omit_defaults=True):
@@ -102,20 +101,28 @@ class Journal:
         self._lock = threading.Lock()  # dropped, the drop counter, warnings, reopen requests
         self._on_drop: Callable[[int], object] | None = None
         self._last_warning: float | None = None
-        self._queued = 0  # lines put on the queue so far
         self._reopen_after: int | None = None  # reopen before the line after this many
-        self._done = 0  # lines the writer has written or dropped (the writer's count)
-        self._progress = threading.Condition()  # the writer moved _done on
         self._closed = False
-        self._abandoned = False  # close() ran out of time: the writer drops what is left
-        self._queue: queue.Queue[bytes] = queue.Queue(maxsize=max(1, queue_lines))
-        self._thread: threading.Thread | None = None
+        # the writer thread's own: the file, its lines so far, a line left in part
+        self._fd = -1
+        self._taken = 0
+        self._torn = False
+        self._regular = False
+        self._writer: LineWriter[bytes] | None = None
         if path:
-            fd = os.open(path, OPEN_FLAGS, 0o644)
-            self._thread = threading.Thread(
-                target=self._run, args=(fd,), name="narwhal-journal", daemon=True
+            self._fd = os.open(path, OPEN_FLAGS, 0o644)
+            self._regular = _is_regular(self._fd)
+            self._writer = LineWriter(
+                "narwhal-journal",
+                self._write_line,
+                maxsize=queue_lines,
+                dropped=self._drop,
+                finish=self._close_file,
             )
-            self._thread.start()
+
+    @property
+    def writer_thread(self) -> threading.Thread | None:
+        return None if self._writer is None else self._writer.thread
 
     def write(self, line: JournalLine) -> None:
         self.written += 1
@@ -140,7 +147,7 @@ class Journal:
         opened, the writer logs it, keeps the file it has and tries again at the next line.
         """
         with self._lock:
-            self._reopen_after = self._queued
+            self._reopen_after = 0 if self._writer is None else self._writer.queued
 
     def count_drops(self, counter: Callable[[int], object]) -> None:
         """Call ``counter(n)`` for every ``n`` lines dropped, those so far included (a
@@ -154,33 +161,14 @@ class Journal:
     def flush(self, timeout_s: float = CLOSE_BOUND_S) -> bool:
         """Wait (blocking: from a thread, or a test) until every line queued so far is
         written or dropped; False if that did not happen within ``timeout_s``."""
-        target = self._queued
-        deadline = time.monotonic() + timeout_s
-        with self._progress:
-            while self._done < target:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._progress.wait(remaining)
-        return True
+        return self._writer is None or self._writer.flush(timeout_s)
 
     def close(self, timeout_s: float = CLOSE_BOUND_S) -> None:
         """Write what is queued within ``timeout_s``, then stop the writer and close the
         file. Lines the writer cannot reach by then (a pipe nobody reads) are dropped."""
-        thread = self._thread
         self._closed = True
-        if thread is None:
-            return
-        self._thread = None
-        deadline = time.monotonic() + timeout_s
-        with contextlib.suppress(queue.Full):
-            self._queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            # stuck in a write: it drops whatever it finds when (if ever) the write returns
-            self._abandoned = True
-            with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(_STOP)
+        writer = self._writer
+        if writer is not None and not writer.stop(timeout_s):
             log.warning(
                 "journal %s: not flushed within %gs at close; what is left is dropped",
                 self.path,
@@ -190,19 +178,16 @@ class Journal:
     # the caller's side
 
     def _put(self, line: object) -> None:
-        if self._closed:
+        if self._closed or self._writer is None:
             self._drop(1)
             return
         try:
             data = json_line(self._encode(line)) + b"\n"  # one line, whatever a client sent
-            self._queue.put_nowait(data)
-        except queue.Full:
-            self._drop(1, "the writer is behind (queue full)")
-            return
         except Exception as exc:  # a line that cannot be encoded is ours to fix, not fatal
             self._drop(1, f"cannot encode a line: {exc!r}")
             return
-        self._queued += 1
+        if not self._writer.put(data):
+            self._drop(1, "the writer is behind (queue full)")
 
     def _drop(self, n: int, why: str | None = None) -> None:
         with self._lock:
@@ -225,42 +210,23 @@ class Journal:
 
     # the writer thread
 
-    def _run(self, fd: int) -> None:
-        taken = 0  # lines taken off the queue, in the order they were put
-        torn = False  # a line was left in part: start the next one on a fresh line
-        regular = _is_regular(fd)
-        try:
-            while True:
-                data = self._queue.get()
-                if not data:  # _STOP
-                    break
-                if self._abandoned:
-                    self._drop(1)
-                    break
-                taken += 1
-                opened = self._reopen_if_asked(fd, taken)
-                if opened != fd:
-                    fd, torn, regular = opened, False, _is_regular(opened)
-                full = b"\n" + data if torn else data
-                done, error = _append_whole(fd, full) if regular else _write_all(fd, full)
-                if error is not None:
-                    self._drop(1, f"cannot write ({error})")
-                if done:  # a line left in part (a pipe, or no cut back): the next starts afresh
-                    torn = full[done - 1] != 0x0A
-                with self._progress:
-                    self._done = taken
-                    self._progress.notify_all()
-        finally:
-            left = 0
-            while True:
-                try:
-                    left += bool(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            if left:
-                self._drop(left)
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    def _write_line(self, data: bytes) -> None:
+        self._taken += 1  # lines taken off the queue, in the order they were put
+        opened = self._reopen_if_asked(self._fd, self._taken)
+        if opened != self._fd:
+            self._fd, self._torn, self._regular = opened, False, _is_regular(opened)
+        # a line left in part (a pipe, or no cut back): this one starts on a fresh line
+        full = b"\n" + data if self._torn else data
+        write = _append_whole if self._regular else _write_all
+        done, error = write(self._fd, full)
+        if error is not None:
+            self._drop(1, f"cannot write ({error})")
+        if done:
+            self._torn = full[done - 1] != 0x0A
+
+    def _close_file(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
 
     def _reopen_if_asked(self, fd: int, taken: int) -> int:
         with self._lock:

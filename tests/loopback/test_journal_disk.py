@@ -40,7 +40,7 @@ def _line(n: int, message: str | None = None) -> JournalLine:
 
 
 def _writer(journal: Journal) -> threading.Thread:
-    thread = journal._thread
+    thread = journal.writer_thread
     assert thread is not None
     return thread
 

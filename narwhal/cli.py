@@ -440,7 +440,8 @@ def worker_main() -> int:
             router = Router(fleet, journal=journal, config_path=spec.config)
         except ConfigError as exc:
             raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
-        router.worker_index, router.worker_count = spec.index, spec.count
+        router.admission.worker_index = spec.index
+        router.admission.worker_count = spec.count
     except StartupError as exc:
         print(exc.message, file=sys.stderr, flush=True)
         return exc.status

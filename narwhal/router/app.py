@@ -22,11 +22,8 @@ from narwhal.core.faults import (
     BodyCut,
     BodyTimeout,
     HeadersTooLarge,
-    Maintenance,
-    Overloaded,
     Phase,
     RequestFault,
-    ShuttingDown,
     TooLarge,
     error_json,
 )
@@ -202,17 +199,6 @@ async def respond_and_close(
     if linger:
         await _linger(receive)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _at_max_inflight(router: Router) -> str:
-    total = router.config.serving.max_inflight
-    if router.worker_count == 1:
-        return f"router is at max_inflight={total}; retry later"
-    share, count = router.inflight_limit(), router.worker_count
-    return (
-        f"router is at max_inflight={total} (this worker's share: {share}, "
-        f"of {count} workers); retry later"
-    )
 
 
 async def _linger(receive: Receive) -> None:
@@ -396,7 +382,7 @@ class RouterApp:
     ) -> None:
         """A completion request (it has an id) refused before admission is journaled."""
         if rid is not None:
-            self.router.received += 1
+            self.router.admission.received += 1
             caller = self._caller(scope)
             self.router.journal_unadmitted(rid.decode(), path, "rejected", status, message, caller)
 
@@ -410,7 +396,7 @@ class RouterApp:
         self, path: str, scope: Scope, receive: Receive, send: Send, rid: bytes
     ) -> None:
         router = self.router
-        router.received += 1
+        router.admission.received += 1
         rid_text = rid.decode()
         serving = router.config.serving
         caller = self._caller(scope)
@@ -423,18 +409,9 @@ class RouterApp:
                     "graceful timeout ended",
                     phase=Phase.ADMISSION,
                 )
-            if router.draining:
-                raise ShuttingDown(
-                    "router shutting down: not taking new requests", phase=Phase.ADMISSION
-                )
-            if router.health.maintenance:
-                raise Maintenance(
-                    "router in maintenance (whole-wave restart): an engine was ejected; "
-                    "POST /narwhal/lifecycle/readmit once the fleet is back",
-                    phase=Phase.ADMISSION,
-                )
-            if router.admitted >= router.inflight_limit():
-                raise Overloaded(_at_max_inflight(router), phase=Phase.ADMISSION)
+            router.admission.check(
+                serving, draining=router.draining, maintenance=router.health.maintenance
+            )
             req = parse_request(
                 raw, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
             )

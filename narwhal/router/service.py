@@ -32,6 +32,7 @@ from narwhal.engines.transport import Connect
 from narwhal.logs import count_drops as count_log_drops
 from narwhal.logs import log_context, log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
+from narwhal.router.admission import Admission
 from narwhal.router.auth import ApiKeys
 from narwhal.router.discovery import Discovery
 from narwhal.router.execute import ClientSink, RequestRun
@@ -46,13 +47,6 @@ log = logging.getLogger("narwhal.router")
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 Run = RequestRun | FanOutRun  # one client request: one prefill/decode chain, or a fan-out
 FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
-
-
-def inflight_share(max_inflight: int, index: int, count: int) -> int:
-    """Worker ``index`` of ``count``'s share of ``serving.max_inflight``: the workers do
-    not share a counter, so each admits its part, and the parts sum to ``max_inflight``
-    exactly (they differ by one at most; ``check_workers`` keeps each at least 1)."""
-    return max_inflight // count + (1 if index < max_inflight % count else 0)
 
 
 def check_workers(config: FleetConfig, count: int, source: str) -> None:
@@ -107,31 +101,15 @@ class Router:
         self.draining = False
         self.drain_deadline = math.inf
         self._running: set[trio.CancelScope] = set()
-        self.received = 0  # requests to a completion endpoint, admitted or not
-        self.admitted = 0
-        # serve --workers N: this process is worker ``worker_index`` of ``worker_count``
-        # and admits its share of max_inflight (``inflight_limit``)
-        self.worker_index, self.worker_count = 0, 1
+        self.admission = Admission(self.metrics.in_flight)
         self.disconnects = 0
-        self._drained = trio.Event()
-        self._drained.set()
-
-    def inflight_limit(self) -> int:
-        """The admitted requests this process takes at once before 429."""
-        total = self.config.serving.max_inflight
-        return inflight_share(total, self.worker_index, self.worker_count)
 
     def engines_view(self) -> bytes:
         now = trio.current_time()
         held = self.fleet.held_in(now)
         view: dict[str, object] = {
             "model": self.config.model,
-            "admitted": self.admitted,
-            "max_inflight": {
-                "router": self.config.serving.max_inflight,
-                "this_worker": self.inflight_limit(),
-                "workers": self.worker_count,
-            },
+            **self.admission.view(self.config.serving),
             "maintenance": self.health.maintenance,
             "engines": [
                 e.snapshot(now, e.id in held, self.config.placement.metrics_interval_s)
@@ -180,10 +158,7 @@ class Router:
                 },
             )
             traced = log_context.set({"request_id": rid, "trace_id": tracing.trace_id(run.span)})
-        if not self.admitted:
-            self._drained = trio.Event()
-        self.admitted += 1
-        self.metrics.in_flight.inc()
+        self.admission.admit()
         try:
             async with trio.open_nursery() as nursery:
                 if on_disconnect is None:
@@ -203,10 +178,7 @@ class Router:
             self.journal.write(line)
             self._export(line)
             log_request(line)
-            self.admitted -= 1
-            self.metrics.in_flight.dec()
-            if not self.admitted:
-                self._drained.set()
+            self.admission.release()
             if run.span is not None:
                 if line.status is not None:
                     run.span.set_attribute("http.response.status_code", line.status)
@@ -271,7 +243,12 @@ class Router:
             return
         self.draining = True
         grace = self.config.serving.graceful_timeout_s
-        log_event(log, logging.WARNING, "draining", {"in_flight": self.admitted, "grace_s": grace})
+        log_event(
+            log,
+            logging.WARNING,
+            "draining",
+            {"in_flight": self.admission.admitted, "grace_s": grace},
+        )
         # no timer task: every running request's scope gets the deadline (and so does
         # one admitted a moment later), so the drain is bounded whatever else is shutting down
         self.drain_deadline = trio.current_time() + grace
@@ -282,7 +259,7 @@ class Router:
         """Apply a new fleet file: added engines take traffic at once, removed ones get no
         new legs while their in-flight legs finish; timeouts and limits apply to new
         requests. Discovered engines stay while their ``[[discover]]`` block does."""
-        check_workers(new, self.worker_count, self.config_path or "<reload>")
+        check_workers(new, self.admission.worker_count, self.config_path or "<reload>")
         # an unset variable refuses the file
         api_keys = ApiKeys(new.serving.api_keys_env)
         admin_keys = ApiKeys(new.serving.admin_keys_env, "serving.admin_keys_env")
@@ -392,7 +369,7 @@ class Router:
 
     async def wait_drained(self) -> None:
         """Return once no admitted request is left (reservations are released by then)."""
-        await self._drained.wait()
+        await self.admission.wait_drained()
 
     async def _watch(
         self,

@@ -321,7 +321,7 @@ async def test_a_stalled_reader_does_not_hold_the_drain(nursery: trio.Nursery) -
         await h.stopped.wait()
         await read_to_close(stream)
     await stream.aclose()
-    assert h.router.admitted == 0
+    assert h.router.admission.admitted == 0
     assert h.router.fleet.reserved() == 0
     assert [line.outcome for line in h.router.journal.lines] == ["failed"]
     await h.http.aclose()

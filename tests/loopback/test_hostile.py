@@ -369,7 +369,7 @@ async def test_shutdown_closes_idle_connections_at_once_and_lets_a_stream_end(
     first = await busy.receive_some(65536)
     assert first.startswith(b"HTTP/1.1 200")
     await trio.testing.wait_all_tasks_blocked()
-    assert h.router.admitted == 2
+    assert h.router.admission.admitted == 2
     h.stop.set()
     async with idle:
         assert await _closed_within(idle, limit_s=1.0) < 1.0  # not the 30 s idle bound

@@ -207,7 +207,7 @@ async def test_a_router_on_a_full_disk_serves_every_request(nursery: trio.Nurser
         assert reply.status == 404
     with trio.fail_after(5):
         await router.wait_drained()
-    assert router.admitted == 0
+    assert router.admission.admitted == 0
     assert await trio.to_thread.run_sync(router.journal.flush)  # the writer has caught up
     counted = _dropped_total((await harness.get("/metrics")).body)
     assert counted == router.journal.dropped >= 20 + 10  # every request line hit the full disk

@@ -523,7 +523,7 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
     reserved = router.fleet.reserved() - 2 * probes
     busy = max(0, sum(active for _, active in router.client.connections().values()) - 2 * probes)
     tasks = live_tasks(REQUEST_TASKS)
-    slots = router.admitted  # max_inflight slots still held
+    slots = router.admission.admitted  # max_inflight slots still held
     if reserved or busy or tasks or slots:
         problems.append(
             f"after {DRAIN_S:g}s: {reserved} reservations, {busy} busy, {tasks} tasks, "
@@ -539,9 +539,9 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
     ids = Counter(line.request_id for line in lines)
     # a client that gives up before its request is even read never reaches the router: the
     # only requests the router may not have are ones whose client disconnected
-    unseen = len(results) - router.received
+    unseen = len(results) - router.admission.received
     journal_ok = (
-        router.journal.written == router.received
+        router.journal.written == router.admission.received
         and 0 <= unseen <= outcomes["disconnected"]
         and all(n == 1 for n in ids.values())
         and all(r.rid is None or ids[r.rid] == 1 for r in results)
@@ -553,7 +553,7 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
             journal_ok = False
     if not journal_ok:
         problems.append(
-            f"journal {router.journal.written} lines, router {router.received}, "
+            f"journal {router.journal.written} lines, router {router.admission.received}, "
             f"client {len(results)}"
         )
     legs = _legs(h.engines.values())

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 import trio
 
+from narwhal.core.admission import inflight_share
 from narwhal.core.config import ServingConfig
-from narwhal.router.service import inflight_share
 from tests.support.fleet import finish, start_fleet
 from tests.support.serve_process import MODEL, narwhal_serve, start_engines, write_fleet
 

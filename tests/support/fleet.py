@@ -123,7 +123,7 @@ async def finish(harness: Harness, *, disconnects: int = 0) -> None:
     assert harness.router.fleet.reserved() == 2 * harness.router.health.probe_handoffs
     assert harness.router.disconnects == disconnects
     # every request to a completion endpoint left exactly one terminal journal line
-    assert harness.router.journal.written == harness.router.received
+    assert harness.router.journal.written == harness.router.admission.received
     busy = {u: active for u, (_, active) in harness.router.client.connections().items() if active}
     assert busy == {}, f"engine connections still serving requests: {busy}"
     harness.stop.set()

@@ -102,7 +102,8 @@ class _EnginePool:
         self, request_id: str, trace: Headers = NO_HEADERS
     ) -> list[tuple[bytes, bytes]]:
         """The precomputed headers, the backend request id, and the leg's W3C trace context
-        (``traceparent``/``tracestate``; empty unless tracing is on)."""
+        (``traceparent``/``tracestate``: its span's with tracing on, the client's as it came
+        with tracing off, none when the client sent none)."""
         if not request_id and not trace:
             return self.headers
         rid = [(b"x-request-id", request_id.encode())] if request_id else []

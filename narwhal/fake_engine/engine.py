@@ -317,7 +317,9 @@ class FakeEngine:
             "end": None,
             "tokens": 0,
             "disconnected": False,
-            "traceparent": req.headers.get("traceparent"),  # the router's tracing, when on
+            # the W3C trace context the leg carried (the router's spans, or the client's)
+            "traceparent": req.headers.get("traceparent"),
+            "tracestate": req.headers.get("tracestate"),
         }
         self.log.append(entry)
         # a reclaim leg's scripted fault strikes before the check that refuses it

@@ -112,6 +112,8 @@ class RunRecord:
         self.caller = Caller()  # who sent it (set by Router.handle)
         self.arrived_at = time.time()  # wall clock, for the journal
         self.span: Span | None = None  # the request's span (Router.handle), tracing on
+        # tracing off: the client's traceparent/tracestate, which every leg carries unchanged
+        self.trace: tracing.Headers = tracing.NO_HEADERS
         self.cut = False  # the last write (the answer's end) was cut on its way: not whole
 
     @property
@@ -305,6 +307,10 @@ class RequestRun(RunRecord):
             SpanKind.CLIENT,
         )
 
+    def _leg_trace(self, span: Span | None) -> tracing.Headers:
+        """A leg's W3C trace context: its own span's with tracing on, else the client's."""
+        return self.trace if span is None else tracing.headers(span)
+
     def _retry_decision(self, fault: RequestFault) -> RetryDecision:
         if fault.engine_id is not None and fault.breaker is not BreakerClass.NONE:
             self.failed_engines.add(fault.engine_id)
@@ -433,7 +439,7 @@ class RequestRun(RunRecord):
                             self.req.endpoint,
                             self._prefill_body(),
                             request_id=backend_id,
-                            trace=tracing.headers(span),
+                            trace=self._leg_trace(span),
                         )
                         outcome = "completed"
                         return result
@@ -500,7 +506,7 @@ class RequestRun(RunRecord):
             self._decode_body(),
             result,
             request_id=backend_id,
-            trace=tracing.headers(span),
+            trace=self._leg_trace(span),
         )
         # decode_clock: first-token budget until the first token, then silence budget.
         decode_clock = trio.CancelScope(

@@ -122,7 +122,8 @@ class Router:
         on_disconnect: Callable[[Callable[[], None]], None] | None = None,
     ) -> Run:
         """Serve one admitted request to its single terminal outcome. ``headers``: the
-        client's, where an incoming W3C ``traceparent`` is read (tracing on only).
+        client's, where an incoming W3C ``traceparent`` is read: continued by the request's
+        span with tracing on, passed to the engine legs unchanged with it off.
 
         The client's disconnect cancels the request's nursery: a watcher task awaits
         ``wait_disconnect``, unless the server offers ``on_disconnect`` (it registers a
@@ -149,6 +150,8 @@ class Router:
                 },
             )
             traced = log_context.set({"request_id": rid, "trace_id": tracing.trace_id(run.span)})
+        else:  # not a participant: the client's trace context goes to the legs as it came
+            run.trace = tracing.incoming(headers)
         if not self.admitted:
             self._drained = trio.Event()
         self.admitted += 1

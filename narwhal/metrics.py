@@ -172,7 +172,9 @@ class Metrics:
             "livesum",
         )
         self.generation_tokens = counter(
-            "narwhal_generation_tokens", "Generated tokens relayed to clients.", ("model",)
+            "narwhal_generation_tokens",
+            "Generated tokens relayed to clients (the consumers' own count, their usage).",
+            ("model",),
         )
         self.prompt_tokens = counter(
             "narwhal_prompt_tokens",

@@ -55,6 +55,9 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 0
     kv_port: int = 0  # side channel (remote_port in descriptors); ephemeral when 0
     itl_s: float = 0.0  # delay between generated tokens
+    # tokens per streamed chunk, taken in turn (0: a token whose text waits for the next
+    # chunk); empty: one per chunk. Plain streams only (the benchmarks' path)
+    chunk_tokens: tuple[int, ...] = ()
     prefill_delay_per_token_s: float = 0.0  # prompt computation time per uncached token
     kv_lease_s: float = 30.0  # how long a producer holds blocks nobody pulled
     kv_blocks: int = 4096  # the KV cache, in 16-token blocks (vllm:kv_cache_usage_perc)
@@ -487,7 +490,12 @@ class FakeEngine:
             if ask.plain:
                 ids = gen.token_ids(prompt, ask.max_tokens, ask.key(0))
                 plan = answers.plain_plan(
-                    ask, shapes, ids, finished=finished, prompt_tokens=prompt_tokens
+                    ask,
+                    shapes,
+                    ids,
+                    finished=finished,
+                    prompt_tokens=prompt_tokens,
+                    chunk_tokens=cfg.chunk_tokens,
                 )
             else:
                 plan = answers.stream_plan(ask, shapes, answers.samples(ask))

@@ -464,9 +464,11 @@ class RequestRun(RunRecord):
 
     def _decode_body(self) -> dict[str, Any]:
         body = self.req.body
-        if self.req.stream:
+        if self.req.include_usage:
             return body
-        # Non-streaming clients are served from a streamed decode; ask for usage to report it.
+        # Token counts (journal, metrics) are the engine's own, from its usage chunk; a
+        # streaming client that did not ask for it does not get it (``StreamRelay``). The
+        # options are replaced: continuous usage stats must not reach a client unasked.
         return {**body, "stream_options": {"include_usage": True}}
 
     async def _decode(
@@ -554,7 +556,8 @@ class RequestRun(RunRecord):
         reactor = self.router.reactor if direct is not None or collector is not None else None
         silence = self.config.engine.decode_read_timeout_s
         gaps = RequestBuckets(self.router.metrics.token_gap)
-        loop = RelayLoop(self, StreamRelay(collector), clock, silence, gaps, direct, reactor)
+        relay = StreamRelay(collector, strip_usage=not self.req.include_usage)
+        loop = RelayLoop(self, relay, clock, silence, gaps, direct, reactor)
         await loop.relay_all(stream)
 
     def first_token(self) -> None:

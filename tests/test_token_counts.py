@@ -78,7 +78,9 @@ async def test_counts_are_the_engines_own_when_chunks_carry_several_tokens_or_no
     for line in harness.router.journal.lines:
         entry = decode_legs[f"{line.request_id}-a1-decode"]
         assert line.tokens == entry["tokens"] == TOKENS
-    engine_count = _counter(await _scrape(harness.engines["d0"].url), "vllm:generation_tokens_total")
+    engine_count = _counter(
+        await _scrape(harness.engines["d0"].url), "vllm:generation_tokens_total"
+    )
     router_count = _counter(await _scrape(harness.url), "narwhal_generation_tokens_total")
     assert router_count == engine_count == requests * TOKENS
     await finish(harness)

@@ -456,6 +456,8 @@ class RequestRun(RunRecord):
             tracing.end(span, outcome, message)
 
     def _prefill_body(self) -> dict[str, Any]:
+        """The client's body (the connector makes it a prefill); a client's
+        ``return_token_ids`` stays in it: the producer's prompt ids go into an echo."""
         body = self.req.body
         if body.get("echo") and body.get("logprobs") is None:
             # the token the producer adds after an echoed prompt is known by its logprob

@@ -50,7 +50,8 @@ async def test_a_streamed_echo_first_chunk_carries_the_prompt_token_ids(
     assert reply.status == 200
     local = _first_choice(await _alone(harness.engines["d0"].url, body))
     routed = _first_choice(reply.body)
-    assert isinstance(local["prompt_token_ids"], list) and local["prompt_token_ids"]
+    assert isinstance(local["prompt_token_ids"], list)
+    assert local["prompt_token_ids"]
     assert routed["prompt_token_ids"] == local["prompt_token_ids"]
     assert routed["text"].startswith(BODY["prompt"])
     await harness.router.wait_drained()

@@ -100,7 +100,8 @@ async def test_a_client_that_did_not_ask_for_usage_never_sees_the_usage_chunk(
         usage = [c for c in chunks if not c["choices"]]
         asked = "stream_options" in body
         if asked:  # exactly vLLM's: one usage chunk, the last before [DONE]
-            assert len(usage) == 1 and chunks[-1] is usage[0]
+            assert len(usage) == 1
+            assert chunks[-1] is usage[0]
             assert usage[0]["usage"]["completion_tokens"] == TOKENS
         else:
             assert usage == []
@@ -125,7 +126,8 @@ async def test_continuous_usage_stats_never_reach_a_client_that_did_not_ask_for_
     }
     reply = await harness.post("/v1/completions", body)
     chunks = [msgspec.json.decode(e) for e in reply.events()[:-1]]
-    assert chunks and all(c["choices"] and c.get("usage") is None for c in chunks)
+    assert chunks
+    assert all(c["choices"] and c.get("usage") is None for c in chunks)
     await harness.router.wait_drained()
     assert harness.router.journal.lines[-1].tokens == 4
     await finish(harness)

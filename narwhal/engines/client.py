@@ -222,6 +222,29 @@ class EngineClient:
         )
         return DecodeStream(self._engine(url), endpoint, _encode(decode_body), request_id, trace)
 
+    async def pass_through(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        *,
+        request_id: str = "",
+        trace: Headers = NO_HEADERS,
+    ) -> bytes:
+        """POST ``body`` unchanged to ``path`` (``/tokenize``, ``/detokenize``); the engine's
+        200 answer, else its error as an engine fault. Bounded by the caller's scope."""
+        engine = self._engine(url)
+        async with await engine.request(
+            b"POST", path, body, request_id, Phase.PREFILL, trace=trace
+        ) as response:
+            data = await _read(response, engine, Phase.PREFILL, MAX_PREFILL_RESPONSE_BYTES)
+        if response.status != 200:
+            message, kind = error_message(data, response.status)
+            raise EngineStatusError(
+                response.status, message, phase=Phase.PREFILL, engine_url=url, kind=kind
+            )
+        return data
+
     async def reclaim(self, url: str, result: PrefillResult, *, request_id: str) -> int:
         """Send a consumer the reclaim request for an orphaned descriptor (the connector's
         ``reclaim_body``); the consumer's HTTP status. Bounded by the caller's scope."""

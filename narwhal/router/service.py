@@ -25,7 +25,15 @@ from narwhal import tracing
 from narwhal.config import ConfigError, FleetConfig, load_config
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import Connect
-from narwhal.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
+from narwhal.faults import (
+    DeadlineExpired,
+    InternalError,
+    NoCapacity,
+    Phase,
+    PrefillTimeout,
+    RequestFault,
+    ShuttingDown,
+)
 from narwhal.logs import count_drops as count_log_drops
 from narwhal.logs import log_context, log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
@@ -33,9 +41,9 @@ from narwhal.router.auth import ApiKeys
 from narwhal.router.discovery import Discovery
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fanout import FanOutRun
-from narwhal.router.fleet import Fleet
+from narwhal.router.fleet import EngineState, Fleet
 from narwhal.router.health import Health
-from narwhal.router.journal import Caller, Journal, JournalLine, Outcome
+from narwhal.router.journal import AttemptLine, Caller, Journal, JournalLine, Outcome
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.requests import ClientRequest
 from narwhal.router.retry import RetryBudget
@@ -225,6 +233,111 @@ class Router:
             with trio.move_on_after(FAIL_SEND_BOUND_S):
                 await run.fail(ended)
 
+    async def pass_through(
+        self,
+        path: str,
+        body: bytes,
+        rid: str,
+        caller: Caller,
+        headers: Sequence[tuple[bytes, bytes]],
+        wait_disconnect: Callable[[], Awaitable[None]],
+    ) -> tuple[int, bytes] | None:
+        """``POST /tokenize`` or ``/detokenize`` (SPEC 3): the client's body, unchanged, to
+        one placeable engine, and its answer; a fault is answered as a leg's would be (4xx
+        passed through, timeouts 504, others 502). Admitted like a completion (it counts
+        against ``max_inflight`` and the drain waits for it), journaled once. None: the
+        client left, nobody is left to answer (the leg is cancelled at once)."""
+        arrival, arrived_at = trio.current_time(), time.time()
+        attempt = AttemptLine(number=1)
+        answer: tuple[int, bytes] | None = None
+        fault: RequestFault | None = None
+        self._admit()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on, wait_disconnect, nursery.cancel_scope)
+                try:
+                    answer = 200, await self._pass_leg(path, body, rid, headers, attempt, arrival)
+                except RequestFault as exc:
+                    fault = exc
+                    answer = fault.status, fault.error_json()
+                nursery.cancel_scope.cancel()  # the watcher's task
+        finally:
+            self._release()
+            line = _pass_line(path, rid, caller, attempt, answer, fault, arrival, arrived_at)
+            self.journal.write(line)
+            self._export(line)
+            log_request(line)
+        return answer
+
+    async def _pass_leg(
+        self,
+        path: str,
+        body: bytes,
+        rid: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        attempt: AttemptLine,
+        arrival: float,
+    ) -> bytes:
+        """The engine's answer within ``prefill_timeout_s`` (prompt-side work), the request
+        deadline and the drain."""
+        serving = self.config.serving
+        timeout = serving.request_timeout_s
+        with trio.CancelScope(deadline=min(arrival + timeout, self.drain_deadline)) as limit:
+            self._running.add(limit)
+            try:
+                engine = self._pass_engine()
+                if engine.spec.role == "decode":
+                    attempt.consumer = engine.id
+                else:
+                    attempt.producer = engine.id
+                budget = serving.prefill_timeout_s
+                with trio.move_on_after(budget):
+                    try:
+                        return await self.client.pass_through(
+                            engine.url,
+                            path,
+                            body,
+                            request_id=f"{rid}-a1-{path.strip('/')}",
+                            trace=tracing.incoming(headers),
+                        )
+                    except RequestFault as fault:
+                        fault.engine_id = engine.id
+                        fault.engine_url = fault.engine_url or engine.url
+                        raise
+                message = f"{path} on engine {engine.id} took longer than {budget:g}s"
+                raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=engine.id)
+            finally:
+                self._running.discard(limit)
+        if self.drain_deadline < arrival + timeout:
+            grace = serving.graceful_timeout_s
+            raise ShuttingDown(
+                f"router shutting down: the request outlived the graceful timeout ({grace:g}s)",
+                phase=Phase.PREFILL,
+            )
+        raise DeadlineExpired(timeout, phase=Phase.PREFILL)
+
+    def _pass_engine(self) -> EngineState:
+        """Any placeable engine: every one tokenizes alike (producers first, they do the
+        prompt-side work)."""
+        now = trio.current_time()
+        for leg in ("prefill", "decode"):
+            candidates = self.fleet.placeable(leg, now)[0]
+            if candidates:
+                return self.rng.choice(candidates)
+        raise NoCapacity("no placeable engine", phase=Phase.ADMISSION)
+
+    def _admit(self) -> None:
+        if not self.admitted:
+            self._drained = trio.Event()
+        self.admitted += 1
+        self.metrics.in_flight.inc()
+
+    def _release(self) -> None:
+        self.admitted -= 1
+        self.metrics.in_flight.dec()
+        if not self.admitted:
+            self._drained.set()
+
     @contextmanager
     def drain_bound(self) -> Iterator[trio.CancelScope]:
         """A scope that a graceful shutdown ends at its deadline, like an admitted request's
@@ -386,6 +499,45 @@ class Router:
     async def aclose(self) -> None:
         await self.client.aclose()
         self.journal.close()
+
+
+async def _cancel_on(event: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
+    await event()
+    scope.cancel()
+
+
+def _pass_line(
+    path: str,
+    rid: str,
+    caller: Caller,
+    attempt: AttemptLine,
+    answer: tuple[int, bytes] | None,
+    fault: RequestFault | None,
+    arrival: float,
+    arrived_at: float,
+) -> JournalLine:
+    """The journal line of a passed-through request (no tokens: nothing is generated)."""
+    outcome: Outcome = "cancelled" if answer is None else "completed"
+    if fault is not None:
+        outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
+    placed = attempt.producer is not None or attempt.consumer is not None
+    return JournalLine(
+        request_id=rid,
+        endpoint=path,
+        stream=False,
+        outcome=outcome,
+        status=None if answer is None else answer[0],
+        phase=fault.phase if fault is not None else (None if answer else "prefill"),
+        message=fault.message if fault is not None else None,
+        attempts=[attempt] if placed else [],
+        ttft_s=None,
+        first_byte_s=None,
+        tokens=0,
+        duration_s=trio.current_time() - arrival,
+        at=round(arrived_at, 3),
+        client=caller.client,
+        key=caller.key,
+    )
 
 
 def _warn_plain_http_keys(config: FleetConfig) -> None:

@@ -131,3 +131,19 @@ async def test_continuous_usage_stats_never_reach_a_client_that_did_not_ask_for_
     await harness.router.wait_drained()
     assert harness.router.journal.lines[-1].tokens == 4
     await finish(harness)
+
+
+async def test_grouped_chunks_carry_the_same_text(nursery: trio.Nursery) -> None:
+    """The multi-token stream is the same answer: the router's assembled text (from the
+    decode leg's grouped chunks) is what the engine answers alone, non-streamed."""
+    harness = await _fleet(nursery)
+    body = {"model": MODEL, "prompt": "count the tokens", "max_tokens": TOKENS}
+    reply = await harness.post("/v1/completions", body)
+    async with httpcore.AsyncConnectionPool() as http:
+        alone = await http.request(
+            "POST", harness.engines["d0"].url + "/v1/completions", content=msgspec.json.encode(body)
+        )
+    expected = msgspec.json.decode(alone.content)["choices"][0]["text"]
+    assert reply.json()["choices"][0]["text"] == expected
+    assert reply.json()["usage"]["completion_tokens"] == TOKENS
+    await finish(harness)

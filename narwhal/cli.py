@@ -95,6 +95,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _chunk_tokens(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of counts like 1,3,0,2: {text!r}") from None
+    if any(k < 0 for k in counts) or not any(counts):
+        raise argparse.ArgumentTypeError(f"counts are >= 0, one at least > 0: {text!r}")
+    return counts
+
+
 MAX_WORKERS = 256  # far past any core count; each worker holds sockets and a process
 
 
@@ -164,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument("--engine-id", default="", help="NIXL engine id (default: a fresh uuid)")
     fake.add_argument("--kv-port", type=_port, default=0, help="KV side-channel port (0: any)")
     fake.add_argument("--itl-s", type=float, default=0.0, help="delay between tokens")
+    fake.add_argument(
+        "--chunk-tokens",
+        type=_chunk_tokens,
+        default=(),
+        help="tokens per streamed chunk, in turn, e.g. 1,3,0,2 (0: text held for the next); "
+        "default one per chunk",
+    )
     fake.add_argument(
         "--prefill-delay-per-token-s",
         type=float,
@@ -503,6 +520,7 @@ def _fake_engine(args: argparse.Namespace) -> int:
             port=args.port,
             kv_port=args.kv_port,
             itl_s=args.itl_s,
+            chunk_tokens=args.chunk_tokens,
             prefill_delay_per_token_s=args.prefill_delay_per_token_s,
             kv_lease_s=args.kv_lease_s,
             max_model_len=args.max_model_len,

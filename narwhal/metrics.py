@@ -60,7 +60,12 @@ TRANSFER_BUCKETS = (
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
 # label sets come from the enums that the code records, so a new value is never unexported
 PHASES = tuple(p.value for p in Phase)
 BREAKER_CLASSES = tuple(c.value for c in BreakerClass if c is not BreakerClass.NONE)
@@ -174,7 +179,9 @@ class Metrics:
             "livesum",
         )
         self.generation_tokens = counter(
-            "narwhal_generation_tokens", "Generated tokens relayed to clients.", ("model",)
+            "narwhal_generation_tokens",
+            "Generated tokens relayed to clients (the consumers' own count, their usage).",
+            ("model",),
         )
         self.prompt_tokens = counter(
             "narwhal_prompt_tokens",

@@ -8,7 +8,9 @@ reads the rest of the ``OTEL_EXPORTER_OTLP_*`` variables itself; the service nam
 ``OTEL_SERVICE_NAME`` (default ``narwhal``).
 
 When off, ``ENABLED`` is False and the request path checks it once per request
-(``Router.handle``): no span object is made and no header is added to an engine leg.
+(``Router.handle``): no span object is made, and the router is no participant in the
+trace: a client's W3C ``traceparent`` (well formed) and its ``tracestate`` go to every
+engine leg unchanged (``incoming``), so vLLM's spans still join the client's trace.
 
 Span objects are passed explicitly (``RunRecord.span``, the attempt's span) rather than
 through OpenTelemetry's implicit context: a request's work runs in trio tasks of its own,
@@ -20,6 +22,7 @@ and an explicit parent cannot be lost between them. Each engine leg carries the 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,6 +39,11 @@ ENABLED = False  # the one flag the request path checks
 _tracer: trace.Tracer | None = None
 _provider: TracerProvider | None = None
 _propagator = TraceContextTextMapPropagator()
+# W3C trace context, level 1: version, trace id, parent id, flags, in lower-case hex; a
+# later version may append fields after a dash (version 00 may not); ff is never valid
+_TRACEPARENT = re.compile(
+    rb"(?!ff)([0-9a-f]{2})-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(-.*)?"
+)
 
 
 def wanted(env: Mapping[str, str]) -> bool:
@@ -109,6 +117,30 @@ def child_span(
 ) -> Span:
     assert _tracer is not None
     return _tracer.start_span(name, trace.set_span_in_context(parent), kind, attributes)
+
+
+def incoming(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The client's ``traceparent`` and ``tracestate``, unchanged, for the engine legs of a
+    request the router does not trace; none when ``traceparent`` is absent, repeated or not
+    of the W3C shape (a vendor that cannot parse it must not pass on ``tracestate``)."""
+    parents: list[bytes] = []
+    states: list[bytes] = []
+    for name, value in headers:
+        if name == b"traceparent":  # the ASGI server gives lower-case names
+            parents.append(value)
+        elif name == b"tracestate":
+            states.append(value)
+    if len(parents) != 1 or not _valid_parent(parents[0]):
+        return NO_HEADERS
+    if not states:
+        return ((b"traceparent", parents[0]),)
+    # several tracestate fields are one list, joined as RFC 9110 combines a field's lines
+    return ((b"traceparent", parents[0]), (b"tracestate", b",".join(states)))
+
+
+def _valid_parent(value: bytes) -> bool:
+    match = _TRACEPARENT.fullmatch(value)
+    return match is not None and not (match.group(1) == b"00" and match.group(2) is not None)
 
 
 def headers(span: Span | None) -> Headers:

@@ -38,6 +38,9 @@ class PrefillResult(msgspec.Struct, frozen=True):
     text: str | None = None
     logprobs: msgspec.Raw = msgspec.Raw()
     prompt_tokens: int | None = None  # as the producer counted them (its usage)
+    # the prompt's token ids when the client asked for them (``return_token_ids``): an
+    # echo's first chunk carries them, and only the producer computed the prompt
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()
 
     def parameters(self) -> dict[str, Any]:
         """A fresh, detached copy of the descriptor."""
@@ -48,6 +51,7 @@ class PrefillResult(msgspec.Struct, frozen=True):
 class _Choice(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw()
     prompt_logprobs: msgspec.Raw = msgspec.Raw()  # completions carry them per choice
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()  # and so their token ids
     text: Any = None
     logprobs: msgspec.Raw = msgspec.Raw()
 
@@ -57,6 +61,7 @@ class _PrefillResponse(msgspec.Struct):
     usage: Any = None  # the producer's count of the prompt (an engine's garbage is ignored)
     kv_transfer_params: msgspec.Raw = msgspec.Raw()
     prompt_logprobs: msgspec.Raw = msgspec.Raw()  # chat carries them at the top
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()
 
 
 class _DescriptorView(msgspec.Struct):
@@ -151,6 +156,9 @@ class NixlConnector:
         first = parsed.choices[0] if parsed.choices else _Choice()
         if _present(first.prompt_logprobs):
             prompt_logprobs = first.prompt_logprobs
+        prompt_ids = first.prompt_token_ids
+        if not _present(prompt_ids):
+            prompt_ids = parsed.prompt_token_ids
         # copies: a decoded Raw is a view that keeps the whole response alive for as long
         # as the request holds its descriptor (the response is several times its size)
         return PrefillResult(
@@ -163,6 +171,7 @@ class NixlConnector:
             text=first.text if isinstance(first.text, str) else None,
             logprobs=first.logprobs.copy() if _present(first.logprobs) else msgspec.Raw(),
             prompt_tokens=_prompt_tokens(parsed.usage),
+            prompt_token_ids=prompt_ids.copy() if _present(prompt_ids) else msgspec.Raw(),
         )
 
 

@@ -102,7 +102,8 @@ class _EnginePool:
         self, request_id: str, trace: Headers = NO_HEADERS
     ) -> list[tuple[bytes, bytes]]:
         """The precomputed headers, the backend request id, and the leg's W3C trace context
-        (``traceparent``/``tracestate``; empty unless tracing is on)."""
+        (``traceparent``/``tracestate``: its span's with tracing on, the client's as it came
+        with tracing off, none when the client sent none)."""
         if not request_id and not trace:
             return self.headers
         rid = [(b"x-request-id", request_id.encode())] if request_id else []
@@ -220,6 +221,29 @@ class EngineClient:
             body, None if same_worker else result, endpoint=endpoint
         )
         return DecodeStream(self._engine(url), endpoint, _encode(decode_body), request_id, trace)
+
+    async def pass_through(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        *,
+        request_id: str = "",
+        trace: Headers = NO_HEADERS,
+    ) -> bytes:
+        """POST ``body`` unchanged to ``path`` (``/tokenize``, ``/detokenize``); the engine's
+        200 answer, else its error as an engine fault. Bounded by the caller's scope."""
+        engine = self._engine(url)
+        async with await engine.request(
+            b"POST", path, body, request_id, Phase.PREFILL, trace=trace
+        ) as response:
+            data = await _read(response, engine, Phase.PREFILL, MAX_PREFILL_RESPONSE_BYTES)
+        if response.status != 200:
+            message, kind = error_message(data, response.status)
+            raise EngineStatusError(
+                response.status, message, phase=Phase.PREFILL, engine_url=url, kind=kind
+            )
+        return data
 
     async def reclaim(self, url: str, result: PrefillResult, *, request_id: str) -> int:
         """Send a consumer the reclaim request for an orphaned descriptor (the connector's

@@ -16,6 +16,7 @@ locally, and sample ``j`` of ``n`` is the single sample seeded ``seed + j``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import secrets
@@ -504,16 +505,53 @@ class StreamPlan:
 
 
 def plain_plan(
-    ask: Ask, shapes: gen.Shapes, ids: list[int], *, finished: bool, prompt_tokens: int
+    ask: Ask,
+    shapes: gen.Shapes,
+    ids: list[int],
+    *,
+    finished: bool,
+    prompt_tokens: int,
+    chunk_tokens: tuple[int, ...] = (),
 ) -> StreamPlan:
     """A plain stream from precomputed bytes (the benchmarks' path), each chunk made when
     it is written. ``finished`` False: no chunk carries a finish reason (a scripted fault
-    breaks the stream)."""
+    breaks the stream). ``chunk_tokens``: how many tokens each chunk carries, in turn
+    (``grouped_frames``); empty, one each."""
     last = len(ids) - 1 if finished else -1
     with_ids = ask.return_token_ids
-    frames = (shapes.token_chunk(index, n == last, with_ids) for n, index in enumerate(ids))
+    frames: Iterable[bytes | None]
+    if chunk_tokens:
+        frames = grouped_frames(shapes, ids, last, with_ids, chunk_tokens)
+    else:
+        frames = (shapes.token_chunk(index, n == last, with_ids) for n, index in enumerate(ids))
     tail = shapes.usage_chunk(prompt_tokens, len(ids)) if ask.include_usage else None
     return StreamPlan([shapes.role_chunk()] if shapes.chat else [], frames, tail)
+
+
+def grouped_frames(
+    shapes: gen.Shapes, ids: list[int], last: int, with_ids: bool, pattern: tuple[int, ...]
+) -> Iterator[bytes | None]:
+    """One item per token, as ``StreamPlan.tokens``: a chunk, or None for a token that
+    goes out with a later chunk. vLLM's stream is not one token per chunk: under load one
+    chunk carries the tokens of several engine steps (``k`` in ``pattern``, taken in turn),
+    and a token whose text the detokenizer holds back (``0``: an incomplete character)
+    goes out in a completions chunk with empty text (chat sends none), its text with the
+    next chunk. The text of the whole stream is the same as one token per chunk."""
+    held: list[int] = []
+    start, turn = 0, 0
+    while start < len(ids):
+        k = pattern[turn % len(pattern)]
+        turn += 1
+        group = ids[start : start + max(k, 1)]
+        start += len(group)
+        final = start - 1 == last
+        yield from itertools.repeat(None, len(group) - 1)
+        if k == 0 and start < len(ids):
+            held += group
+            yield None if shapes.chat else shapes.group_chunk([], group, False, with_ids)
+        else:
+            yield shapes.group_chunk(held + group, group, final, with_ids)
+            held = []
 
 
 def stream_plan(ask: Ask, shapes: gen.Shapes, choices: list[Sample]) -> StreamPlan:

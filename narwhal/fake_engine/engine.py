@@ -55,6 +55,9 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 0
     kv_port: int = 0  # side channel (remote_port in descriptors); ephemeral when 0
     itl_s: float = 0.0  # delay between generated tokens
+    # tokens per streamed chunk, taken in turn (0: a token whose text waits for the next
+    # chunk); empty: one per chunk. Plain streams only (the benchmarks' path)
+    chunk_tokens: tuple[int, ...] = ()
     prefill_delay_per_token_s: float = 0.0  # prompt computation time per uncached token
     kv_lease_s: float = 30.0  # how long a producer holds blocks nobody pulled
     kv_blocks: int = 4096  # the KV cache, in 16-token blocks (vllm:kv_cache_usage_perc)
@@ -98,6 +101,7 @@ class FakeEngine:
         self.waiting = 0  # of which queued for a slot
         self._queued = trio.Event()  # set as each request joins the queue
         self._began = trio.Event()  # set as each completion begins to be answered
+        self._logged = trio.Event()  # set as each request joins the log
         self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
         self.prefix_cache = cost.PrefixCache(cfg.prefix_cache_blocks)
         self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
@@ -166,6 +170,8 @@ class FakeEngine:
             await self._completion(req, ex, chat=True)
         elif route == ("POST", "/tokenize"):
             await self._tokenize(req, ex)
+        elif route == ("POST", "/detokenize"):
+            await self._detokenize(req, ex)
         elif route == ("GET", "/health"):
             await ex.respond(200, b"")
         elif route == ("GET", "/version"):
@@ -196,6 +202,16 @@ class FakeEngine:
         """Return once ``n`` completions are being answered (tests: a leg has begun)."""
         while self.running < n:
             await self._began.wait()
+
+    async def wait_logged(self, n: int) -> None:
+        """Return once ``n`` requests are in the log (tests: a request has arrived)."""
+        while len(self.log) < n:
+            await self._logged.wait()
+
+    def _note(self, entry: dict[str, Any]) -> None:
+        self.log.append(entry)
+        self._logged.set()  # wake wait_logged, then arm for the next one
+        self._logged = trio.Event()
 
     async def wait_idle(self) -> None:
         """Return once no completion is being answered (a cancelled leg has ended)."""
@@ -232,23 +248,81 @@ class FakeEngine:
         await ex.respond(200, msgspec.json.encode({"queued": len(self.faults)}))
 
     async def _tokenize(self, req: Request, ex: Exchange) -> None:
-        """vLLM's ``/tokenize``: count, max_model_len and token ids (whitespace words here)."""
-        try:
-            body = msgspec.json.decode(req.body)
-            assert isinstance(body, dict)
-        except (msgspec.DecodeError, AssertionError):
-            await ex.respond(400, gen.error_body("Invalid JSON body", "Bad Request", 400))
+        """vLLM's ``/tokenize``: count, max_model_len and token ids (whitespace words here),
+        the words themselves with ``return_token_strs``."""
+        self._log_side_request(req)
+        body = await self._side_body(req, ex)
+        if body is None:
             return
         text, count = gen.prompt_of(body, "messages" in body)
-        tokens = [zlib.crc32(word.encode()) % 32000 for word in text.split()][:count]
+        words = text.split()
+        tokens = [zlib.crc32(word.encode()) % 32000 for word in words][:count]
         tokens += [1] * (count - len(tokens))
+        strs = (words + [""] * count)[:count] if body.get("return_token_strs") is True else None
         reply = {
             "count": count,
             "max_model_len": self.config.max_model_len,
             "tokens": tokens,
-            "token_strs": None,
+            "token_strs": strs,
         }
         await ex.respond(200, msgspec.json.encode(reply))
+
+    async def _detokenize(self, req: Request, ex: Exchange) -> None:
+        """vLLM's ``/detokenize``: ``{"prompt": text}``. The fake's ids are word hashes, so
+        the text is the vocabulary's words for them: deterministic, not the inverse."""
+        self._log_side_request(req)
+        body = await self._side_body(req, ex)
+        if body is None:
+            return
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+            msg = "1 validation error:\n  body.tokens: Input should be a list of integers >= 0"
+            await ex.respond(400, gen.error_body(msg, "Bad Request", 400, "body.tokens"))
+            return
+        text = "".join(gen.VOCAB[t % len(gen.VOCAB)] for t in tokens)
+        await ex.respond(200, msgspec.json.encode({"prompt": text}))
+
+    def _log_side_request(self, req: Request) -> None:
+        """``/tokenize`` and ``/detokenize`` in the log, as legs are: what the router sent."""
+        self._note(
+            {
+                "path": req.path,
+                "request_id": req.headers.get("x-request-id", ""),
+                "body": None,
+                "traceparent": req.headers.get("traceparent"),
+                "tracestate": req.headers.get("tracestate"),
+            }
+        )
+
+    async def _side_body(self, req: Request, ex: Exchange) -> dict[str, Any] | None:
+        """The body of a ``/tokenize`` or ``/detokenize``, checked as vLLM checks it (None:
+        answered with the error already)."""
+        try:
+            body = msgspec.json.decode(req.body)
+        except msgspec.DecodeError:
+            await ex.respond(400, gen.error_body("Invalid JSON body", "Bad Request", 400))
+            return None
+        if not isinstance(body, dict):
+            await ex.respond(400, gen.error_body("Body must be an object", "Bad Request", 400))
+            return None
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            msg = f"The model `{model}` does not exist. Valid aliases: {self.config.model}."
+            await ex.respond(404, gen.error_body(msg, "NotFoundError", 404, "model"))
+            return None
+        self.counters[req.path.strip("/")] += 1
+        fault = self.faults.take("tokenize")
+        if fault is None:
+            return body
+        self.counters[f"fault_{fault.kind}"] += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+                await self._refuse(fault, ex)
+                nursery.cancel_scope.cancel()
+        except* (trio.BrokenResourceError, trio.ClosedResourceError):
+            ex.disconnected = True  # a write lost the race with the watcher
+        return None
 
     def _models(self) -> bytes:
         card = {
@@ -319,9 +393,11 @@ class FakeEngine:
             "end": None,
             "tokens": 0,
             "disconnected": False,
-            "traceparent": req.headers.get("traceparent"),  # the router's tracing, when on
+            # the W3C trace context the leg carried (the router's spans, or the client's)
+            "traceparent": req.headers.get("traceparent"),
+            "tracestate": req.headers.get("tracestate"),
         }
-        self.log.append(entry)
+        self._note(entry)
         # a reclaim leg's scripted fault strikes before the check that refuses it
         reclaim = self.faults.take("reclaim") if backend_id.endswith("-reclaim") else None
         problem = None if reclaim is not None else self._validate(body, chat)
@@ -487,7 +563,12 @@ class FakeEngine:
             if ask.plain:
                 ids = gen.token_ids(prompt, ask.max_tokens, ask.key(0))
                 plan = answers.plain_plan(
-                    ask, shapes, ids, finished=finished, prompt_tokens=prompt_tokens
+                    ask,
+                    shapes,
+                    ids,
+                    finished=finished,
+                    prompt_tokens=prompt_tokens,
+                    chunk_tokens=cfg.chunk_tokens,
                 )
             else:
                 plan = answers.stream_plan(ask, shapes, answers.samples(ask))

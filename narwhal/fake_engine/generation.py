@@ -141,6 +141,18 @@ class Shapes:
             tail = tail.replace(b'"token_ids":null', b'"token_ids":[%d]' % (index + 100))
         return self._head + body + tail
 
+    def group_chunk(self, texts: list[int], ids: list[int], last: bool, with_ids: bool) -> bytes:
+        """A chunk carrying several tokens (``ids``) and the text of ``texts`` (the tokens
+        held back before it and its own), as vLLM sends them when a read finds several
+        engine steps done; ``token_ids`` lists the chunk's own tokens."""
+        text = _encode("".join(VOCAB[i] for i in texts))
+        body = b'"delta":{"content":' + text + b"}" if self.chat else b'"text":' + text
+        tail = self._last_tail if last else self._tok_tail
+        if with_ids:
+            listed = b",".join(b"%d" % (i + 100) for i in ids)
+            tail = tail.replace(b'"token_ids":null', b'"token_ids":[' + listed + b"]")
+        return self._head + body + tail
+
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         usage = {
             "prompt_tokens": prompt_tokens,

@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import suppress
+from functools import partial
 from typing import Any, Protocol
 
 import msgspec
@@ -44,6 +45,9 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
 ]
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's own endpoints that benchmark clients and tool parsers call: passed through to one
+# placeable engine (``Router.pass_through``), with a request id and a journal line each
+_PASS_THROUGH_PATHS = ("/tokenize", "/detokenize")
 # liveness, readiness and scrapes stay open to the platform; everything else needs a key
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 RETRY_AFTER_S = b"1"
@@ -272,8 +276,9 @@ class RouterApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method, headers = scope["path"], scope["method"], scope["headers"]
         completion = path in _COMPLETION_PATHS
+        passed = path in _PASS_THROUGH_PATHS
         # the id may be given already: by the server, answering a body it cannot frame
-        rid = scope.setdefault(REQUEST_ID, request_id(scope)) if completion else None
+        rid = scope.setdefault(REQUEST_ID, request_id(scope)) if completion or passed else None
         problem = _headers_problem(headers) or _framing_problem(headers)
         if problem is not None:
             self._journal_refusal(rid, path, problem.status, problem.message, scope)
@@ -295,6 +300,10 @@ class RouterApp:
             assert rid is not None
             await self._completion(path, scope, receive, send, rid)
             return
+        if passed and method == "POST":
+            assert rid is not None
+            await self._pass_through(path, scope, receive, send, rid)
+            return
         if (method, path) == ("POST", "/narwhal/lifecycle/readmit"):
             await self._readmit_wave(receive, send)
             return
@@ -315,7 +324,7 @@ class RouterApp:
     def _answer(self, method: str, path: str) -> tuple[int, bytes, bytes]:
         """Every endpoint that reads no body: (status, body, content type)."""
         router = self.router
-        if path in _COMPLETION_PATHS:
+        if path in _COMPLETION_PATHS or path in _PASS_THROUGH_PATHS:
             return 405, error_json(405, f"{path} takes POST", "method_not_allowed"), _JSON[1]
         if (method, path) == ("POST", "/narwhal/reload"):
             try:
@@ -392,6 +401,53 @@ class RouterApp:
         client = f"{peer[0]}:{peer[1]}" if peer else None
         return Caller(client=client, key=self.router.api_keys.key_id(scope["headers"]))
 
+    async def _admitted_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The body of a request to admit: read within the limits, then refused (a
+        RequestFault) while draining, in maintenance or at ``max_inflight``."""
+        router = self.router
+        serving = router.config.serving
+        with router.drain_bound() as drain:  # a trickling body does not outlive the drain
+            raw = await _read_body_within(scope, receive, serving)
+        if drain.cancelled_caught:
+            raise BodyCut(
+                "router shutting down: the request body was still arriving when the "
+                "graceful timeout ended",
+                phase=Phase.ADMISSION,
+            )
+        router.admission.check(
+            serving, draining=router.draining, maintenance=router.health.maintenance
+        )
+        return raw
+
+    def _left_mid_body(self, scope: Scope, rid: str, path: str, caller: Caller) -> None:
+        if not _journal_framing(self.router, scope, rid, path, caller):
+            left = "client left mid-body"
+            self.router.journal_unadmitted(rid, path, "cancelled", None, left, caller)
+
+    async def _refuse(
+        self,
+        fault: RequestFault,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        rid: bytes,
+        path: str,
+        caller: Caller,
+    ) -> None:
+        """Journal and answer a request refused before admission."""
+        rid_text = rid.decode()
+        if _journal_framing(self.router, scope, rid_text, path, caller):
+            return  # the server's answer went first (a body can break both ways at once)
+        self.router.journal_unadmitted(
+            rid_text, path, "rejected", fault.status, fault.message, caller
+        )
+        if isinstance(fault, TooLarge | BodyTimeout | BodyCut):  # the body is arriving
+            slow = isinstance(fault, BodyTimeout | BodyCut)
+            body = fault.error_json()
+            await respond_and_close(receive, send, fault.status, body, rid, linger=not slow)
+        else:
+            await respond(send, fault.status, fault.error_json(), rid)
+
     async def _completion(
         self, path: str, scope: Scope, receive: Receive, send: Send, rid: bytes
     ) -> None:
@@ -401,54 +457,49 @@ class RouterApp:
         serving = router.config.serving
         caller = self._caller(scope)
         try:
-            with router.drain_bound() as drain:  # a trickling body does not outlive the drain
-                raw = await _read_body_within(scope, receive, serving)
-            if drain.cancelled_caught:
-                raise BodyCut(
-                    "router shutting down: the request body was still arriving when the "
-                    "graceful timeout ended",
-                    phase=Phase.ADMISSION,
-                )
-            router.admission.check(
-                serving, draining=router.draining, maintenance=router.health.maintenance
-            )
+            raw = await self._admitted_body(scope, receive)
             req = parse_request(
                 raw, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
             )
         except Disconnected:
-            if not _journal_framing(router, scope, rid_text, path, caller):
-                left = "client left mid-body"
-                router.journal_unadmitted(rid_text, path, "cancelled", None, left, caller)
+            self._left_mid_body(scope, rid_text, path, caller)
             return
         except RequestFault as fault:
-            if _journal_framing(router, scope, rid_text, path, caller):
-                return  # the server's answer went first (a body can break both ways at once)
-            router.journal_unadmitted(
-                rid_text, path, "rejected", fault.status, fault.message, caller
-            )
-            if isinstance(fault, TooLarge | BodyTimeout | BodyCut):  # the body is arriving
-                slow = isinstance(fault, BodyTimeout | BodyCut)
-                body = fault.error_json()
-                await respond_and_close(receive, send, fault.status, body, rid, linger=not slow)
-            else:
-                await respond(send, fault.status, fault.error_json(), rid)
+            await self._refuse(fault, scope, receive, send, rid, path, caller)
             return
-
         extensions = scope.get("extensions") or {}  # the server's features (ASGI's channel)
-
-        async def wait_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
         await router.handle(
             req,
             rid_text,
             AsgiSink(send, rid, extensions.get(DIRECT_BODY)),
-            wait_disconnect,
+            partial(_wait_disconnect, receive),
             caller,
             scope["headers"],
             extensions.get(ON_DISCONNECT),
         )
+
+    async def _pass_through(
+        self, path: str, scope: Scope, receive: Receive, send: Send, rid: bytes
+    ) -> None:
+        """``POST /tokenize`` and ``/detokenize``: admitted like a completion (key, body
+        limit, ``max_inflight``), then the body goes unchanged to one engine."""
+        router = self.router
+        router.admission.received += 1
+        rid_text = rid.decode()
+        caller = self._caller(scope)
+        try:
+            raw = await self._admitted_body(scope, receive)
+        except Disconnected:
+            self._left_mid_body(scope, rid_text, path, caller)
+            return
+        except RequestFault as fault:
+            await self._refuse(fault, scope, receive, send, rid, path, caller)
+            return
+        answer = await router.pass_through(
+            path, raw, rid_text, caller, scope["headers"], partial(_wait_disconnect, receive)
+        )
+        if answer is not None:  # None: the client left
+            await respond(send, answer[0], answer[1], rid)
 
     async def _readmit_wave(self, receive: Receive, send: Send) -> None:
         """Validate the whole engine set together (whole-wave policy's way back)."""
@@ -475,6 +526,11 @@ class RouterApp:
         outcomes = await health.readmit_wave()
         body = {"maintenance": health.maintenance, "engines": outcomes}
         await respond(send, 409 if health.maintenance else 200, msgspec.json.encode(body))
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _refuse_websocket(receive: Receive, send: Send) -> None:

@@ -114,6 +114,8 @@ class RunRecord:
         self.caller = Caller()  # who sent it (set by Router.handle)
         self.arrived_at = time.time()  # wall clock, for the journal
         self.span: Span | None = None  # the request's span (Router.handle), tracing on
+        # tracing off: the client's traceparent/tracestate, which every leg carries unchanged
+        self.trace: tracing.Headers = tracing.NO_HEADERS
         self.cut = False  # the last write (the answer's end) was cut on its way: not whole
 
     @property
@@ -319,6 +321,10 @@ class RequestRun(RunRecord):
             SpanKind.CLIENT,
         )
 
+    def _leg_trace(self, span: Span | None) -> tracing.Headers:
+        """A leg's W3C trace context: its own span's with tracing on, else the client's."""
+        return self.trace if span is None else tracing.headers(span)
+
     def _retry_decision(self, fault: RequestFault) -> RetryDecision:
         if fault.engine_id is not None and fault.breaker is not BreakerClass.NONE:
             self.failed_engines.add(fault.engine_id)
@@ -450,7 +456,7 @@ class RequestRun(RunRecord):
                             self.req.endpoint,
                             self._prefill_body(),
                             request_id=backend_id,
-                            trace=tracing.headers(span),
+                            trace=self._leg_trace(span),
                         )
                         outcome = "completed"
                         return result
@@ -467,6 +473,8 @@ class RequestRun(RunRecord):
             tracing.end(span, outcome, message)
 
     def _prefill_body(self) -> dict[str, Any]:
+        """The client's body (the connector makes it a prefill); a client's
+        ``return_token_ids`` stays in it: the producer's prompt ids go into an echo."""
         body = self.req.body
         if body.get("echo") and body.get("logprobs") is None:
             # the token the producer adds after an echoed prompt is known by its logprob
@@ -475,9 +483,11 @@ class RequestRun(RunRecord):
 
     def _decode_body(self) -> dict[str, Any]:
         body = self.req.body
-        if self.req.stream:
+        if self.req.include_usage:
             return body
-        # Non-streaming clients are served from a streamed decode; ask for usage to report it.
+        # Token counts (journal, metrics) are the engine's own, from its usage chunk; a
+        # streaming client that did not ask for it does not get it (``StreamRelay``). The
+        # options are replaced: continuous usage stats must not reach a client unasked.
         return {**body, "stream_options": {"include_usage": True}}
 
     async def _decode(
@@ -517,7 +527,7 @@ class RequestRun(RunRecord):
             self._decode_body(),
             result,
             request_id=backend_id,
-            trace=tracing.headers(span),
+            trace=self._leg_trace(span),
         )
         # decode_clock: first-token budget until the first token, then silence budget.
         decode_clock = trio.CancelScope(
@@ -565,7 +575,8 @@ class RequestRun(RunRecord):
         reactor = self.router.reactor if direct is not None or collector is not None else None
         silence = self.config.engine.decode_read_timeout_s
         gaps = RequestBuckets(self.router.metrics.token_gap)
-        loop = RelayLoop(self, StreamRelay(collector), clock, silence, gaps, direct, reactor)
+        relay = StreamRelay(collector, strip_usage=not self.req.include_usage)
+        loop = RelayLoop(self, relay, clock, silence, gaps, direct, reactor)
         await loop.relay_all(stream)
 
     def first_token(self) -> None:

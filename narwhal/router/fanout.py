@@ -108,6 +108,7 @@ class FanOutRun(RunRecord):
         async with trio.open_nursery() as nursery:
             for run in self.children:
                 run.span = self.span  # their attempts are children of the request's span
+                run.trace = self.trace  # tracing off: the client's context, to every leg
                 nursery.start_soon(child, run, nursery.cancel_scope)
         if failed:
             raise failed[0]

@@ -42,7 +42,7 @@ class DirectSink(Protocol):
 class RelayRun(Protocol):
     """What the relay needs of its request (``narwhal.router.execute.RequestRun``)."""
 
-    tokens: int
+    tokens: int  # generated tokens: the engine's usage when it came, else output chunks
     lifecycle: Lifecycle
 
     def first_token(self) -> None: ...
@@ -126,7 +126,10 @@ class RelayLoop:
         relay, run = self.relay, self.run
         tokens_before = relay.tokens
         action = relay.feed(data)
-        tokens = run.tokens = relay.tokens
+        tokens = relay.tokens
+        # the engine's count once its usage came (at the end), chunks with output until then
+        generated = relay.generated
+        run.tokens = tokens if generated is None else generated
         if tokens and not tokens_before:
             run.first_token()
         kind = type(action)

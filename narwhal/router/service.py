@@ -23,8 +23,16 @@ import trio
 
 from narwhal import tracing
 from narwhal.core.config import ConfigError, FleetConfig, load_config
-from narwhal.core.faults import DeadlineExpired, InternalError, RequestFault, ShuttingDown
-from narwhal.core.fleet import LEGS, Fleet
+from narwhal.core.faults import (
+    DeadlineExpired,
+    InternalError,
+    NoCapacity,
+    Phase,
+    PrefillTimeout,
+    RequestFault,
+    ShuttingDown,
+)
+from narwhal.core.fleet import LEGS, EngineState, Fleet
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget
 from narwhal.engines.client import EngineClient
@@ -38,7 +46,7 @@ from narwhal.router.discovery import Discovery
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fanout import FanOutRun
 from narwhal.router.health import Health
-from narwhal.router.journal import Caller, Journal, JournalLine, Outcome
+from narwhal.router.journal import AttemptLine, Caller, Journal, JournalLine, Outcome
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.scraper import Scraper
 from narwhal.router.stream_reactor import StreamReactor
@@ -131,7 +139,8 @@ class Router:
         on_disconnect: Callable[[Callable[[], None]], None] | None = None,
     ) -> Run:
         """Serve one admitted request to its single terminal outcome. ``headers``: the
-        client's, where an incoming W3C ``traceparent`` is read (tracing on only).
+        client's, where an incoming W3C ``traceparent`` is read: continued by the request's
+        span with tracing on, passed to the engine legs unchanged with it off.
 
         The client's disconnect cancels the request's nursery: a watcher task awaits
         ``wait_disconnect``, unless the server offers ``on_disconnect`` (it registers a
@@ -158,6 +167,8 @@ class Router:
                 },
             )
             traced = log_context.set({"request_id": rid, "trace_id": tracing.trace_id(run.span)})
+        else:  # not a participant: the client's trace context goes to the legs as it came
+            run.trace = tracing.incoming(headers)
         self.admission.admit()
         try:
             async with trio.open_nursery() as nursery:
@@ -224,6 +235,99 @@ class Router:
                 )
             with trio.move_on_after(FAIL_SEND_BOUND_S):
                 await run.fail(ended)
+
+    async def pass_through(
+        self,
+        path: str,
+        body: bytes,
+        rid: str,
+        caller: Caller,
+        headers: Sequence[tuple[bytes, bytes]],
+        wait_disconnect: Callable[[], Awaitable[None]],
+    ) -> tuple[int, bytes] | None:
+        """``POST /tokenize`` or ``/detokenize`` (SPEC 3): the client's body, unchanged, to
+        one placeable engine, and its answer; a fault is answered as a leg's would be (4xx
+        passed through, timeouts 504, others 502). Admitted like a completion (it counts
+        against ``max_inflight`` and the drain waits for it), journaled once. None: the
+        client left, nobody is left to answer (the leg is cancelled at once)."""
+        arrival, arrived_at = trio.current_time(), time.time()
+        attempt = AttemptLine(number=1)
+        answer: tuple[int, bytes] | None = None
+        fault: RequestFault | None = None
+        self.admission.admit()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on, wait_disconnect, nursery.cancel_scope)
+                try:
+                    answer = 200, await self._pass_leg(path, body, rid, headers, attempt, arrival)
+                except RequestFault as exc:
+                    fault = exc
+                    answer = fault.status, fault.error_json()
+                nursery.cancel_scope.cancel()  # the watcher's task
+        finally:
+            self.admission.release()
+            line = _pass_line(path, rid, caller, attempt, answer, fault, arrival, arrived_at)
+            self.journal.write(line)
+            self._export(line)
+            log_request(line)
+        return answer
+
+    async def _pass_leg(
+        self,
+        path: str,
+        body: bytes,
+        rid: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        attempt: AttemptLine,
+        arrival: float,
+    ) -> bytes:
+        """The engine's answer within ``prefill_timeout_s`` (prompt-side work), the request
+        deadline and the drain."""
+        serving = self.config.serving
+        timeout = serving.request_timeout_s
+        with trio.CancelScope(deadline=min(arrival + timeout, self.drain_deadline)) as limit:
+            self._running.add(limit)
+            try:
+                engine = self._pass_engine()
+                if engine.spec.role == "decode":
+                    attempt.consumer = engine.id
+                else:
+                    attempt.producer = engine.id
+                budget = serving.prefill_timeout_s
+                with trio.move_on_after(budget):
+                    try:
+                        return await self.client.pass_through(
+                            engine.url,
+                            path,
+                            body,
+                            request_id=f"{rid}-a1-{path.strip('/')}",
+                            trace=tracing.incoming(headers),
+                        )
+                    except RequestFault as fault:
+                        fault.engine_id = engine.id
+                        fault.engine_url = fault.engine_url or engine.url
+                        raise
+                message = f"{path} on engine {engine.id} took longer than {budget:g}s"
+                raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=engine.id)
+            finally:
+                self._running.discard(limit)
+        if self.drain_deadline < arrival + timeout:
+            grace = serving.graceful_timeout_s
+            raise ShuttingDown(
+                f"router shutting down: the request outlived the graceful timeout ({grace:g}s)",
+                phase=Phase.PREFILL,
+            )
+        raise DeadlineExpired(timeout, phase=Phase.PREFILL)
+
+    def _pass_engine(self) -> EngineState:
+        """Any placeable engine: every one tokenizes alike (producers first, they do the
+        prompt-side work)."""
+        now = trio.current_time()
+        for leg in LEGS:
+            candidates = self.fleet.placeable(leg, now)[0]
+            if candidates:
+                return self.rng.choice(candidates)
+        raise NoCapacity("no placeable engine", phase=Phase.ADMISSION)
 
     @contextmanager
     def drain_bound(self) -> Iterator[trio.CancelScope]:
@@ -391,6 +495,45 @@ class Router:
     async def aclose(self) -> None:
         await self.client.aclose()
         self.journal.close()
+
+
+async def _cancel_on(event: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
+    await event()
+    scope.cancel()
+
+
+def _pass_line(
+    path: str,
+    rid: str,
+    caller: Caller,
+    attempt: AttemptLine,
+    answer: tuple[int, bytes] | None,
+    fault: RequestFault | None,
+    arrival: float,
+    arrived_at: float,
+) -> JournalLine:
+    """The journal line of a passed-through request (no tokens: nothing is generated)."""
+    outcome: Outcome = "cancelled" if answer is None else "completed"
+    if fault is not None:
+        outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
+    placed = attempt.producer is not None or attempt.consumer is not None
+    return JournalLine(
+        request_id=rid,
+        endpoint=path,
+        stream=False,
+        outcome=outcome,
+        status=None if answer is None else answer[0],
+        phase=fault.phase if fault is not None else (None if answer else "prefill"),
+        message=fault.message if fault is not None else None,
+        attempts=[attempt] if placed else [],
+        ttft_s=None,
+        first_byte_s=None,
+        tokens=0,
+        duration_s=trio.current_time() - arrival,
+        at=round(arrived_at, 3),
+        client=caller.client,
+        key=caller.key,
+    )
 
 
 def _warn_plain_http_keys(config: FleetConfig) -> None:

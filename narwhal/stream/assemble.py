@@ -252,6 +252,8 @@ class Assembler:
         choice.update(_CHOICE_DEFAULTS if self.chat else _COMPLETION_CHOICE_DEFAULTS)
         choice.update(fold.extra)
         choice["token_ids"] = fold.token_ids
+        if self.echo is not None and self.echo.prompt_ids is not None:
+            choice["prompt_token_ids"] = self.echo.prompt_ids
         if not self.chat and self.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs
         return choice
@@ -261,7 +263,7 @@ class Echo:
     """An echoed prompt (completions): the text and logprobs the producer gave the prompt,
     put before the consumer's generated text, offsets continued (vLLM's own shape)."""
 
-    __slots__ = ("base", "logprobs", "pending", "text", "with_logprobs")
+    __slots__ = ("base", "logprobs", "pending", "prompt_ids", "text", "with_logprobs")
 
     def __init__(
         self, text: str, logprobs: dict[str, list[Any]] | None, base: int, with_logprobs: bool
@@ -271,6 +273,9 @@ class Echo:
         self.base = base  # where the generated text starts in vLLM's offsets
         self.with_logprobs = with_logprobs
         self.pending = True  # a stream: the prompt still goes before the next output
+        # the prompt's token ids as the producer gave them (``return_token_ids``); vLLM puts
+        # them in an echo's first chunk, and the decode leg never computes the prompt
+        self.prompt_ids: Any = None
 
     def stream(self, data: bytes) -> bytes:
         """A streaming client's frames as vLLM streams an echo: the prompt (and its
@@ -288,6 +293,8 @@ class Echo:
                 if self.pending:
                     self.pending = False
                     choice["text"] = self.text + (choice.get("text") or "")
+                    if self.prompt_ids is not None:
+                        choice["prompt_token_ids"] = self.prompt_ids
                     if self.with_logprobs and isinstance(choice.get("logprobs"), dict):
                         self._merge(choice)
                         continue
@@ -322,7 +329,10 @@ def prompt_echo(prefill: PrefillResult, asked: dict[str, Any], *, chat: bool) ->
     """The echo a client asked for (completions only), streamed or not."""
     if chat or not asked.get("echo"):
         return None
-    return echo_of(prefill, asked.get("prompt"), with_logprobs=asked.get("logprobs") is not None)
+    echo = echo_of(prefill, asked.get("prompt"), with_logprobs=asked.get("logprobs") is not None)
+    if asked.get("return_token_ids") is True and len(prefill.prompt_token_ids):
+        echo.prompt_ids = _decode(prefill.prompt_token_ids)
+    return echo
 
 
 def echo_of(prefill: PrefillResult, prompt: Any, *, with_logprobs: bool) -> Echo:

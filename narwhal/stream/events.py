@@ -99,3 +99,9 @@ def classify(chunk: Chunk | None) -> Kind:
         if choice.is_output():
             return Kind.TOKEN
     return Kind.METADATA
+
+
+def completion_tokens(usage: dict[str, Any]) -> int | None:
+    """A usage object's ``completion_tokens`` (None: absent or not a count)."""
+    count = usage.get("completion_tokens")
+    return count if type(count) is int and count >= 0 else None

@@ -15,6 +15,12 @@ The rules:
 * an error object in the stream is a fault with its own status; garbage is a 502;
 * the engine closing before ``[DONE]`` is a 502 (``stream ended before [DONE]``).
 
+Token counts are the engine's own: ``generated`` is the ``completion_tokens`` of the usage
+chunk (the last before ``[DONE]``, with no choices), which the router always asks the
+decode leg for; ``tokens`` counts chunks with output, which drive the rules above (a chunk
+may carry several tokens, or one whose text is held back). A streaming client that did not
+ask for usage (``strip_usage``) does not get that chunk.
+
 The request path, the readmission probe and ``narwhal check`` all read streams through it;
 the trio shells around it only move bytes and own the clocks.
 """
@@ -26,7 +32,7 @@ from typing import Protocol
 from msgspec import Struct
 
 from narwhal.core.faults import Phase, RequestFault, StreamBroken
-from narwhal.stream.events import Kind, classify, parse_payload
+from narwhal.stream.events import Kind, classify, completion_tokens, parse_payload
 from narwhal.stream.sse import DONE_FRAME, SSEError, SSEParser, frame
 
 
@@ -71,13 +77,23 @@ class Collector(Protocol):
 class StreamRelay:
     """One decode stream's rules. ``collector`` None: the client streams (SSE relayed)."""
 
-    __slots__ = ("_collector", "_held", "_parser", "committed", "tokens")
+    __slots__ = (
+        "_collector",
+        "_held",
+        "_parser",
+        "_strip_usage",
+        "committed",
+        "generated",
+        "tokens",
+    )
 
-    def __init__(self, collector: Collector | None = None) -> None:
+    def __init__(self, collector: Collector | None = None, *, strip_usage: bool = False) -> None:
         self._collector = collector
+        self._strip_usage = strip_usage and collector is None
         self._parser = SSEParser()
         self._held: list[bytes] = []  # framed metadata waiting for the first token
-        self.tokens = 0
+        self.tokens = 0  # chunks with output
+        self.generated: int | None = None  # tokens, as the engine's usage counts them
         self.committed = False  # a Commit was given: later output is Send
 
     def feed(self, data: bytes) -> Action:
@@ -94,6 +110,10 @@ class StreamRelay:
                     return self._finish(out)
                 if classify(chunk) is Kind.TOKEN:
                     self.tokens += 1
+                elif chunk.usage is not None and not chunk.choices:  # the usage chunk
+                    self.generated = completion_tokens(chunk.usage)
+                    if self._strip_usage:
+                        continue
                 if self._collector is not None:
                     self._collector.add(payload)
                 else:

@@ -207,7 +207,7 @@ async def test_log_lines_of_a_traced_request_carry_its_trace_id(
     await finish(harness)
 
 
-async def test_with_tracing_off_no_span_and_no_header(
+async def test_with_tracing_off_no_span_and_the_clients_context_passes_unchanged(
     nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert not tracing.ENABLED
@@ -223,5 +223,5 @@ async def test_with_tracing_off_no_span_and_no_header(
     await harness.router.wait_drained()
     for engine in ("p0", "d0"):
         (entry,) = harness.engines[engine].log
-        assert entry["traceparent"] is None
+        assert entry["traceparent"] == TRACEPARENT  # not a participant: forwarded as it came
     await finish(harness)

@@ -259,7 +259,7 @@ async def test_a_trickled_body_is_408_at_the_body_bound(bounded: Harness) -> Non
 
 async def test_only_documented_paths_are_served(bounded: Harness) -> None:
     for path in (
-        b"/invocations",  # /tokenize and /detokenize are served (SPEC 3: tests/loopback/test_tokenize.py)
+        b"/invocations",  # /tokenize and /detokenize are served (SPEC 3, test_tokenize.py)
         b"/v1/embeddings",
         b"/../v1/completions",
         b"/v1/../v1/completions",

@@ -122,6 +122,12 @@ class DirectBody:
     def uncork_nowait(self) -> None:
         self._conn.uncork_nowait()
 
+    def give_up(self) -> None:
+        self._conn.give_up()
+
+    def cut(self, *, abandon: bool) -> None:
+        self._conn.cut(abandon=abandon)
+
 
 def disconnect_hook(
     send: Callable[..., Awaitable[None]], scope: MutableMapping[str, Any]

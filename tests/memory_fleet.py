@@ -41,6 +41,10 @@ class RecordingSink:
         self.finished = True
         self._log("end", data)
 
+    async def cut(self, data: bytes, *, abandon: bool = False) -> None:
+        self.finished = True
+        self._log("cut", data)
+
     async def respond_json(self, status: int, body: bytes) -> None:
         self.committed = self.finished = True
         self._log("json", (status, msgspec.json.decode(body)))

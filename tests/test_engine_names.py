@@ -153,7 +153,9 @@ async def test_a_mid_stream_failure_ends_with_an_event_without_the_url(
     url = consumer.url
     consumer.faults.push(Fault(kind="tokens_then_close", tokens=2))
     reply = await post_raw(
-        harness, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 6, "stream": True}
+        harness,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello", "max_tokens": 6, "stream": True},
     )
     assert reply.status == 200
     *output, terminal = reply.events()

@@ -138,7 +138,7 @@ def seen(sink: RecordingSink, streaming: bool) -> Seen:
             return Seen(status, [], "error", body["error"]["message"])
         return Seen(200, list(body["choices"][0]["text"]), "done")
     assert streaming, kinds
-    data = b"".join(d for _, what, d in sink.events if what in ("commit", "send", "end"))
+    data = b"".join(d for _, what, d in sink.events if what in ("commit", "send", "end", "cut"))
     payloads = SSEParser().feed(data)
     tokens = []
     for payload in payloads[:-1]:
@@ -147,6 +147,7 @@ def seen(sink: RecordingSink, streaming: bool) -> Seen:
     if payloads[-1] == b"[DONE]":
         return Seen(200, tokens, "done")
     error = msgspec.json.decode(payloads[-1])["error"]
+    assert kinds[-1] == "cut", kinds  # the terminal event, then the body is cut (SPEC 6)
     return Seen(200, tokens, "error", error["message"])
 
 
@@ -160,7 +161,7 @@ def check(stream: Stream, streaming: bool) -> None:
         assert got.ending == want.ending
         assert got.message.startswith(want.message)
         if want.ending == "error":
-            data = b"".join(d for _, what, d in sink.events if what in ("commit", "send", "end"))
+            data = b"".join(d for _, what, d in sink.events if what in ("commit", "send", "end", "cut"))
             code = msgspec.json.decode(SSEParser().feed(data)[-1])["error"]["code"]
             assert code == want.status
         return

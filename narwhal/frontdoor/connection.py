@@ -17,7 +17,9 @@ connection handler is kept whole except for five rules, each in code below:
 3. **Writes to the client are bounded.** Hypercorn shields ``send_all`` with no deadline, so
    a client that stops reading pins its request past the request deadline and the graceful
    drain. Here a write is cancelled with the request that makes it; a write cut short
-   leaves half a chunk on the wire, so the connection is closed at once.
+   leaves half a chunk on the wire, so the connection is closed at once, with a reset
+   (``_abort``): the kernel drops what the client has not taken, and the client sees the
+   end at the deadline, not after reading megabytes the router gave up on.
 4. **The idle timer stops when reading ends.** Hypercorn closes the socket only when every
    task of the connection has ended, and nothing stopped the idle timer after the client
    closed: the socket sat in CLOSE_WAIT, with three tasks, for ``keep_alive_timeout``
@@ -50,8 +52,13 @@ import os
 import re
 import secrets
 import select
+import socket as stdlib_socket
+import struct
 from collections.abc import Awaitable, Callable, MutableMapping
-from functools import partial
+from contextlib import suppress
+from fcntl import ioctl
+from functools import cache, partial
+from http import HTTPStatus
 from math import inf
 from typing import Any, Protocol
 
@@ -103,10 +110,15 @@ SHAPES = {
     # can_read, which PipelineWatch wraps (_handle_events clears and waits on it while a
     # pipelined request waits, _maybe_recycle sets it)
     "hypercorn.protocol.h11:H11Protocol.__init__": "5acca53c7d41773d",
+    # what _Http11Connection wraps to give a status line its reason phrase
+    "h11._connection:Connection.send_with_data_passthrough": "cc5fc10f82964da6",
 }
 _REST_NONE, _REST_UNLOCKED, _REST_LOCKED, _REST_BROKEN = range(4)
 MAX_RECV = 2**16  # hypercorn's read size
 ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must not flood logs
+# SO_LINGER on, zero seconds: close() sends a reset and drops what the kernel still holds
+_LINGER_RESET = struct.pack("ii", 1, 0)
+SIOCOUTQNSD = 0x894B  # linux/sockios.h: bytes in a socket's send queue not yet sent
 
 
 # scope keys shared with the app (narwhal.router.app): the request id it gave the request,
@@ -153,11 +165,23 @@ class AppHooks(Protocol):
     def connection_failed(self) -> None: ...
 
 
+@cache
+def reason_phrase(status: int) -> bytes:
+    """The standard reason phrase of ``status`` (b"" for a code the standard lacks)."""
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
 class _Http11Connection(h11.Connection):
     """h11 that ignores what a client sends after a request that said ``Connection:
     close`` (RFC 9112 §9.6), where h11 raises on it and hypercorn then answers the request
     it is already serving with a 400. What is ignored is never buffered; the end of the
-    stream is still told, so a client that leaves still cancels its request."""
+    stream is still told, so a client that leaves still cancels its request.
+
+    Every status line it writes carries its standard reason phrase (SPEC 3): hypercorn
+    gives h11 none, and clients print it (``HTTP/1.1 502 Bad Gateway``, not ``502 ``)."""
 
     _eof = False
     _body_read = 0  # the request body's bytes h11 has handed out so far
@@ -165,6 +189,18 @@ class _Http11Connection(h11.Connection):
     # the request body is announced and its bytes are awaited
     body_limit: Callable[[], int | None] = staticmethod(lambda: None)
     refusal = ""  # why ``next_event`` refused the body, for the answer's message
+
+    def send_with_data_passthrough(self, event: Any) -> list[bytes] | None:
+        kind = type(event)
+        if (kind is h11.Response or kind is h11.InformationalResponse) and not event.reason:
+            event = kind(
+                status_code=event.status_code,
+                headers=event.headers,  # already validated: _parsed keeps them as they are
+                http_version=event.http_version,
+                reason=reason_phrase(event.status_code),
+                _parsed=True,
+            )
+        return super().send_with_data_passthrough(event)
 
     def receive_data(self, data: bytes) -> None:
         if not data:
@@ -622,10 +658,36 @@ class ClientConnection(TCPServer):
         them now, else the connection closes (half a response may not be followed)."""
         held, self._corked = self._corked, None
         if held and not self.write_nowait(b"".join(held)):
-            if self._rest_state == _REST_LOCKED:
-                self._lock.release()
-            self._rest, self._rest_state = None, _REST_NONE
+            self.give_up()
+
+    def give_up(self) -> None:
+        """Reset the connection (``_abort``), dropping what ``write_nowait`` left unwritten
+        (its rest is not to be awaited then)."""
+        if self._rest_state == _REST_LOCKED:
+            self._lock.release()
+        self._rest, self._rest_state = None, _REST_NONE
+        self._abort()
+
+    def cut(self, *, abandon: bool) -> None:
+        """The response ends here without the last chunk of its body (SPEC 6): h11 has not
+        finished it, so hypercorn closes the connection when the app returns, and every
+        client sees a failed transfer, none reuses the connection. ``abandon``: the request
+        deadline or the drain gave the request up; a client that has not taken every byte
+        is not waited for, the connection is reset now (invariant 10)."""
+        if abandon and self._unsent() != 0:
             self._abort()
+
+    def _unsent(self) -> int | None:
+        """Bytes the kernel holds for the client and has not sent (its window is full);
+        None when it cannot say (not Linux)."""
+        socket = self._tcp_socket()
+        if socket is None or socket.fileno() < 0:
+            return 0  # a test's stream, or closed already
+        try:
+            answer = ioctl(socket.fileno(), SIOCOUTQNSD, b"\0" * 4)
+        except OSError:
+            return None
+        return int(struct.unpack("i", answer)[0])
 
     def write_nowait(self, data: bytes) -> bool:
         """Write ``data`` now when nothing contends for the socket: True when the kernel took
@@ -699,10 +761,19 @@ class ClientConnection(TCPServer):
             raise
 
     def _abort(self) -> None:
-        """Close the socket now (a trio socket closes synchronously, waking its waiters)."""
+        """Give the connection up: close the socket now, with a reset (``SO_LINGER`` 0, as
+        nginx's ``reset_timedout_connection``). A plain close queues its FIN behind every
+        byte the kernel still holds (megabytes, for a client that reads slowly): the client
+        would see the end minutes past the deadline, and the kernel would hold the memory
+        meanwhile. (A trio socket closes synchronously, waking its waiters.)"""
         self.aborted = True
         socket = self._tcp_socket()
         if socket is not None:
+            if socket.fileno() >= 0:
+                with suppress(OSError):
+                    socket.setsockopt(
+                        stdlib_socket.SOL_SOCKET, stdlib_socket.SO_LINGER, _LINGER_RESET
+                    )
             socket.close()
         if self._h11 is not None:
             self._h11.watch.close()

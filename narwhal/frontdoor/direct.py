@@ -46,6 +46,8 @@ class Connection(Protocol):
     def cork(self) -> None: ...
     async def uncork(self) -> None: ...
     def uncork_nowait(self) -> None: ...
+    def give_up(self) -> None: ...
+    def cut(self, *, abandon: bool) -> None: ...
 
 
 class DirectBody:
@@ -118,3 +120,9 @@ class DirectBody:
 
     def uncork_nowait(self) -> None:
         self._conn.uncork_nowait()
+
+    def give_up(self) -> None:
+        self._conn.give_up()
+
+    def cut(self, *, abandon: bool) -> None:
+        self._conn.cut(abandon=abandon)

@@ -118,6 +118,24 @@ class AsgiSink:
     async def end(self, data: bytes = b"") -> None:
         await self._corked({"type": "http.response.body", "body": data, "more_body": False})
 
+    async def cut(self, data: bytes, *, abandon: bool = False) -> None:
+        """``data`` (the terminal event), then the body is cut: the response is never
+        ended, so the connection closes without the chunked body's last chunk (SPEC 6) and
+        a client that ignores error events still sees a failed transfer. ``abandon`` (the
+        deadline or the drain gave up): the client is not waited for; what it has not taken
+        is dropped with a reset (invariant 10)."""
+        direct = self._direct
+        if direct is None:
+            await self.send(data)  # another server: the app's return without an end cuts it
+            return
+        done = direct.write_nowait(data) if abandon else None
+        if done is False:  # the client is behind: nothing more is written to it
+            direct.give_up()
+            return
+        if done is None:  # the ASGI path (bounded by the request's caller)
+            await self.send(data)
+        direct.cut(abandon=abandon)
+
     async def respond_json(self, status: int, body: bytes) -> None:
         headers = _json_headers(status, body, self.rid)
         await self._corked(

@@ -31,6 +31,7 @@ from narwhal.core.faults import (
     Phase,
     PrefillTimeout,
     RequestFault,
+    ShuttingDown,
     SilenceTimeout,
 )
 from narwhal.core.fleet import EngineState, Fleet, Leg
@@ -69,6 +70,9 @@ class ClientSink(Protocol):
     async def commit(self, data: bytes) -> None: ...  # 200 + SSE headers + first bytes
     async def send(self, data: bytes) -> None: ...
     async def end(self, data: bytes = b"") -> None: ...
+    # the terminal event after the commit point, then the body cut, never ended (SPEC 6);
+    # abandon: the deadline or the drain gave up, the client is not waited for
+    async def cut(self, data: bytes, *, abandon: bool = False) -> None: ...
     async def respond_json(self, status: int, body: bytes) -> None: ...
     def delivered(self) -> bool: ...  # False: a write broke (the client left); bytes lost
 
@@ -159,7 +163,9 @@ class RunRecord:
         self.cancelled_in = self.phase
 
     async def fail(self, fault: RequestFault) -> None:
-        """Tell the client: JSON before the commit point, one terminal event after it."""
+        """Tell the client: JSON before the commit point, one terminal event after it, and
+        then the body is cut (SPEC 6): a client that ignores error events must not count
+        the stream a success."""
         if self.lifecycle.finished:
             if self.cut:  # the connection is closed: the journal says why, nobody else can
                 self._record(fault)
@@ -169,7 +175,8 @@ class RunRecord:
         self._record(fault)
         error = fault.error_json()
         if committed:
-            await self._end_stream(frame(error))
+            given_up = isinstance(fault, DeadlineExpired | ShuttingDown)  # invariant 10
+            await self._end_stream(frame(error), abandon=given_up)
         else:
             await self.sink.respond_json(fault.status, error)
 
@@ -177,8 +184,8 @@ class RunRecord:
         self.fault, self.status = fault, fault.status
         self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
 
-    async def _end_stream(self, data: bytes) -> None:
-        await self.sink.end(data)
+    async def _end_stream(self, data: bytes, *, abandon: bool) -> None:
+        await self.sink.cut(data, abandon=abandon)
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         """(attempts, ttft_s, first_byte_s, tokens) for the journal."""

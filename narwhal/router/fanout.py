@@ -114,9 +114,9 @@ class FanOutRun(RunRecord):
             raise failed[0]
         await self._finish()
 
-    async def _end_stream(self, data: bytes) -> None:
+    async def _end_stream(self, data: bytes, *, abandon: bool) -> None:
         async with self._write_lock:  # never between a child's frames
-            await self.sink.end(data)
+            await self.sink.cut(data, abandon=abandon)
 
     # ---- following the children ----------------------------------------------------------
 
@@ -249,6 +249,9 @@ class _ChildSink:
 
     def delivered(self) -> bool:
         return True  # to the parent's merge; whether the client got it is the parent's
+
+    async def cut(self, data: bytes, *, abandon: bool = False) -> None:
+        await self.parent.child_output(self.k, data)  # a child's fault is its parent's to tell
 
     async def respond_json(self, status: int, body: bytes) -> None:
         if status == 200:

@@ -15,7 +15,7 @@ from narwhal.core.faults import EngineStatusError, EngineUnreachable, Phase, nam
 from narwhal.engines.client import translate
 from narwhal.engines.transport import ConnectFailed, TransportError
 from narwhal.fake_engine.faults import Fault
-from tests.support.fleet import MODEL, Harness, finish, start_fleet
+from tests.support.fleet import MODEL, Harness, finish, post_raw, start_fleet
 
 URL = "http://10.0.0.5:8000"
 
@@ -152,8 +152,10 @@ async def test_a_mid_stream_failure_ends_with_an_event_without_the_url(
     consumer = harness.engines["d0"]
     url = consumer.url
     consumer.faults.push(Fault(kind="tokens_then_close", tokens=2))
-    reply = await harness.post(
-        "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 6, "stream": True}
+    reply = await post_raw(
+        harness,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello", "max_tokens": 6, "stream": True},
     )
     assert reply.status == 200
     *output, terminal = reply.events()

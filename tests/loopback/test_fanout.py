@@ -13,7 +13,7 @@ import trio.testing
 from narwhal.core.config import ServingConfig
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.faults import Fault
-from tests.support.fleet import MODEL, Harness, finish, start_fleet
+from tests.support.fleet import MODEL, Harness, finish, post_raw, start_fleet
 
 PROMPTS = ["The quick brown fox jumps", "Once upon a time there was"]
 
@@ -141,8 +141,9 @@ async def test_a_child_failing_after_the_commit_point_ends_the_stream_with_one_e
     h = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"}, engine_config={"itl_s": 0.01})
     h.engines["d0"].faults.push(Fault(kind="tokens_then_close", tokens=3, leg="decode"))
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 30, "n": 2, "stream": True}
-    reply = await h.post("/v1/completions", body)
+    reply = await post_raw(h, "/v1/completions", body)
     assert reply.status == 200
+    assert not reply.ended  # cut after the terminal event (SPEC 6)
     events = reply.events()
     assert events[-1] != b"[DONE]"
     errors = [e for e in events if b'"error"' in e]

@@ -12,7 +12,7 @@ from narwhal.core.config import EngineConfig, ServingConfig
 from narwhal.core.faults import EngineStatusError, FirstTokenTimeout, Phase
 from narwhal.core.retry import RetryBudget, decide
 from narwhal.fake_engine.faults import Fault
-from tests.support.fleet import MODEL, Harness, finish, start_fleet
+from tests.support.fleet import MODEL, Harness, finish, post_raw, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 4, "stream": True}
 
@@ -92,7 +92,8 @@ async def test_a_failed_consumer_is_avoided_and_the_retry_succeeds(nursery: trio
 async def test_no_retry_after_output(nursery: trio.Nursery, stream: bool) -> None:
     harness = await _fleet(nursery, {"p0": "prefill", "d0": "decode"}, max_attempts=3)
     harness.engines["d0"].faults.push(Fault(kind="tokens_then_close", tokens=2))
-    reply = await harness.post("/v1/completions", {**BODY, "stream": stream})
+    body = {**BODY, "stream": stream}
+    reply = await (post_raw if stream else Harness.post)(harness, "/v1/completions", body)
     if stream:
         assert reply.status == 200
         assert b'"error"' in reply.events()[-1]

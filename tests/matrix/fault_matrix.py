@@ -219,7 +219,9 @@ class ClientResult:
     chat: bool
     status: int | None = None
     rid: str | None = None
-    outcome: str = ""  # ok | http-NNN | terminal-error | truncated | disconnected | hung | wrong
+    # ok | http-NNN | terminal-error | terminal-error-whole | truncated | disconnected | hung
+    # | wrong | stalled-cut
+    outcome: str = ""
     tokens: int = 0
     disconnected_at: float | None = None
     h2_refused: bool | None = None  # None: this client made no HTTP/2 connection
@@ -291,7 +293,8 @@ async def _stalled_request(
 ) -> ClientResult:
     """A client that reads the response head, then nothing for ``STALL_S``, then the rest:
     the router must have ended the stream at the request deadline (invariant 10), with the
-    terminal event when it still fit in the socket buffers, else by closing."""
+    terminal event when it still fit in the socket buffers, and by closing (or resetting)
+    the connection: the body is never ended whole after a terminal event (SPEC 6)."""
     host, port = url.removeprefix("http://").split(":")
     sock = trio.socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -323,8 +326,11 @@ async def _stalled_request(
                     break
     if limit.cancelled_caught:
         result.outcome = "hung"
-    elif b'data: {"error"' in tail and tail.endswith(b"\r\n0\r\n\r\n"):
-        result.outcome = "terminal-error"
+    elif b'data: {"error"' in tail:
+        # the terminal event then the cut; ended whole, a client that ignores error events
+        # would count it a success
+        whole = tail.endswith(b"\r\n0\r\n\r\n")
+        result.outcome = "terminal-error-whole" if whole else "terminal-error"
     else:
         result.outcome = "stalled-cut"  # the router closed on a client that read nothing
     return result
@@ -376,27 +382,35 @@ def _whole(status: int, raw: bytes, chat: bool, expected: str) -> str:
 async def _read_stream(
     resp: httpcore.Response, sc: Scenario, result: ClientResult, chat: bool, expected: str
 ) -> None:
-    parser, payloads, done, error = SSEParser(), [], False, False
-    async for data in resp.aiter_stream():
-        for event in parser.feed(data):
-            if event == b"[DONE]":
-                done = True
-                continue
-            chunk = msgspec.json.decode(event)
-            if "error" in chunk:
-                error = True
-                continue
-            payloads.append(chunk)
-            result.tokens = len(payloads) - (1 if chat else 0)
-        if sc.disconnect_after_tokens is not None and result.tokens >= sc.disconnect_after_tokens:
-            result.outcome = "disconnected"
-            result.disconnected_at = trio.current_time()
-            return  # leaving the context closes the connection: the client is gone
-        if sc.read_pause_s:
-            await trio.sleep(sc.read_pause_s)  # the slow reader is the behaviour under test
+    parser, payloads, done, error, cut = SSEParser(), [], False, False, False
+    try:
+        async for data in resp.aiter_stream():
+            for event in parser.feed(data):
+                if event == b"[DONE]":
+                    done = True
+                    continue
+                chunk = msgspec.json.decode(event)
+                if "error" in chunk:
+                    error = True
+                    continue
+                payloads.append(chunk)
+                result.tokens = len(payloads) - (1 if chat else 0)
+            if (
+                sc.disconnect_after_tokens is not None
+                and result.tokens >= sc.disconnect_after_tokens
+            ):
+                result.outcome = "disconnected"
+                result.disconnected_at = trio.current_time()
+                return  # leaving the context closes the connection: the client is gone
+            if sc.read_pause_s:
+                await trio.sleep(sc.read_pause_s)  # the slow reader is the behaviour under test
+    except httpcore.RemoteProtocolError:
+        cut = True  # the connection closed before the chunked body's end
     if error:
-        result.outcome = "terminal-error"
-    elif done:
+        # SPEC 6: the terminal event, then the body is cut; ended whole, a client that
+        # ignores error events (vLLM's benchmark client) would count it a success
+        result.outcome = "terminal-error" if cut else "terminal-error-whole"
+    elif done and not cut:
         result.outcome = "ok" if _text(payloads, chat) == expected else "wrong"
     else:
         result.outcome = "truncated"  # a 200 stream cut without a terminal event
@@ -573,6 +587,7 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
         ("retries after output", after_output),
         ("descriptor misuse", misuse),
         ("200 cut without a terminal event", outcomes["truncated"]),
+        ("terminal events in a body ended whole", outcomes["terminal-error-whole"]),
         ("wrong or empty 200 answers", outcomes["wrong"]),
     ):
         if count:

@@ -41,10 +41,16 @@ async def _stream(
         headers=[("content-type", "application/json")],
     ) as resp:
         assert resp.status == 200
-        async for chunk in resp.aiter_stream():
-            events += parser.feed(chunk)
-            if first is not None and events:
-                first.set()
+        try:
+            async for chunk in resp.aiter_stream():
+                events += parser.feed(chunk)
+                if first is not None and events:
+                    first.set()
+        except httpcore.RemoteProtocolError:
+            # the body is cut after a terminal event (SPEC 6): the transfer failed
+            assert b'"error"' in events[-1]
+            return events
+    assert b'"error"' not in events[-1], "a terminal event is followed by a cut, never an end"
     return events
 
 

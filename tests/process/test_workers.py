@@ -154,7 +154,8 @@ async def _stream(
     base: str, rid: str, max_tokens: int, first: trio.Event, out: dict[str, Any]
 ) -> None:
     """One streamed completion on its own connection; ``out[rid]``: the SSE payloads, or
-    the exception that cut the stream. ``first`` is set at the first event (or the end)."""
+    the exception that cut the stream without a terminal event. ``first`` is set at the
+    first event (or the end)."""
     body = msgspec.json.encode(
         {"model": MODEL, "prompt": "hello there", "stream": True, "max_tokens": max_tokens}
     )
@@ -172,6 +173,10 @@ async def _stream(
                 events += parser.feed(chunk)
                 if events:
                     first.set()
+    except httpcore.RemoteProtocolError as exc:
+        # a terminal event is followed by the body's cut (SPEC 6); anything else is a cut
+        if not (events and b'"error"' in events[-1]):
+            out[rid] = exc
     except Exception as exc:
         out[rid] = exc
     finally:

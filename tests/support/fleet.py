@@ -15,6 +15,7 @@ from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.frontdoor.server import serve
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
+from narwhal.stream.chunked import ChunkedDecoder
 from narwhal.stream.sse import SSEParser
 
 MODEL = "fake-model"
@@ -129,3 +130,56 @@ async def finish(harness: Harness, *, disconnects: int = 0) -> None:
     harness.stop.set()
     with trio.fail_after(5):
         await harness.stopped.wait()
+
+
+@dataclass
+class RawReply(Reply):
+    """A response read from a raw socket until the router closed the connection."""
+
+    ended: bool  # the chunked body's last chunk arrived (False: the body was cut)
+
+
+async def post_raw(harness: Harness, path: str, body: Any) -> RawReply:
+    """POST ``body`` on a fresh kept-alive raw connection and read the response until it is
+    complete or the router closes the connection: what a client sees on the wire, a body
+    cut short included (``Harness.post`` raises on that)."""
+    payload = msgspec.json.encode(body)
+    host, port = harness.url.removeprefix("http://").split(":")
+    head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+    raw, content, decoder = b"", b"", ChunkedDecoder()
+    headers: dict[str, str] = {}
+    status = 0
+    with trio.fail_after(20):
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            await stream.send_all(head.encode() + b"content-length: %d\r\n\r\n" % len(payload))
+            await stream.send_all(payload)
+            while True:
+                try:
+                    data = await stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    data = b""
+                if not data:
+                    return RawReply(status, headers, content, ended=False)
+                if not status:
+                    raw += data
+                    if b"\r\n\r\n" not in raw:
+                        continue
+                    status, headers, data = _parse_head(raw)
+                if headers.get("transfer-encoding") == "chunked":
+                    content += b"".join(decoder.feed(data))
+                    if decoder.done:
+                        return RawReply(status, headers, content, ended=True)
+                else:
+                    content += data
+                    if len(content) >= int(headers.get("content-length", -1)):
+                        return RawReply(status, headers, content, ended=True)
+
+
+def _parse_head(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.lower()] = value.strip()
+    return int(lines[0].split()[1]), headers, rest

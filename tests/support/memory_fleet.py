@@ -44,6 +44,10 @@ class RecordingSink:
     def delivered(self) -> bool:
         return True
 
+    async def cut(self, data: bytes, *, abandon: bool = False) -> None:
+        self.finished = True
+        self._log("cut", data)
+
     async def respond_json(self, status: int, body: bytes) -> None:
         self.committed = self.finished = True
         self._log("json", (status, msgspec.json.decode(body)))

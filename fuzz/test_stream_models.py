@@ -161,7 +161,9 @@ def check(stream: Stream, streaming: bool) -> None:
         assert got.ending == want.ending
         assert got.message.startswith(want.message)
         if want.ending == "error":
-            data = b"".join(d for _, what, d in sink.events if what in ("commit", "send", "end", "cut"))
+            data = b"".join(
+                d for _, what, d in sink.events if what in ("commit", "send", "end", "cut")
+            )
             code = msgspec.json.decode(SSEParser().feed(data)[-1])["error"]["code"]
             assert code == want.status
         return

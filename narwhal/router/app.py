@@ -75,17 +75,15 @@ class AsgiSink:
     """Client output for one request (where the response stands is the request's lifecycle).
 
     Under the front door (``DirectBody``, from the scope's extensions), the head goes out
-    with the first chunk and the last chunk with the end, in one write each, and
-    ``send_nowait`` writes a chunk to the connection without the ASGI layers: the relay's
-    per-token path."""
+    with the first chunk and the last chunk with the end, in one write each, and ``direct``
+    is the write without the ASGI layers that the token path uses."""
 
-    __slots__ = ("_direct", "_pending", "_send", "rid")
+    __slots__ = ("_direct", "_send", "rid")
 
     def __init__(self, send: Send, rid: bytes, direct: DirectBody | None = None) -> None:
         self._send = send
         self.rid = rid
         self._direct = direct
-        self._pending: bytes | None = None  # what flush sends through the ASGI send
 
     async def commit(self, data: bytes) -> None:
         headers = [*_SSE_HEADERS, (b"x-request-id", self.rid)]
@@ -97,23 +95,10 @@ class AsgiSink:
     async def send(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
-    def send_nowait(self, data: bytes) -> bool:
-        """``send`` without waiting: True when all of ``data`` went out. False: ``flush``
-        must be awaited at once for the rest (or for all of it)."""
-        direct = self._direct
-        if direct is not None:
-            done = direct.write_nowait(data)
-            if done is not None:
-                return done
-        self._pending = data
-        return False
-
-    async def flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            await self.send(pending)
-        elif self._direct is not None:
-            await self._direct.write_rest()
+    @property
+    def direct(self) -> DirectBody | None:
+        """The write to the connection without waiting (``narwhal.router.token_path``)."""
+        return self._direct
 
     async def end(self, data: bytes = b"") -> None:
         await self._corked({"type": "http.response.body", "body": data, "more_body": False})

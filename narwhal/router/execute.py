@@ -46,10 +46,10 @@ from narwhal.metrics import Metrics, RequestBuckets
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, Caller, JournalLine, Outcome
 from narwhal.router.reclaim import Reclaimer
-from narwhal.router.relay_loop import DirectSink, RelayLoop
 from narwhal.router.stream_reactor import StreamReactor
+from narwhal.router.token_path import ClientStream, DirectWrite, TokenPath
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo
-from narwhal.stream.rules import Commit, Send, StreamRelay
+from narwhal.stream.rules import StreamRelay
 from narwhal.stream.sse import frame
 
 PHASE_OF = {
@@ -74,6 +74,8 @@ class ClientSink(Protocol):
     # abandon: the deadline or the drain gave up, the client is not waited for
     async def cut(self, data: bytes, *, abandon: bool = False) -> None: ...
     async def respond_json(self, status: int, body: bytes) -> None: ...
+    @property
+    def direct(self) -> DirectWrite | None: ...  # a write to the connection without waiting
     def delivered(self) -> bool: ...  # False: a write broke (the client left); bytes lost
 
 
@@ -566,7 +568,8 @@ class RequestRun(RunRecord):
         )
 
     async def _relay(self, stream: DecodeStream, clock: trio.CancelScope) -> None:
-        """Move the engine's stream to the client until ``[DONE]``: ``RelayLoop``."""
+        """Move the engine's stream to the client until ``[DONE]`` (``TokenPath``), then
+        write the end."""
         collector = None
         prefill = self.prefill_result
         if not self.req.stream:
@@ -575,33 +578,23 @@ class RequestRun(RunRecord):
                 collector.prompt_side(prefill, self.req.body)
         elif prefill is not None:
             self._echo = prompt_echo(prefill, self.req.body, chat=self.req.chat)
-        sink = self.sink
-        direct = sink if collector is None and isinstance(sink, DirectSink) else None
+        direct = self.sink.direct if collector is None else None
+        client = ClientStream(self.sink, self.lifecycle, self._echo, direct)
         # parked in the reactor: a stream whose reads need no waiting between its first
         # output and its end, streamed straight to the client or assembled for JSON
         reactor = self.router.reactor if direct is not None or collector is not None else None
         silence = self.config.engine.decode_read_timeout_s
         gaps = RequestBuckets(self.router.metrics.token_gap)
         relay = StreamRelay(collector, strip_usage=not self.req.include_usage)
-        loop = RelayLoop(self, relay, clock, silence, gaps, direct, reactor)
-        await loop.relay_all(stream)
-
-    def first_token(self) -> None:
-        self.first_byte_s = self.elapsed
-        self.lifecycle.advance(Input.FIRST_TOKEN)
-
-    def echoed(self, data: bytes) -> bytes:
-        """A streamed chunk as the client sees it: the prompt echoed in, when asked."""
-        return data if self._echo is None else self._echo.stream(data)
-
-    async def output(self, action: Commit | Send) -> None:
-        """Relay bytes to a streaming client; a Commit sends the 200 headers first."""
-        data = self.echoed(action.data)
-        if type(action) is Commit:
-            self.lifecycle.advance(Input.COMMIT)
-            await self.sink.commit(data)
-        else:
-            await self.sink.send(data)
+        path = TokenPath(client, relay, clock, silence, gaps, reactor)
+        try:
+            end = await path.relay_all(stream)
+        finally:
+            self.tokens = path.tokens
+            if path.first_token_at is not None:
+                self.first_byte_s = path.first_token_at - self.arrival
+        await self.finish(end)
+        await stream.drain()
 
     async def finish(self, data: bytes) -> None:
         self.outcome, self.status = "completed", 200

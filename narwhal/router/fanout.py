@@ -250,6 +250,10 @@ class _ChildSink:
     def delivered(self) -> bool:
         return True  # to the parent's merge; whether the client got it is the parent's
 
+    @property
+    def direct(self) -> None:
+        return None  # a child's output is merged: it waits on the parent's writes
+
     async def cut(self, data: bytes, *, abandon: bool = False) -> None:
         await self.parent.child_output(self.k, data)  # a child's fault is its parent's to tell
 

@@ -29,7 +29,14 @@ import trio
 
 wait_readable = trio.lowlevel.wait_readable
 
-RESUME = object()  # handed back when the reactor stops: go on reading in the request task
+
+class Resume:
+    """Handed back when the reactor stops, or a read must wait: the request's task reads."""
+
+    __slots__ = ()
+
+
+RESUME = Resume()
 NEVER = math.inf
 # the dues heap is rebuilt from the parked streams when it holds more entries than this
 # many per parked stream, plus the slack (each rebuild is one pass over the parked)
@@ -58,7 +65,7 @@ class StreamReactor:
     nursery). ``running`` is False outside a server (tests of the core): nothing parks.
 
     A parked request may also ask for a call at a time (``due``, ``set_due``): its silence
-    clock is moved there, not on every read (``RelayLoop.on_due``)."""
+    clock is moved there, not on every read (``TokenPath.on_due``)."""
 
     def __init__(self) -> None:
         self._epoll: select.epoll | None = None

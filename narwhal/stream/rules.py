@@ -82,8 +82,8 @@ class StreamRelay:
         "_held",
         "_parser",
         "_strip_usage",
-        "committed",
         "generated",
+        "output_started",
         "tokens",
     )
 
@@ -94,7 +94,9 @@ class StreamRelay:
         self._held: list[bytes] = []  # framed metadata waiting for the first token
         self.tokens = 0  # chunks with output
         self.generated: int | None = None  # tokens, as the engine's usage counts them
-        self.committed = False  # a Commit was given: later output is Send
+        # the first output was given (a Commit): later output is Send. Not the commit point
+        # itself, which is the request's (a JSON answer commits only at the end)
+        self.output_started = False
 
     def feed(self, data: bytes) -> Action:
         out = self._held
@@ -140,9 +142,9 @@ class StreamRelay:
 
     def _output(self, out: list[bytes]) -> Commit | Send:
         data = b"".join(out)
-        if self.committed:
+        if self.output_started:
             return Send(data)
-        self.committed = True
+        self.output_started = True
         return Commit(data)
 
     def _finish(self, out: list[bytes]) -> Finish:

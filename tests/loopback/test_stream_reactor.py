@@ -290,32 +290,23 @@ class _SocketStream:
         return None
 
 
-class _Run:
-    """The request side of a relay: counts what it is told, writes nowhere."""
+class _Client:
+    """The client side of a token path: every write goes out at once, nowhere."""
 
     def __init__(self) -> None:
-        self.tokens = 0
-        self.lifecycle = self
-        self.output_seen = False
+        self.lifecycle = self  # where the request stands is not this test's concern
+        self.direct = self
 
-    def first_token(self) -> None:
-        self.output_seen = True
+    def advance(self, event: object) -> None:
+        pass
 
-    def echoed(self, data: bytes) -> bytes:
-        return data
-
-    async def output(self, action: object) -> None:
-        await trio.lowlevel.checkpoint()
-
-    async def finish(self, data: bytes) -> None:
-        await trio.lowlevel.checkpoint()
-
-
-class _Direct:
-    def send_nowait(self, data: bytes) -> bool:
+    def write_nowait(self, data: bytes) -> bool:
         return True
 
-    async def flush(self) -> None:
+    async def write_rest(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def output(self, action: object) -> None:
         await trio.lowlevel.checkpoint()
 
 
@@ -332,7 +323,7 @@ def silence_ends(gaps: list[float]) -> float:
 
 async def _relay_until_silent(gaps: list[float]) -> float:
     from narwhal.metrics import Metrics, RequestBuckets
-    from narwhal.router.relay_loop import RelayLoop
+    from narwhal.router.token_path import TokenPath
     from narwhal.stream.rules import StreamRelay
 
     reactor = StreamReactor()
@@ -352,9 +343,9 @@ async def _relay_until_silent(gaps: list[float]) -> float:
         start = trio.current_time()
         clock = trio.CancelScope(deadline=start + 100.0)  # the first-token budget
         gauge = RequestBuckets(Metrics(["d0"], model="m").token_gap)
-        loop = RelayLoop(_Run(), StreamRelay(None), clock, SILENCE, gauge, _Direct(), reactor)  # type: ignore[arg-type]
+        path = TokenPath(_Client(), StreamRelay(None), clock, SILENCE, gauge, reactor)  # type: ignore[arg-type]
         with clock:
-            await loop.relay_all(_SocketStream(ours))  # type: ignore[arg-type]
+            await path.relay_all(_SocketStream(ours))  # type: ignore[arg-type]
         assert clock.cancelled_caught
         fired = trio.current_time() - start
         nursery.cancel_scope.cancel()
@@ -372,7 +363,7 @@ gap_values = st.one_of(
 @given(st.lists(gap_values, max_size=25))
 def test_a_parked_stream_goes_silent_exactly_silence_after_its_last_read(gaps: list[float]) -> None:
     """While parked, the deadline moves only at half the silence or on a read after it
-    (``RelayLoop.on_due``), not on every read: it still fires when the old clock, moved on
+    (``TokenPath.on_due``), not on every read: it still fires when the old clock, moved on
     every read, would have."""
     fired = trio.run(_relay_until_silent, gaps, clock=trio.testing.MockClock(autojump_threshold=0))
     assert fired == pytest.approx(silence_ends(gaps), abs=1e-6)

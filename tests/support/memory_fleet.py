@@ -44,6 +44,10 @@ class RecordingSink:
     def delivered(self) -> bool:
         return True
 
+    @property
+    def direct(self) -> None:
+        return None  # every write waits: in-memory streams have no direct write
+
     async def cut(self, data: bytes, *, abandon: bool = False) -> None:
         self.finished = True
         self._log("cut", data)

@@ -1,0 +1,276 @@
+"""One token's path from the engine socket to the client socket: the hot path, in five
+steps, each named once.
+
+1. **The reactor** (``StreamReactor``, ``router/stream_reactor.py``) sees the parked
+   stream's engine socket readable and calls
+2. ``TokenPath.on_ready`` (here), which reads what came without waiting
+   (``Response.read_nowait``, ``engines/transport.py``: one ``os.read``, the chunked
+   framing taken off),
+3. applies **the relay rules** (``StreamRelay.feed``, ``stream/rules.py``: one action per
+   read),
+4. and hands a ``Send`` to ``ClientStream.write_nowait`` (here: the echo, if asked), which
+5. writes it framed, with one non-blocking ``send``, to the client socket
+   (``DirectBody.write_nowait``, ``frontdoor/direct.py``, then
+   ``ClientConnection.write_nowait``).
+
+None of it waits, and a token costs no task switch. Whatever must wait (the first output,
+which commits the response; a client slow to take a write; the end; a fault) is handed back
+to **the request's task**, parked in ``relay_all``, which ``settle``s it in the request's own
+nursery and parks again. Without a reactor (tests of the core, in-memory streams) the
+request's task reads too.
+
+The silence clock (``decode_read_timeout_s``) is moved once per read, after the write; it is
+lifted (a slow client is not a silent engine) only while a write waits. Gaps between tokens
+are counted per request and flushed to the histogram at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import trio
+from msgspec import Struct
+
+from narwhal.core.lifecycle import Input, Lifecycle
+from narwhal.engines.client import DecodeStream
+from narwhal.engines.transport import TransportError
+from narwhal.metrics import RequestBuckets
+from narwhal.router.stream_reactor import RESUME, Resume, StreamReactor
+from narwhal.stream.assemble import Echo
+from narwhal.stream.rules import Commit, Fault, Finish, Send, StreamRelay
+
+
+class Held(Struct, frozen=True):
+    """Metadata before the first token: held back; the first-token clock runs on."""
+
+
+class WriteRest(Struct, frozen=True):
+    """A write without waiting left a rest: the request's task writes it."""
+
+
+HELD, WRITE_REST = Held(), WriteRest()
+# what a read leaves for the request's task: the rules' actions that wait, and these
+Pending = Held | WriteRest | Commit | Send | Finish | Fault
+
+
+class Sink(Protocol):
+    """The client's side of the ASGI app (``narwhal.router.app.AsgiSink``)."""
+
+    async def commit(self, data: bytes) -> None: ...
+    async def send(self, data: bytes) -> None: ...
+
+
+class DirectWrite(Protocol):
+    """A framed write to the client connection (``narwhal.frontdoor.direct.DirectBody``)."""
+
+    def write_nowait(self, body: bytes) -> bool | None: ...
+    async def write_rest(self) -> None: ...
+
+
+class ClientStream:
+    """The client's side of one decode stream: the echo of the prompt (when asked), the
+    commit point (the 200 headers with the first output), and writes, with or without
+    waiting. ``direct`` None: every write waits (a server without the direct write)."""
+
+    __slots__ = ("_echo", "_sink", "_unframed", "direct", "lifecycle")
+
+    def __init__(
+        self, sink: Sink, lifecycle: Lifecycle, echo: Echo | None, direct: DirectWrite | None
+    ) -> None:
+        self._sink = sink
+        self.lifecycle = lifecycle
+        self._echo = echo
+        self.direct = direct
+        self._unframed: bytes | None = None  # what the direct write could not frame
+
+    def echoed(self, data: bytes) -> bytes:
+        """A streamed chunk as the client sees it: the prompt echoed in, when asked."""
+        return data if self._echo is None else self._echo.stream(data)
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Write without waiting: True when all of it went out; False: ``write_rest``
+        must be awaited at once."""
+        assert self.direct is not None
+        data = self.echoed(data)
+        done = self.direct.write_nowait(data)
+        if done is None:  # not a chunked body under way: the ASGI send frames it
+            self._unframed = data
+            return False
+        return done
+
+    async def write_rest(self) -> None:
+        unframed, self._unframed = self._unframed, None
+        if unframed is not None:
+            await self._sink.send(unframed)
+        else:
+            assert self.direct is not None
+            await self.direct.write_rest()
+
+    async def output(self, action: Commit | Send) -> None:
+        """Bytes to a streaming client; a Commit is the commit point (the 200 headers)."""
+        data = self.echoed(action.data)
+        if type(action) is Commit:
+            self.lifecycle.advance(Input.COMMIT)
+            await self._sink.commit(data)
+        else:
+            await self._sink.send(data)
+
+
+class TokenPath:
+    """One decode stream, from its engine socket to ``client``, under ``clock`` (the
+    first-token budget, then the silence between reads)."""
+
+    def __init__(
+        self,
+        client: ClientStream,
+        relay: StreamRelay,
+        clock: trio.CancelScope,
+        silence: float,
+        gaps: RequestBuckets,
+        reactor: StreamReactor | None,
+    ) -> None:
+        self.client = client
+        self.relay = relay
+        self.clock = clock
+        self.reactor = reactor
+        self.silence = silence  # decode_read_timeout_s; 0: none
+        self.gaps = gaps
+        self.first_token_at: float | None = None
+        self.last_output_at: float | None = None
+        self.stream: DecodeStream | None = None
+        # the silence clock while parked (``_restart_clock``): the deadline moves only when
+        # a read comes in the second half of the silence, or at ``due`` (``on_due``)
+        self.parked_fd = -1
+        self.restarted_at = -math.inf  # the last read that restarted the silence clock
+        self.due = -math.inf  # -inf: the next read sets the deadline (none set yet)
+
+    @property
+    def tokens(self) -> int:
+        """Generated tokens: the engine's usage once it came, output chunks until then."""
+        generated = self.relay.generated
+        return self.relay.tokens if generated is None else generated
+
+    async def relay_all(self, stream: DecodeStream) -> bytes:
+        """The request's task: until the end (return its last bytes, for the request to
+        write) or a fault (raise it)."""
+        self.stream = stream
+        reactor = self.reactor
+        try:
+            while True:
+                fd = -1 if reactor is None or not reactor.running else stream.park_fd()
+                if fd >= 0:
+                    assert reactor is not None
+                    pending = await self._park(reactor, fd, stream)
+                    if type(pending) is not Resume:
+                        end = await self.settle(pending)  # type: ignore[arg-type]
+                        if end is not None:
+                            return end
+                        continue
+                data = await stream.read()
+                if data is None:
+                    raise self.relay.end_of_stream().fault
+                end = await self.settle(self.take(data))
+                if end is not None:
+                    return end
+        finally:
+            self.gaps.flush()  # nothing here awaits: cancellation included
+
+    async def _park(self, reactor: StreamReactor, fd: int, stream: DecodeStream) -> object:
+        self.parked_fd = fd
+        try:
+            due = self.due if self.due > -math.inf else math.inf
+            return await reactor.park(fd, self.on_ready, due, self.on_due)
+        except TransportError as exc:
+            await stream.fail(exc)
+            raise
+        finally:
+            self.parked_fd = -1
+
+    def on_ready(self) -> Pending | Resume | None:
+        """The reactor's call on the engine socket's readiness: None, stay parked."""
+        assert self.stream is not None
+        data = self.stream.read_nowait()
+        if data is None:
+            return RESUME
+        if not data:
+            return None
+        pending = self.take(data)
+        return None if pending is HELD else pending
+
+    def take(self, data: bytes) -> Pending | None:
+        """One read, without waiting: None when it is all done, else what to settle."""
+        relay = self.relay
+        tokens_before = relay.tokens
+        action = relay.feed(data)
+        tokens = relay.tokens
+        if tokens and not tokens_before:
+            self.first_token_at = trio.current_time()
+            self.client.lifecycle.advance(Input.FIRST_TOKEN)
+        match action:
+            case Fault() | Finish():
+                return action
+        if not tokens:
+            return HELD
+        if tokens != tokens_before:
+            now = trio.current_time()
+            if self.last_output_at is not None:
+                # per token, as vLLM's inter-token latency: a read that brought k tokens
+                # after a gap g is k tokens g/k apart
+                self.gaps.add(now - self.last_output_at, tokens - tokens_before)
+            self.last_output_at = now
+        match action:
+            case Send(data=out) if self.client.direct is not None:
+                if not self.client.write_nowait(out):
+                    self.clock.deadline = math.inf  # a slow client is not a silent engine
+                    return WRITE_REST
+            case Commit() | Send():
+                self.clock.deadline = math.inf  # nor is a write that waits
+                return action
+        self._restart_clock()
+        return None
+
+    async def settle(self, pending: Pending | None) -> bytes | None:
+        """The request's task: what ``take`` left that waits. The last bytes once the
+        stream is done (``[DONE]`` relayed to the request, which writes them), else None."""
+        match pending:
+            case None | Held():
+                return None
+            case Fault(fault=fault, flush=flush):
+                if flush is not None:
+                    self.clock.deadline = math.inf  # the engine has spoken: the client's turn
+                    await self.client.output(flush)
+                raise fault
+            case Finish(data=data):
+                self.clock.deadline = math.inf  # a slow client taking the end is not silence
+                return data
+            case WriteRest():
+                await self.client.write_rest()
+            case Commit() | Send():
+                await self.client.output(pending)
+        self._restart_clock()
+        return None
+
+    def _restart_clock(self) -> None:
+        """The silence clock starts again now (a read, or a write that waited). The
+        deadline is exact: parked, it is ``restarted_at`` + silence once ``on_due`` or a
+        read in the second half has moved it; in the request's task it moves at once."""
+        now = self.restarted_at = trio.current_time()
+        if self.parked_fd < 0 or now >= self.due:
+            silence = self.silence
+            deadline = self.clock.deadline = now + silence if silence > 0 else math.inf
+            self.due = deadline - silence / 2
+            if self.parked_fd >= 0:
+                assert self.reactor is not None
+                self.reactor.set_due(self.parked_fd, self.due)
+
+    def on_due(self) -> float:
+        """The reactor's call at ``due``, half the silence before the deadline: move the
+        deadline to the last read's, and say when to look again (never: no read since the
+        deadline was set; the next read moves it, as it comes after ``due``)."""
+        deadline = self.restarted_at + self.silence
+        if deadline <= self.clock.deadline:
+            return math.inf
+        self.clock.deadline = deadline
+        self.due = deadline - self.silence / 2
+        return self.due

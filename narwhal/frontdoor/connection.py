@@ -56,6 +56,7 @@ import socket as stdlib_socket
 import struct
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import suppress
+from enum import Enum
 from fcntl import ioctl
 from functools import cache, partial
 from http import HTTPStatus
@@ -113,7 +114,17 @@ SHAPES = {
     # what _Http11Connection wraps to give a status line its reason phrase
     "h11._connection:Connection.send_with_data_passthrough": "cc5fc10f82964da6",
 }
-_REST_NONE, _REST_UNLOCKED, _REST_LOCKED, _REST_BROKEN = range(4)
+
+
+class Rest(Enum):
+    """What a write without waiting (``write_nowait``) left for ``write_rest``."""
+
+    NONE = "nothing"
+    UNLOCKED = "all of it, through the send lock"  # the socket was busy: nothing written
+    LOCKED = "the rest, the send lock held"  # the kernel took a part
+    BROKEN = "nothing: the write broke"  # closed or reset: the stream is told at once
+
+
 MAX_RECV = 2**16  # hypercorn's read size
 ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must not flood logs
 # SO_LINGER on, zero seconds: close() sends a reset and drops what the kernel still holds
@@ -485,7 +496,7 @@ class ClientConnection(TCPServer):
         self._server_end = ServerEnd.of(self.context)
         self._corked: list[bytes] | None = None  # writes held back by cork()
         self._rest: bytes | memoryview | None = None  # what write_nowait left to write_rest
-        self._rest_state = _REST_NONE
+        self._rest_state = Rest.NONE
         self.aborted = False  # _abort closed it: no disconnect is told for it
         self.write_failed = False  # a write broke (reset, closed): later bytes never arrive
         # hypercorn's trio.Lock, owner-free: a write that the stream reactor's task began
@@ -663,9 +674,9 @@ class ClientConnection(TCPServer):
     def give_up(self) -> None:
         """Reset the connection (``_abort``), dropping what ``write_nowait`` left unwritten
         (its rest is not to be awaited then)."""
-        if self._rest_state == _REST_LOCKED:
+        if self._rest_state is Rest.LOCKED:
             self._lock.release()
-        self._rest, self._rest_state = None, _REST_NONE
+        self._rest, self._rest_state = None, Rest.NONE
         self._abort()
 
     def cut(self, *, abandon: bool) -> None:
@@ -696,38 +707,38 @@ class ClientConnection(TCPServer):
         lock = self._lock
         socket = getattr(self.stream, "socket", None)  # None: TLS, or a test's stream
         if socket is None or lock.locked() or self._corked is not None:
-            self._rest, self._rest_state = data, _REST_UNLOCKED
+            self._rest, self._rest_state = data, Rest.UNLOCKED
             return False
         try:
             sent = os.write(socket.fileno(), data)  # a closed socket (fd -1): OSError
         except BlockingIOError:
             sent = 0
         except OSError:
-            self._rest_state = _REST_BROKEN
+            self._rest_state = Rest.BROKEN
             return False
         if sent == len(data):
             return True
         lock.acquire_nowait()
-        self._rest, self._rest_state = memoryview(data)[sent:], _REST_LOCKED
+        self._rest, self._rest_state = memoryview(data)[sent:], Rest.LOCKED
         return False
 
     async def write_rest(self) -> None:
         """The rest of a ``write_nowait`` that returned False: through the lock and the
         bounded send (a cancelled send closes the connection, ``_send_all``)."""
         rest, state = self._rest, self._rest_state
-        self._rest, self._rest_state = None, _REST_NONE
+        self._rest, self._rest_state = None, Rest.NONE
         try:
-            if state == _REST_LOCKED:
+            if state is Rest.LOCKED:
                 assert rest is not None
                 try:
                     await self._send_all(rest)
                 finally:
                     self._lock.release()
-            elif state == _REST_UNLOCKED:
+            elif state is Rest.UNLOCKED:
                 assert rest is not None
                 await self.protocol_send(RawData(data=bytes(rest)))
                 return
-            elif state == _REST_BROKEN:
+            elif state is Rest.BROKEN:
                 raise trio.BrokenResourceError
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.write_failed = True

@@ -1,0 +1,304 @@
+"""Flow control at the router, pure (SPEC 4.5): which queued request goes next, which
+ones leave, and why. The shell holds the clock and the sockets: it offers a request the
+fleet cannot take now, sheds what ``expire(now)`` returns (on the timer ``next_expiry()``
+sets, and before dispatching), asks ``next(now)`` while ``saturated`` says the fleet has
+room, removes a request whose client left, and drains the queue on SIGTERM.
+
+Rules the queue keeps:
+* strict priority between classes: interactive, then default, then batch;
+* within a class, round-robin between fairness keys (tenants): the key just served goes to
+  the back of the rotation, a key with nothing queued leaves it, and a key that comes back
+  joins at the back; so a tenant sending ten times more gets an equal share, no more;
+* within a key, the order of ``offer`` (the shell offers requests as they arrive);
+* a request leaves by ``min(arrival + max_queue_wait_s, deadline)`` at the latest (one that
+  cannot wait at all is refused on arrival); the shell may pass a deadline less a margin
+  when a request dispatched at its very deadline is not worth sending;
+* when the queue is full, an arrival displaces the newest queued request of the lowest
+  class below its own; with nothing below it, the arrival is refused;
+* every offered request leaves exactly once, by one of the ``Exit``s.
+
+Cost, with n requests queued: ``offer`` O(log n) (one push on the expiry heap), ``next``
+O(1) plus the heap's amortized clean-up, ``remove`` O(1), ``expire`` O(log n) for each
+request it sheds, ``next_expiry`` amortized O(1), ``depth`` and ``len`` O(1), ``drain``
+O(n). Requests that leave another way stay on the expiry heap until they reach its top,
+or until dead ones outnumber live ones and the heap is rebuilt (amortized O(1)), so the
+heap stays within about twice the queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Hashable
+from enum import StrEnum
+from typing import Literal
+
+from msgspec import Struct
+
+
+class Priority(StrEnum):
+    INTERACTIVE = "interactive"
+    DEFAULT = "default"
+    BATCH = "batch"
+
+
+# higher rank first; ``BY_RANK`` is the order of service
+RANK: dict[Priority, int] = {Priority.INTERACTIVE: 2, Priority.DEFAULT: 1, Priority.BATCH: 0}
+BY_RANK: tuple[Priority, ...] = tuple(sorted(Priority, key=RANK.__getitem__, reverse=True))
+
+
+class Exit(StrEnum):
+    """How a queued (or offered) request leaves; also the label of the shed metrics."""
+
+    DISPATCHED = "dispatched"  # the fleet had room: it goes on to the engines
+    QUEUE_FULL = "queue_full"  # refused on arrival: full, and nothing lower to displace
+    DISPLACED = "displaced"  # pushed out by an arrival of a higher class
+    WAIT = "max_queue_wait"  # waited max_queue_wait_s
+    DEADLINE = "deadline"  # its deadline came before capacity did
+    CANCELLED = "cancelled"  # its client left
+    DRAINED = "drained"  # SIGTERM: it never started, so a load balancer may retry it
+
+
+# What the shell answers for each exit (status, message; the 429s and the 503 carry
+# Retry-After). Absent: no answer from the queue (a dispatched request goes on, a
+# cancelled one has no client left).
+ANSWERS: dict[Exit, tuple[int, str]] = {
+    Exit.QUEUE_FULL: (429, "queue full"),
+    Exit.DISPLACED: (429, "queue full"),
+    Exit.WAIT: (429, "no capacity within {allowed}s"),
+    Exit.DEADLINE: (429, "no capacity within {allowed}s"),
+    Exit.DRAINED: (503, "the router is shutting down"),
+}
+
+
+class Entry(Struct, frozen=True):
+    """One request in the queue; times are the shell's monotonic clock, in seconds."""
+
+    id: Hashable
+    cls: Priority
+    key: str  # its fairness key (tenant)
+    arrival: float
+    deadline: float  # absolute
+
+    def __post_init__(self) -> None:
+        # a NaN would compare false with everything and never leave the expiry heap
+        if math.isnan(self.arrival) or math.isnan(self.deadline):
+            raise ValueError(f"request {self.id!r}: arrival and deadline must be numbers")
+
+
+class Offered(Struct, frozen=True):
+    """Queued."""
+
+
+class Refused(Struct, frozen=True):
+    """Not queued: answered at once (``exit`` is QUEUE_FULL, WAIT or DEADLINE)."""
+
+    exit: Exit
+
+
+class Displaced(Struct, frozen=True):
+    """Queued, and ``victim`` left to make room (``Exit.DISPLACED``)."""
+
+    victim: Entry
+
+
+class _Band:
+    """One class's queued requests."""
+
+    __slots__ = ("by_key", "order")
+
+    def __init__(self) -> None:
+        # the rotation: the key at the front is served next; each key's requests in order
+        self.by_key: OrderedDict[str, OrderedDict[Hashable, Entry]] = OrderedDict()
+        # the whole class in order of arrival: its newest is the one a displacement takes
+        self.order: OrderedDict[Hashable, Entry] = OrderedDict()
+
+    def add(self, entry: Entry) -> None:
+        self.order[entry.id] = entry
+        self.by_key.setdefault(entry.key, OrderedDict())[entry.id] = entry
+
+    def take(self, entry: Entry) -> None:
+        del self.order[entry.id]
+        queue = self.by_key[entry.key]
+        del queue[entry.id]
+        if not queue:
+            del self.by_key[entry.key]
+
+    def pop_next(self) -> Entry:
+        key, queue = next(iter(self.by_key.items()))
+        _, entry = queue.popitem(last=False)
+        del self.order[entry.id]
+        if queue:
+            self.by_key.move_to_end(key)
+        else:
+            del self.by_key[key]
+        return entry
+
+    def newest(self) -> Entry:
+        return next(reversed(self.order.values()))
+
+
+class FlowQueue:
+    """The admission queue's state table."""
+
+    __slots__ = ("_bands", "_due", "_queued", "_seq", "max_queue_wait_s", "max_queued")
+
+    def __init__(self, max_queued: int, max_queue_wait_s: float) -> None:
+        if max_queued < 1 or not max_queue_wait_s >= 0:
+            raise ValueError("max_queued must be >= 1 and max_queue_wait_s >= 0")
+        self.max_queued = max_queued
+        self.max_queue_wait_s = max_queue_wait_s
+        self._bands = {cls: _Band() for cls in Priority}
+        # id -> (the sequence number of its offer, the entry): a heap item is alive only
+        # while its number matches, so an id offered again never revives a stale item
+        self._queued: dict[Hashable, tuple[int, Entry]] = {}
+        self._due: list[tuple[float, int, Hashable]] = []  # heap of (leave_by, seq, id)
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def __contains__(self, id: Hashable) -> bool:
+        return id in self._queued
+
+    def depth(self, cls: Priority) -> int:
+        return len(self._bands[cls].order)
+
+    def leave_by(self, entry: Entry) -> float:
+        """The time ``entry`` leaves at the latest."""
+        return min(entry.arrival + self.max_queue_wait_s, entry.deadline)
+
+    def answer(self, entry: Entry, exit: Exit) -> tuple[int, str]:
+        """The status and message for a request that left by ``exit`` (one in ANSWERS)."""
+        status, text = ANSWERS[exit]
+        allowed = max(0.0, self.leave_by(entry) - entry.arrival)
+        return status, text.format(allowed=f"{round(allowed, 1):g}")
+
+    def offer(self, entry: Entry, now: float) -> Offered | Refused | Displaced:
+        if entry.id in self._queued:
+            raise ValueError(f"request {entry.id!r} is already queued")
+        if self.leave_by(entry) <= now:
+            return Refused(self._timed_out(entry))
+        if len(self) < self.max_queued:
+            self._add(entry)
+            return Offered()
+        victim = self._lowest_below(entry.cls)
+        if victim is None:
+            return Refused(Exit.QUEUE_FULL)
+        self._left(victim)
+        self._add(entry)
+        return Displaced(victim)
+
+    def next(self, now: float) -> Entry | None:
+        """Dispatch: the next request, removed from the queue; None when it is empty.
+
+        A request due to leave is shed, never dispatched: the shell calls ``expire(now)``
+        first, and a call that forgot to is refused rather than answered wrongly.
+        """
+        due = self.next_expiry()
+        if due is not None and due <= now:
+            raise ValueError("a queued request is due to leave: call expire(now) first")
+        for cls in BY_RANK:
+            band = self._bands[cls]
+            if band.order:
+                entry = band.pop_next()
+                self._forget(entry.id)
+                return entry
+        return None
+
+    def expire(self, now: float) -> list[tuple[Entry, Exit]]:
+        """Shed every request whose time has come (WAIT or DEADLINE), earliest first."""
+        shed: list[tuple[Entry, Exit]] = []
+        while self._due and self._due[0][0] <= now:
+            _, seq, id = heapq.heappop(self._due)
+            if self._alive(seq, id):
+                entry = self._queued.pop(id)[1]
+                self._bands[entry.cls].take(entry)
+                shed.append((entry, self._timed_out(entry)))
+        return shed
+
+    def next_expiry(self) -> float | None:
+        """When ``expire`` next has something to shed (exact), or None."""
+        while self._due and not self._alive(self._due[0][1], self._due[0][2]):
+            heapq.heappop(self._due)
+        return self._due[0][0] if self._due else None
+
+    def remove(self, id: Hashable) -> bool:
+        """A client left while queued (``Exit.CANCELLED``); False when it was not here."""
+        slot = self._queued.get(id)
+        if slot is None:
+            return False
+        self._left(slot[1])
+        return True
+
+    def drain(self) -> list[Entry]:
+        """SIGTERM: every queued request leaves (``Exit.DRAINED``), in order of service
+        class, then arrival."""
+        gone = [entry for cls in BY_RANK for entry in self._bands[cls].order.values()]
+        self._bands = {cls: _Band() for cls in Priority}
+        self._queued.clear()
+        self._due.clear()
+        return gone
+
+    def _add(self, entry: Entry) -> None:
+        self._seq += 1
+        self._queued[entry.id] = (self._seq, entry)
+        self._bands[entry.cls].add(entry)
+        heapq.heappush(self._due, (self.leave_by(entry), self._seq, entry.id))
+
+    def _lowest_below(self, cls: Priority) -> Entry | None:
+        """The newest request of the lowest class with any, below ``cls``."""
+        for lower in reversed(BY_RANK):
+            if RANK[lower] >= RANK[cls]:
+                return None
+            if self._bands[lower].order:
+                return self._bands[lower].newest()
+        return None
+
+    def _left(self, entry: Entry) -> None:
+        self._bands[entry.cls].take(entry)
+        self._forget(entry.id)
+
+    def _forget(self, id: Hashable) -> None:
+        del self._queued[id]
+        # its heap item stays until it surfaces; rebuild once dead items dominate
+        if len(self._due) > 2 * len(self._queued) + 64:
+            self._due = [item for item in self._due if self._alive(item[1], item[2])]
+            heapq.heapify(self._due)
+
+    def _alive(self, seq: int, id: Hashable) -> bool:
+        slot = self._queued.get(id)
+        return slot is not None and slot[0] == seq
+
+    def _timed_out(self, entry: Entry) -> Literal[Exit.WAIT, Exit.DEADLINE]:
+        # whichever bound came first names the reason
+        if entry.arrival + self.max_queue_wait_s <= entry.deadline:
+            return Exit.WAIT
+        return Exit.DEADLINE
+
+
+Saturation = Literal["waiting", "kv_usage"]
+
+
+def saturated(
+    waiting_scraped: int | None,
+    sent_since_scrape: int,
+    kv_usage: float | None,
+    *,
+    waiting_limit: int,
+    kv_limit: float,
+    consumer: bool,
+) -> Saturation | None:
+    """Why an engine can take no more now, or None (SPEC 4.5).
+
+    ``waiting_scraped``: its ``vllm:num_requests_waiting`` as last scraped, None without a
+    usable scrape; ``sent_since_scrape``: this router's legs sent to it since that scrape
+    (without scrapes, the router's own legs are all that counts); ``kv_usage``: its
+    ``vllm:kv_cache_usage_perc`` (0..1), which only saturates a consumer.
+    """
+    if (waiting_scraped or 0) + sent_since_scrape >= waiting_limit:
+        return "waiting"
+    if consumer and kv_usage is not None and kv_usage >= kv_limit:
+        return "kv_usage"
+    return None

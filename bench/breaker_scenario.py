@@ -79,7 +79,7 @@ async def scenario(max_attempts: int, duration_s: float, heal_at_s: float) -> No
             for _ in range(8):
                 load.start_soon(client, pool)
         stop.set()
-        events = router.health.events
+        events = router.events.events
         nursery.cancel_scope.cancel()
     ok = sum(1 for _, s in outcomes if s == 200)
     print(

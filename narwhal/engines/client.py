@@ -278,9 +278,12 @@ class EngineClient:
         for engine in list(self._engines.values()):
             await engine.pool.sweep()
 
-    async def sweep_forever(self) -> None:
+    async def sweep_forever(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Close pooled connections idle past ``IDLE_EXPIRY_S`` even when no request comes
         to find them (a server-owned background task)."""
+        task_status.started()
         while True:
             await trio.sleep(IDLE_EXPIRY_S)
             await self.sweep_idle()

@@ -259,16 +259,20 @@ class RouterApp:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         """Startup opens the server-owned background nursery (probes); shutdown ends it."""
+        router = self.router
+        services = (
+            router.health.run,  # the first round of checks before the server starts
+            router.discovery.run,  # [[discover]] names
+            router.client.sweep_forever,
+            router.reclaimer.run,
+            router.scraper.run,  # engines' /metrics
+            router.reactor.run,  # parked streams
+        )
         async with trio.open_nursery() as background:
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
-                    await background.start(self.router.health.run)
-                    await background.start(self.router.discovery.run)  # [[discover]] names
-                    background.start_soon(self.router.client.sweep_forever)
-                    await background.start(self.router.reclaimer.run)
-                    await background.start(self.router.scraper.run)  # engines' /metrics
-                    await background.start(self.router.reactor.run)  # parked streams
+                    await background.start(router.background.run, services)
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     background.cancel_scope.cancel()

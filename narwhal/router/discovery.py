@@ -30,7 +30,7 @@ import trio
 from narwhal.core.config import DiscoverBlock, DiscoveryConfig, EngineSpec, FleetConfig
 from narwhal.core.config import nameserver_address as parse_nameserver
 from narwhal.metrics import Metrics
-from narwhal.router.health import Health
+from narwhal.router.engine_events import EngineEvents
 
 if TYPE_CHECKING:
     from dns.asyncresolver import Resolver
@@ -286,7 +286,7 @@ class DiscoveryHost(Protocol):
 
     config: FleetConfig
     metrics: Metrics
-    health: Health
+    events: EngineEvents
 
     def apply_discovered(self) -> dict[str, list[str]]: ...
 
@@ -376,7 +376,7 @@ class Discovery:
                 metrics.discovery_last_success.labels(block.name).set(state.last_success)
         if any(change.moved for change in changes):
             self.router.apply_discovered()  # a reload's path: joins after /health, drains
-        event = self.router.health.event
+        event = self.router.events.record
         for change in changes:
             state = self.state.names[change.name]
             kept = len(state.addresses)

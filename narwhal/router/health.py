@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from typing import Any, Protocol
 
 import trio
@@ -34,13 +33,13 @@ from narwhal.core.fleet import EngineState, Fleet, Leg
 from narwhal.core.handoff import Fate, Handoff
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
-from narwhal.logs import log_event
 from narwhal.metrics import Metrics
+from narwhal.router.background import Background
+from narwhal.router.engine_events import EngineEvents
 from narwhal.router.journal import Journal
 from narwhal.router.reclaim import Reclaimer
 
 log = logging.getLogger("narwhal.health")
-_ROUTINE = frozenset({"probe", "readmitted", "held_in_ended", "joined"})
 
 
 class HealthHost(Protocol):
@@ -52,26 +51,20 @@ class HealthHost(Protocol):
     metrics: Metrics
     journal: Journal
     reclaimer: Reclaimer
-
-
-class BackgroundUnavailable(RuntimeError):
-    """Background work was asked for while the server's nursery is not running."""
+    background: Background
+    events: EngineEvents
 
 
 class Health:
     def __init__(self, router: HealthHost) -> None:
         self.router = router
-        self.nursery: trio.Nursery | None = None
         self.maintenance = False
         self.wave_lock = trio.Lock()
         self.held_in: dict[Leg, bool] = {"prefill": False, "decode": False}
-        self.events: list[dict[str, Any]] = []  # recent engine events, newest last
-        self._changed = trio.Event()
         # crossed handoffs of probes in flight: each holds a producer and a consumer leg, so
         # an audit of reservations after a drain can tell them from a client's
         self.probe_handoffs = 0
         self._jitter = random.Random()
-        self._checks: EngineClient | None = None
 
     # ---- evidence from the data path -----------------------------------------------------
 
@@ -99,65 +92,20 @@ class Health:
             self._ejected(engine, fault)
 
     def _ejected(self, engine: EngineState, fault: RequestFault) -> None:
-        self.event(
+        self.router.events.record(
             "ejected",
-            engine,
+            engine.id,
             cause=fault.breaker.value,
             message=fault.message,
             streak=engine.breaker.streak,
         )
         if self.router.config.recovery.restart_policy == "whole_wave":
             if not self.maintenance:
-                self.event("maintenance", None, state="entered")
+                self.router.events.record("maintenance", None, state="entered")
             self.maintenance = True
-            self.start_background(self._wave_loop)
+            self.router.background.start(self._wave_loop)
         else:
-            self.start_background(self._readmission_loop, engine)
-
-    def start_background(self, fn: Any, *args: Any) -> None:
-        """Run ``fn`` in the server-owned nursery (never in a request's); raise
-        ``BackgroundUnavailable`` when that nursery was never started: a probe that silently
-        never starts would leave an engine ejected for good. Once the server is shutting
-        down, nothing new starts (said in the log)."""
-        name = getattr(fn, "__name__", fn)
-        if self.nursery is None:
-            raise BackgroundUnavailable(
-                f"{name} cannot start: the server's background nursery is not running "
-                "(serve the router, or run Health.run)"
-            )
-        try:
-            self.nursery.start_soon(fn, *args)
-        except RuntimeError:  # closed to new arrivals: the server is shutting down
-            log.warning("%s not started: the server is shutting down", name)
-
-    def event(self, kind: str, engine: EngineState | None, **fields: Any) -> None:
-        """Journal, log and announce an engine event (ejection, probe, readmission...)."""
-        line = {"event": kind, "at": round(time.time(), 3), **fields}
-        if engine is not None:
-            line["engine"] = engine.id
-        self.router.journal.event(line)
-        level = logging.INFO if kind in _ROUTINE else logging.WARNING
-        log_event(log, level, f"engine event: {kind}", line)
-        self.events.append(line)
-        del self.events[:-1000]
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_event(
-        self, kind: str, engine: str | None = None, **fields: Any
-    ) -> dict[str, Any]:
-        """The first recorded event matching; waits for it (tests, operators' tooling)."""
-        seen = 0
-        while True:
-            for line in self.events[seen:]:
-                if (
-                    line["event"] == kind
-                    and engine in (None, line.get("engine"))
-                    and all(line.get(k) == v for k, v in fields.items())
-                ):
-                    return line
-            seen = len(self.events)
-            await self._changed.wait()
+            self.router.background.start(self._readmission_loop, engine)
 
     def refresh_gauges(self) -> None:
         """Time-driven gauges (quarantine ends by the clock), brought up to date at scrape."""
@@ -176,28 +124,20 @@ class Health:
         if held_in != self.held_in[leg]:
             self.held_in[leg] = held_in
             # held in: no healthy engine of the role is left; the last ones stay placeable
-            self.event("held_in" if held_in else "held_in_ended", None, role=leg)
+            kind = "held_in" if held_in else "held_in_ended"
+            self.router.events.record(kind, None, role=leg)
 
     # ---- background ----------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The server-owned nursery every probe runs in; lives as long as the server.
-
-        Active health starts here: one round of checks before the server reports itself
-        started (an engine joins placement only after it answered), then a round every
-        ``engine.health_interval_s``, jittered so that routers do not beat in step."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self.nursery = nursery
-                self.router.fleet.health_checked = True
-                await self.check_all()
-                nursery.start_soon(self._checks_forever)
-                task_status.started()
-                await trio.sleep_forever()
-        finally:
-            self.nursery = None
-            if self._checks is not None:
-                await self._checks.aclose()  # shielded and bounded inside
+        """Active health, in the server's background: one round of checks before the server
+        reports itself started (an engine joins placement only after it answered), then a
+        round every ``engine.health_interval_s``, jittered so that routers do not beat in
+        step. Probes run beside it, started by ``failure``."""
+        self.router.fleet.health_checked = True
+        await self.check_all()
+        task_status.started()
+        await self._checks_forever()
 
     async def _checks_forever(self) -> None:
         while True:
@@ -212,13 +152,13 @@ class Health:
                 nursery.start_soon(self.check, engine)
 
     async def check(self, engine: EngineState) -> None:
-        ok = await self._health_check(engine, self.checks_client()) == "pass"
+        ok = await self._health_check(engine, self.router.background.checks_client()) == "pass"
         self._noted(engine, engine.note_health(ok, trio.current_time()))
 
     def _noted(self, engine: EngineState, change: str | None) -> None:
         self.router.metrics.up.labels(engine.id).set(int(engine.up))
         if change is not None:
-            self.event(change, engine, failures=engine.health_failures)
+            self.router.events.record(change, engine.id, failures=engine.health_failures)
 
     async def _readmission_loop(self, engine: EngineState) -> None:
         interval = self.router.config.recovery.readmit_interval_s
@@ -235,14 +175,14 @@ class Health:
     def _probed(self, engine: EngineState, outcome: ProbeOutcome, **fields: Any) -> None:
         metrics = self.router.metrics
         metrics.probes.labels(engine.id, outcome).inc()
-        self.event("probe", engine, outcome=outcome, **fields)
+        self.router.events.record("probe", engine.id, outcome=outcome, **fields)
         if outcome == "pass":  # it answered: evidence for active health too
             self._noted(engine, engine.note_health(True, trio.current_time()))
         if engine.breaker.state is BreakerState.CLOSED:
             metrics.readmissions.labels(engine.id).inc()
             metrics.ejected.labels(engine.id).set(0)
             metrics.streak.labels(engine.id).set(0)
-            self.event("readmitted", engine)
+            self.router.events.record("readmitted", engine.id)
 
     async def probe(self, engine: EngineState) -> ProbeOutcome:
         """Decide, with real evidence, whether an ejected engine may take traffic again."""
@@ -253,22 +193,6 @@ class Health:
             return await self._health_check(engine)
         leg: Leg = engine.failed_as or ("decode" if engine.spec.can_decode else "prefill")
         return await self._inference_probe(engine, leg)
-
-    def checks_client(self) -> EngineClient:
-        """Active checks have their own small pool: they never take a data leg's connection
-        slot, and a data leg never rides on a connection a check opened (a stale one would
-        hide an engine that no longer accepts connections)."""
-        if self._checks is None:
-            data = self.router.client
-            self._checks = EngineClient(
-                connector=data.connector,
-                max_connections=2,
-                connect_timeout_s=data.connect_timeout_s,
-                api_key=data.api_key,
-                ca_file=data.ca_file,  # https:// engines verified as the data legs verify
-                connect=data.connect,
-            )
-        return self._checks
 
     async def _health_check(
         self, engine: EngineState, client: EngineClient | None = None
@@ -404,7 +328,7 @@ class Health:
                 self._probed(engine, outcomes[engine.id], wave=True)
             if passed and self.maintenance:
                 self.maintenance = False
-                self.event("maintenance", None, state="ended")
+                self.router.events.record("maintenance", None, state="ended")
             return outcomes
 
 

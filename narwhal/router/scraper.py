@@ -21,7 +21,7 @@ from narwhal.core.engine_report import ReportError, parse_report
 from narwhal.core.faults import RequestFault
 from narwhal.core.fleet import EngineState, Fleet
 from narwhal.metrics import Metrics
-from narwhal.router.health import Health
+from narwhal.router.background import Background
 
 IDLE_RECHECK_S = 1.0  # scraping off: how often to look whether a reload turned it on
 
@@ -29,7 +29,7 @@ IDLE_RECHECK_S = 1.0  # scraping off: how often to look whether a reload turned 
 class ScrapeHost(Protocol):
     config: FleetConfig
     fleet: Fleet
-    health: Health
+    background: Background
     metrics: Metrics
 
 
@@ -66,7 +66,7 @@ class Scraper:
 
     async def scrape(self, engine: EngineState) -> bool:
         """One scrape of ``engine``; whether it gave a report."""
-        client = self.router.health.checks_client()
+        client = self.router.background.checks_client()
         with trio.move_on_after(self.router.config.engine.health_timeout_s):
             try:
                 status, body = await client.get(engine.url, "/metrics")

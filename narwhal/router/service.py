@@ -42,7 +42,9 @@ from narwhal.logs import log_context, log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
 from narwhal.router.admission import Admission
 from narwhal.router.auth import ApiKeys
+from narwhal.router.background import Background
 from narwhal.router.discovery import Discovery
+from narwhal.router.engine_events import EngineEvents
 from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fanout import FanOutRun
 from narwhal.router.health import Health
@@ -84,11 +86,9 @@ class Router:
         self.fleet = Fleet(config.engines, config.recovery)
         self.metrics = Metrics((e.id for e in self.fleet.engines), model=config.model)
         self._bind_gauges()
-        self.health = Health(self)
-        # [[discover]]: its loop runs in the server's background nursery, next to health
-        self.discovery = Discovery(self, config.discover)
         self.journal = journal or Journal()
         self.journal.count_drops(self.metrics.journal_dropped.inc)
+        self.events = EngineEvents(self.journal)
         count_log_drops(self.metrics.log_dropped.inc)
         self.retry_budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
         self.rng = rng or random.Random()
@@ -102,6 +102,11 @@ class Router:
         )
         if api_key:
             _warn_plain_http_keys(config)
+        # the server's background nursery and the checks' client: what no request owns
+        self.background = Background(self.client)
+        self.health = Health(self)
+        # [[discover]]: its loop runs in the server's background nursery, next to health
+        self.discovery = Discovery(self, config.discover)
         self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
         self.scraper = Scraper(self)  # engines' /metrics for placement, same nursery
         self.reactor = StreamReactor()  # parked streams' reads, same nursery
@@ -389,8 +394,8 @@ class Router:
         for engine in self.fleet.engines:
             if engine.id not in before:
                 self.metrics.add_engine(engine.id)
-                if self.health.nursery is not None:  # it joins placement once it answers
-                    self.health.start_background(self.health.check, engine)
+                if self.background.running:  # it joins placement once it answers
+                    self.background.start(self.health.check, engine)
         self._bind_gauges()
         after = {e.id for e in self.fleet.engines}
         for gone in before - after:

@@ -51,7 +51,7 @@ async def test_an_ejected_engine_gets_no_more_client_traffic(nursery: trio.Nurse
         view["d0"]["breaker"]["last_cause"] == "stream ended with [DONE] before any token arrived"
     )
     assert view["d1"]["breaker"]["state"] == "closed"
-    event = await harness.router.health.wait_event("ejected", "d0")
+    event = await harness.router.events.wait_event("ejected", "d0")
     assert event["cause"] == "stream"
     await finish(harness)
 
@@ -81,8 +81,8 @@ async def test_the_probe_readmits_a_healed_engine_with_a_fresh_handoff_from_the_
     failing_producer = d0.failed_with
     assert failing_producer in ("p0", "p1")
     with trio.fail_after(5):
-        await harness.router.health.wait_event("readmitted", "d0")
-    probe = await harness.router.health.wait_event("probe", "d0")
+        await harness.router.events.wait_event("readmitted", "d0")
+    probe = await harness.router.events.wait_event("probe", "d0")
     assert probe["outcome"] == "pass"
     # the probe: a one-token prefill on the original producer, then a decode on d0,
     # with a fresh unique prompt and a new descriptor (never the failing request's)
@@ -119,13 +119,13 @@ async def test_inconclusive_probes_change_nothing(nursery: trio.Nursery) -> None
     assert d0.state is BreakerState.EJECTED
     harness.engines["p0"].faults.push(*[Fault(kind="status", status=503)] * 3)  # the peer fails
     with trio.fail_after(5):
-        probe = await harness.router.health.wait_event("probe", "d0")
+        probe = await harness.router.events.wait_event("probe", "d0")
     assert probe["outcome"] == "inconclusive"
     assert (d0.streak, d0.ejections, d0.ejection_cause) == (2, 1, BreakerClass.STREAM)
     assert d0.state in (BreakerState.EJECTED, BreakerState.PROBING)
     # once the peer is healthy again, the next probe decides
     with trio.fail_after(5):
-        await harness.router.health.wait_event("readmitted", "d0")
+        await harness.router.events.wait_event("readmitted", "d0")
     await finish(harness)
 
 
@@ -142,11 +142,11 @@ async def test_an_unreachable_engine_comes_back_on_health_in_a_development_fleet
     breaker = harness.router.fleet.by_id["d0"].breaker
     assert breaker.ejection_cause is BreakerClass.UNREACHABLE
     with trio.fail_after(5):
-        probe = await harness.router.health.wait_event("probe", "d0")
+        probe = await harness.router.events.wait_event("probe", "d0")
     assert probe["outcome"] == "fail"  # still down
     await nursery.start(d0.serve)  # restarted on the same port
     with trio.fail_after(5):
-        await harness.router.health.wait_event("readmitted", "d0")
+        await harness.router.events.wait_event("readmitted", "d0")
     assert not [e for e in d0.log if e["body"]["prompt"].startswith("narwhal probe")]
     await finish(harness)
 
@@ -161,7 +161,7 @@ async def test_the_last_engine_of_a_role_stays_placeable(nursery: trio.Nursery) 
     assert (await harness.post("/v1/completions", BODY)).status == 200
     assert (await harness.get("/ready")).status == 503
     assert (await _engines_view(harness))["d0"]["held_in"] is True
-    await harness.router.health.wait_event("held_in", role="decode")
+    await harness.router.events.wait_event("held_in", role="decode")
     await finish(harness)
 
 
@@ -202,7 +202,7 @@ async def test_lifecycle_validation_refuses_a_wrong_version(nursery: trio.Nurser
     for _ in range(2):
         await harness.post("/v1/completions", BODY)
     with trio.fail_after(5):
-        probe = await harness.router.health.wait_event("probe", "d0")
+        probe = await harness.router.events.wait_event("probe", "d0")
     assert probe["outcome"] == "fail"
     assert "0.99.0" in await harness.router.health.check_identity(harness.router.fleet.by_id["d0"])  # type: ignore[operator]
     await finish(harness)

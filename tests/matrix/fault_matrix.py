@@ -486,7 +486,7 @@ async def _await_readmission(h: Harness, report: Report) -> None:
         report.extra = "d0 never ejected in so short a run"
         return
     with trio.move_on_after(20 * RECOVERY.readmit_interval_s):
-        await h.router.health.wait_event("readmitted", "d0")
+        await h.router.events.wait_event("readmitted", "d0")
         report.extra = "d0 readmitted: yes"
         return
     report.extra = "d0 readmitted: NO"

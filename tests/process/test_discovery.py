@@ -532,7 +532,7 @@ async def test_engines_follow_dns_records_under_load_and_survive_a_resolver_outa
         engine=EngineConfig(health_interval_s=2.0),
     )
     router = Router(config, journal=Journal(keep=10_000))
-    health, discovery = router.health, router.discovery
+    health, discovery = router.events, router.discovery
     harness = await serve_router(nursery, router, engines)
     with trio.fail_after(60):
         # the first round ran before the server started: the engines join once they answer

@@ -115,7 +115,7 @@ async def test_reload_adds_and_removes_engines(nursery: trio.Nursery, tmp_path: 
         reply = await harness.post("/narwhal/reload", b"")
         assert reply.json() == {"engines": ["p0", "d1"], "added": ["d1"], "removed": ["d0"]}
         with trio.fail_after(5):  # an added engine takes traffic once it answered /health
-            await harness.router.health.wait_event("joined", "d1")
+            await harness.router.events.wait_event("joined", "d1")
         for _ in range(3):
             assert (
                 await harness.post("/v1/completions", {**STREAM, "max_tokens": 2})

@@ -42,11 +42,11 @@ async def test_an_engine_that_stops_answering_leaves_placement_before_a_client_p
     view = (await harness.get("/narwhal/engines")).json()
     d0_view = next(e for e in view["engines"] if e["id"] == "d0")
     assert (d0_view["up"], d0_view["health_failures"]) == (False, HEALTH_FAILS_TO_LEAVE)
-    await router.health.wait_event("left", "d0")
+    await router.events.wait_event("left", "d0")
 
     await nursery.start(d0.serve)  # back on the same port
     await router.health.check_all()
-    await router.health.wait_event("joined", "d0")
+    await router.events.wait_event("joined", "d0")
     assert (await harness.get("/ready")).status == 200
     assert (await harness.post("/v1/completions", BODY)).status == 200
     await finish(harness)

@@ -105,5 +105,5 @@ async def memory_fleet(
     urls.update({f"d{i}": (e.url, "decode") for i, e in enumerate(engines[1:])})
     config = fleet_config(urls, **sections)
     router = Router(config, connect=net.open_stream, journal=Journal(keep=100))
-    await nursery.start(router.health.run)
+    await nursery.start(router.background.run, [router.health.run])  # checks and probes
     return MemoryFleet(router, engines[0], engines[1], engines[2:])

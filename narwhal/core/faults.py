@@ -13,9 +13,11 @@ which every client answer and terminal stream event is built from, names the eng
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from functools import lru_cache
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 import msgspec
@@ -72,6 +74,17 @@ class RequestFault(Exception):
         self.phase = phase
         self.engine_id = engine_id
         self.engine_url = engine_url  # the base URL of the engine at fault, when one is
+
+    def at(self, engine_id: str, engine_url: str) -> Self:
+        """This fault as one of engine ``engine_id``: a new fault of the same kind and
+        message, built with the engine (the leg's shell knows which engine the transport or
+        the rules were reading; the fault itself is never changed once raised)."""
+        fault = type(self).__new__(type(self))
+        fault.__dict__.update(self.__dict__)
+        fault.args = self.args
+        fault.engine_id = engine_id
+        fault.engine_url = self.engine_url or engine_url
+        return fault
 
     def client_message(self) -> str:
         """``message`` as a client may read it: the engine named by id, never by address."""
@@ -306,3 +319,13 @@ class BadRequest(RequestFault):
 class ModelNotServed(RequestFault):
     status = 404
     kind = "not_found_error"
+
+
+@contextmanager
+def faults_of(engine_id: str, engine_url: str) -> Iterator[None]:
+    """A leg's faults are its engine's: whatever fault is raised inside is raised again as
+    ``fault.at(engine_id, engine_url)`` (httpcore's ``map_exceptions`` is the model)."""
+    try:
+        yield
+    except RequestFault as fault:
+        raise fault.at(engine_id, engine_url) from fault.__cause__

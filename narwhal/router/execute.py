@@ -33,6 +33,7 @@ from narwhal.core.faults import (
     RequestFault,
     ShuttingDown,
     SilenceTimeout,
+    faults_of,
 )
 from narwhal.core.fleet import EngineState, Fleet, Leg
 from narwhal.core.handoff import Fate, Handoff, too_old
@@ -460,18 +461,17 @@ class RequestRun(RunRecord):
             with trio.move_on_after(budget) as prefill_clock:
                 async with router.fleet.reserve(producer, "prefill"):
                     try:
-                        result = await router.client.prefill(
-                            producer.url,
-                            self.req.endpoint,
-                            self._prefill_body(),
-                            request_id=backend_id,
-                            trace=self._leg_trace(span),
-                        )
+                        with faults_of(producer.id, producer.url):
+                            result = await router.client.prefill(
+                                producer.url,
+                                self.req.endpoint,
+                                self._prefill_body(),
+                                request_id=backend_id,
+                                trace=self._leg_trace(span),
+                            )
                         outcome = "completed"
                         return result
                     except RequestFault as fault:
-                        fault.engine_id = producer.id
-                        fault.engine_url = fault.engine_url or producer.url
                         outcome, message = "failed", fault.message
                         raise
             assert prefill_clock.cancelled_caught
@@ -542,17 +542,12 @@ class RequestRun(RunRecord):
         decode_clock = trio.CancelScope(
             deadline=trio.current_time() + engine_cfg.first_token_timeout_s
         )
-        with decode_clock:
-            try:
-                async with router.fleet.reserve(consumer, "decode"), stream:
-                    # the consumer took the request: reading the blocks is its job now
-                    handoff.fate = Fate.DECODED
-                    await self._relay(stream, decode_clock)
-                    return
-            except RequestFault as fault:
-                fault.engine_id = consumer.id
-                fault.engine_url = fault.engine_url or consumer.url
-                raise
+        with decode_clock, faults_of(consumer.id, consumer.url):
+            async with router.fleet.reserve(consumer, "decode"), stream:
+                # the consumer took the request: reading the blocks is its job now
+                handoff.fate = Fate.DECODED
+                await self._relay(stream, decode_clock)
+                return
         if not self.lifecycle.output_seen:
             raise FirstTokenTimeout(
                 f"no first token within {engine_cfg.first_token_timeout_s:g}s from engine "

@@ -31,6 +31,7 @@ from narwhal.core.faults import (
     PrefillTimeout,
     RequestFault,
     ShuttingDown,
+    faults_of,
 )
 from narwhal.core.fleet import LEGS, EngineState, Fleet
 from narwhal.core.requests import ClientRequest
@@ -300,7 +301,7 @@ class Router:
                     attempt.producer = engine.id
                 budget = serving.prefill_timeout_s
                 with trio.move_on_after(budget):
-                    try:
+                    with faults_of(engine.id, engine.url):
                         return await self.client.pass_through(
                             engine.url,
                             path,
@@ -308,10 +309,6 @@ class Router:
                             request_id=f"{rid}-a1-{path.strip('/')}",
                             trace=tracing.incoming(headers),
                         )
-                    except RequestFault as fault:
-                        fault.engine_id = engine.id
-                        fault.engine_url = fault.engine_url or engine.url
-                        raise
                 message = f"{path} on engine {engine.id} took longer than {budget:g}s"
                 raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=engine.id)
             finally:

@@ -185,17 +185,8 @@ class EngineClient:
         trace: Headers = NO_HEADERS,
     ) -> PrefillResult:
         """Run the one-token prefill leg; return the validated descriptor."""
-        engine = self._engine(url)
         payload = _encode(self.connector.prefill_body(body))
-        async with await engine.request(
-            b"POST", endpoint, payload, request_id, Phase.PREFILL, trace=trace
-        ) as response:
-            data = await _read(response, engine, Phase.PREFILL, MAX_PREFILL_RESPONSE_BYTES)
-        if response.status != 200:
-            message, kind = error_message(data, response.status)
-            raise EngineStatusError(
-                response.status, message, phase=Phase.PREFILL, engine_url=url, kind=kind
-            )
+        data = await self._post_whole(url, endpoint, payload, request_id, trace)
         return self.connector.extract(
             data, producer_url=url, endpoint=endpoint, request_id=request_id
         )
@@ -233,9 +224,16 @@ class EngineClient:
     ) -> bytes:
         """POST ``body`` unchanged to ``path`` (``/tokenize``, ``/detokenize``); the engine's
         200 answer, else its error as an engine fault. Bounded by the caller's scope."""
+        return await self._post_whole(url, path, body, request_id, trace)
+
+    async def _post_whole(
+        self, url: str, path: str, payload: bytes, request_id: str, trace: Headers
+    ) -> bytes:
+        """A prompt-side POST read whole (bounded in size): the engine's 200 body, else its
+        error as an engine fault."""
         engine = self._engine(url)
         async with await engine.request(
-            b"POST", path, body, request_id, Phase.PREFILL, trace=trace
+            b"POST", path, payload, request_id, Phase.PREFILL, trace=trace
         ) as response:
             data = await _read(response, engine, Phase.PREFILL, MAX_PREFILL_RESPONSE_BYTES)
         if response.status != 200:

@@ -408,6 +408,20 @@ class RouterApp:
         client = f"{peer[0]}:{peer[1]}" if peer else None
         return Caller(client=client, key=self.router.api_keys.key_id(scope["headers"]))
 
+    async def _admit(
+        self, path: str, scope: Scope, receive: Receive, send: Send, rid: bytes
+    ) -> bytes | None:
+        """A request to a completion or tokenizer endpoint, counted, read and admitted: its
+        body; None when it was refused (answered and journaled) or its client left."""
+        self.router.admission.received += 1
+        try:
+            return await self._admitted_body(scope, receive)
+        except Disconnected:
+            self._left_mid_body(scope, rid.decode(), path, self._caller(scope))
+        except RequestFault as fault:
+            await self._refuse(fault, scope, receive, send, rid, path, self._caller(scope))
+        return None
+
     async def _admitted_body(self, scope: Scope, receive: Receive) -> bytes:
         """The body of a request to admit: read within the limits, then refused (a
         RequestFault) while draining, in maintenance or at ``max_inflight``."""
@@ -459,21 +473,18 @@ class RouterApp:
         self, path: str, scope: Scope, receive: Receive, send: Send, rid: bytes
     ) -> None:
         router = self.router
-        router.admission.received += 1
-        rid_text = rid.decode()
         serving = router.config.serving
-        caller = self._caller(scope)
+        admitted = await self._admit(path, scope, receive, send, rid)
+        if admitted is None:
+            return
         try:
-            raw = await self._admitted_body(scope, receive)
             req = parse_request(
-                raw, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
+                admitted, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
             )
-        except Disconnected:
-            self._left_mid_body(scope, rid_text, path, caller)
-            return
         except RequestFault as fault:
-            await self._refuse(fault, scope, receive, send, rid, path, caller)
+            await self._refuse(fault, scope, receive, send, rid, path, self._caller(scope))
             return
+        rid_text, caller = rid.decode(), self._caller(scope)
         extensions = scope.get("extensions") or {}  # the server's features (ASGI's channel)
         await router.handle(
             req,
@@ -491,19 +502,16 @@ class RouterApp:
         """``POST /tokenize`` and ``/detokenize``: admitted like a completion (key, body
         limit, ``max_inflight``), then the body goes unchanged to one engine."""
         router = self.router
-        router.admission.received += 1
-        rid_text = rid.decode()
-        caller = self._caller(scope)
-        try:
-            raw = await self._admitted_body(scope, receive)
-        except Disconnected:
-            self._left_mid_body(scope, rid_text, path, caller)
-            return
-        except RequestFault as fault:
-            await self._refuse(fault, scope, receive, send, rid, path, caller)
+        raw = await self._admit(path, scope, receive, send, rid)
+        if raw is None:
             return
         answer = await router.pass_through(
-            path, raw, rid_text, caller, scope["headers"], partial(_wait_disconnect, receive)
+            path,
+            raw,
+            rid.decode(),
+            self._caller(scope),
+            scope["headers"],
+            partial(_wait_disconnect, receive),
         )
         if answer is not None:  # None: the client left
             await respond(send, answer[0], answer[1], rid)

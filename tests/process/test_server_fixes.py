@@ -11,6 +11,7 @@ import pytest
 
 from narwhal.frontdoor import connection, direct, server
 from narwhal.frontdoor.shapes import ShapeMismatch, mismatches, verify
+from tests.support.paths import ROOT
 
 
 def test_the_installed_libraries_are_the_shapes_the_front_door_knows() -> None:
@@ -82,3 +83,10 @@ def test_serving_leaves_trio_and_hypercorn_as_they_were() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_every_shape_entry_is_explained_in_the_upstream_notes() -> None:
+    """What the front door subclasses or copies is written up, entry by entry."""
+    notes = (ROOT / "docs" / "upstream.md").read_text()
+    for path in {**connection.SHAPES, **direct.SHAPES, **server.SHAPES}:
+        assert path.partition(":")[2] in notes, path

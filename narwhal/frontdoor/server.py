@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Awaitable, Callable
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import trio
@@ -38,6 +38,7 @@ from narwhal.router.service import FAIL_SEND_BOUND_S, Router
 SHAPES = {"hypercorn.trio.run:worker_serve": "8dc8347a9fc357ca"}
 
 
+@cache  # the installed libraries do not change under a running process
 def verify_shapes() -> None:
     """Raise ``narwhal.frontdoor.shapes.ShapeMismatch`` when the hypercorn or h11 internals
     that the front door subclasses or copies are not the ones it was written against."""
@@ -129,7 +130,7 @@ async def serve(
 
     async def trigger() -> None:
         await wait()
-        router.begin_drain()  # then hypercorn stops accepting and waits for the handlers
+        router.begin_drain()  # then the serve loop stops accepting and waits for the handlers
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve_connections, app, hc, sockets, trigger, asgi))

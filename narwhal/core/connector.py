@@ -98,7 +98,12 @@ class NixlConnector:
         )
 
     def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The prefill leg's body. A client's ``return_token_ids`` stays in it: the
+        producer's prompt ids go into an echo."""
         out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+        if body.get("echo") and body.get("logprobs") is None:
+            # the token the producer adds after an echoed prompt is known by its logprob
+            out["logprobs"] = 0
         out["max_tokens"] = 1
         out["stream"] = False
         out[_RESERVED] = {"do_remote_decode": True}
@@ -112,6 +117,11 @@ class NixlConnector:
         them on a stream."""
         out = {k: v for k, v in body.items() if k not in _DECODE_DROPPED}
         out["stream"] = True
+        if not _asks_usage(body):
+            # Token counts (journal, metrics) are the engine's own, from its usage chunk; a
+            # streaming client that did not ask for it does not get it (``StreamRelay``).
+            # The options are replaced: continuous usage stats must not reach it unasked.
+            out["stream_options"] = {"include_usage": True}
         if result is not None:
             self.check_compatible(result, endpoint)
             out[_RESERVED] = result.descriptor
@@ -239,3 +249,9 @@ def _block_ids_problem(ids: object) -> str | None:
         if problem := _block_id_problem(block):
             return problem
     return None
+
+
+def _asks_usage(body: dict[str, Any]) -> bool:
+    """Whether the client asked for the usage chunk (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))

@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 from opentelemetry.trace import Span, SpanKind
@@ -465,7 +465,7 @@ class RequestRun(RunRecord):
                             result = await router.client.prefill(
                                 producer.url,
                                 self.req.endpoint,
-                                self._prefill_body(),
+                                self.req.body,
                                 request_id=backend_id,
                                 trace=self._leg_trace(span),
                             )
@@ -480,24 +480,6 @@ class RequestRun(RunRecord):
             raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=producer.id)
         finally:
             tracing.end(span, outcome, message)
-
-    def _prefill_body(self) -> dict[str, Any]:
-        """The client's body (the connector makes it a prefill); a client's
-        ``return_token_ids`` stays in it: the producer's prompt ids go into an echo."""
-        body = self.req.body
-        if body.get("echo") and body.get("logprobs") is None:
-            # the token the producer adds after an echoed prompt is known by its logprob
-            return {**body, "logprobs": 0}
-        return body
-
-    def _decode_body(self) -> dict[str, Any]:
-        body = self.req.body
-        if self.req.include_usage:
-            return body
-        # Token counts (journal, metrics) are the engine's own, from its usage chunk; a
-        # streaming client that did not ask for it does not get it (``StreamRelay``). The
-        # options are replaced: continuous usage stats must not reach a client unasked.
-        return {**body, "stream_options": {"include_usage": True}}
 
     async def _decode(
         self, consumer: EngineState, result: PrefillResult | None, handoff: Handoff
@@ -533,7 +515,7 @@ class RequestRun(RunRecord):
         stream = router.client.decode(
             consumer.url,
             self.req.endpoint,
-            self._decode_body(),
+            self.req.body,
             result,
             request_id=backend_id,
             trace=self._leg_trace(span),

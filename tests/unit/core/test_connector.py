@@ -228,12 +228,42 @@ def test_decode_body_strips_client_params_and_same_worker_sends_none() -> None:
         "kv_transfer_params": {"remote_engine_id": "forged"},
     }
     same_worker = connector.decode_body(client_body, None, endpoint="/v1/completions")
-    assert same_worker == {"model": "m", "prompt": "p", "max_tokens": 5, "stream": True}
+    # the decode leg always asks for the engine's usage: token counts are the engine's own
+    usage = {"include_usage": True}
+    assert same_worker == {
+        "model": "m",
+        "prompt": "p",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": usage,
+    }
     result = _extract(_response(GOOD))
     crossed = msgspec.json.decode(
         msgspec.json.encode(connector.decode_body(client_body, result, endpoint="/v1/completions"))
     )
     assert crossed["kv_transfer_params"] == GOOD
+
+
+def test_the_decode_leg_asks_for_usage_and_keeps_a_clients_own_options() -> None:
+    body = {"model": "m", "prompt": "p", "stream": True}
+    continuous = {
+        **body,
+        "stream_options": {"include_usage": False, "continuous_usage_stats": True},
+    }
+    asked = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    usage = {"include_usage": True}
+    assert connector.decode_body(body, None, endpoint="/v1/completions")["stream_options"] == usage
+    # options replaced: continuous usage stats never reach a client that did not ask for usage
+    decoded = connector.decode_body(continuous, None, endpoint="/v1/completions")
+    assert decoded["stream_options"] == usage
+    decoded = connector.decode_body(asked, None, endpoint="/v1/completions")
+    assert decoded["stream_options"] == asked["stream_options"]
+
+
+def test_an_echo_without_logprobs_asks_the_producer_for_its_tokens_logprob() -> None:
+    prefill = connector.prefill_body({"model": "m", "prompt": "p", "echo": True})
+    assert prefill["logprobs"] == 0
+    assert "logprobs" not in connector.prefill_body({"model": "m", "prompt": "p"})
 
 
 def test_a_json_bomb_from_a_producer_is_an_invalid_descriptor() -> None:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import trace
@@ -31,6 +32,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from narwhal.core.faults import RequestFault
 
 Headers = tuple[tuple[bytes, bytes], ...]
 NO_HEADERS: Headers = ()
@@ -169,3 +172,20 @@ def end(span: Span | None, outcome: str, message: str | None = None, **attrs: An
     if outcome in ("failed", "expired", "error"):
         span.set_status(Status(StatusCode.ERROR, message))
     span.end()
+
+
+@contextmanager
+def ended(span: Span | None, attrs: Callable[[], dict[str, Any]] | None = None) -> Iterator[None]:
+    """End ``span`` (None: tracing off, nothing to do) when the block exits: ``completed``;
+    ``failed`` with the message of the fault it raised; ``cancelled`` for anything else
+    (a cancellation, a client gone). ``attrs``: what is known only at the end."""
+    outcome, message = "cancelled", None
+    try:
+        yield
+        outcome = "completed"
+    except RequestFault as fault:
+        outcome, message = "failed", fault.message
+        raise
+    finally:
+        if span is not None:
+            end(span, outcome, message, **(attrs() if attrs is not None else {}))

@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 from opentelemetry.trace import Span, SpanKind
@@ -456,51 +456,32 @@ class RequestRun(RunRecord):
         budget = self.config.serving.prefill_timeout_s
         backend_id = f"{self.rid}-a{number}-prefill"
         span = self._leg_span("prefill", producer, backend_id)
-        outcome, message = "cancelled", None
-        try:
+        with tracing.ended(span):
             with trio.move_on_after(budget) as prefill_clock:
                 async with router.fleet.reserve(producer, "prefill"):
-                    try:
-                        with faults_of(producer.id, producer.url):
-                            result = await router.client.prefill(
-                                producer.url,
-                                self.req.endpoint,
-                                self.req.body,
-                                request_id=backend_id,
-                                trace=self._leg_trace(span),
-                            )
-                        outcome = "completed"
-                        return result
-                    except RequestFault as fault:
-                        outcome, message = "failed", fault.message
-                        raise
+                    with faults_of(producer.id, producer.url):
+                        return await router.client.prefill(
+                            producer.url,
+                            self.req.endpoint,
+                            self.req.body,
+                            request_id=backend_id,
+                            trace=self._leg_trace(span),
+                        )
             assert prefill_clock.cancelled_caught
-            outcome = "failed"
             message = f"prefill on engine {producer.id} took longer than {budget:g}s"
             raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=producer.id)
-        finally:
-            tracing.end(span, outcome, message)
 
     async def _decode(
         self, consumer: EngineState, result: PrefillResult | None, handoff: Handoff
     ) -> None:
         backend_id = f"{self.rid}-a{handoff.attempt}-decode"
         span = self._leg_span("decode", consumer, backend_id)
-        outcome, message = "cancelled", None
-        try:
+
+        def at_end() -> dict[str, Any]:  # the decode's figures are known once it ended
+            return {"tokens": self.tokens, "kv_transfer": result is not None}
+
+        with tracing.ended(span, at_end):
             await self._decode_leg(consumer, result, handoff, backend_id, span)
-            outcome = "completed"
-        except RequestFault as fault:
-            outcome, message = "failed", fault.message
-            raise
-        finally:
-            tracing.end(
-                span,
-                outcome,
-                message,
-                tokens=self.tokens,
-                kv_transfer=result is not None,
-            )
 
     async def _decode_leg(
         self,

@@ -15,7 +15,6 @@ connect and, for an ``https://`` engine, the TLS handshake together (``tls_conne
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import ssl
@@ -26,6 +25,7 @@ from typing import Self
 import h11
 import trio
 
+from narwhal.fast_io import STREAM_GONE, read_nowait, read_when_ready, write_nowait
 from narwhal.stream.chunked import ChunkedDecoder, ChunkedError
 
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
@@ -128,10 +128,7 @@ class _Connection:
         what the kernel did not take goes through ``send_all``."""
         fd = self.fd
         if fd >= 0:
-            try:
-                sent = os.write(fd, data)
-            except BlockingIOError:
-                sent = 0
+            sent = write_nowait(fd, data)
             if sent == len(data):
                 return
             data = data[sent:]
@@ -144,12 +141,7 @@ class _Connection:
         fd = self.fd
         if fd < 0:
             return bytes(await self.stream.receive_some(READ_SIZE))
-        while True:
-            await trio.lowlevel.wait_readable(fd)
-            try:
-                return os.read(fd, READ_SIZE)
-            except BlockingIOError:  # pragma: no cover - a spurious wakeup
-                continue
+        return await read_when_ready(fd, READ_SIZE)
 
     def looks_alive(self, now: float) -> bool:
         """Fresh enough and with nothing to read (readable while idle means closed)."""
@@ -286,7 +278,7 @@ class Response:
             data += conn.h11.send(h11.Data(data=body)) or b""
             data += conn.h11.send(h11.EndOfMessage()) or b""
             await conn.send(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        except STREAM_GONE as exc:
             raise TransportError(
                 f"connection broke: {_describe(exc)}", before_response=True
             ) from None
@@ -332,7 +324,7 @@ class Response:
         assert conn is not None
         try:
             data = await conn.receive()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        except STREAM_GONE as exc:
             raise TransportError(
                 f"connection broke: {_describe(exc)}", before_response=head
             ) from None
@@ -360,13 +352,9 @@ class Response:
             try:
                 if fd < 0:
                     data = await conn.receive()
-                else:  # conn.receive's socket path, inlined: this runs once per token
-                    await wait_readable(fd)
-                    try:
-                        data = os.read(fd, READ_SIZE)
-                    except BlockingIOError:  # pragma: no cover - a spurious wakeup
-                        continue
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                else:  # conn.receive's socket path, one call less: this runs once per token
+                    data = await read_when_ready(fd, READ_SIZE)
+            except STREAM_GONE as exc:
                 raise TransportError(f"connection broke: {_describe(exc)}") from None
             parts = _feed_chunked(decoder, data)
         if decoder.done:
@@ -396,11 +384,11 @@ class Response:
         assert decoder is not None
         assert conn is not None
         try:
-            data = os.read(conn.fd, READ_SIZE)
-        except BlockingIOError:
-            return b""
+            data = read_nowait(conn.fd, READ_SIZE)
         except OSError as exc:
             raise TransportError(f"connection broke: {_describe(exc)}") from None
+        if data is None:
+            return b""  # a spurious readiness: nothing yet
         parts = _feed_chunked(decoder, data)
         if decoder.done:
             self._early = parts

@@ -48,7 +48,6 @@ start against the hypercorn it was written for (``SHAPES``, ``narwhal.frontdoor.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import secrets
 import select
@@ -78,6 +77,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
 from narwhal.core.faults import error_json
+from narwhal.fast_io import STREAM_GONE, read_when_ready, write_nowait
 from narwhal.frontdoor.direct import DIRECT_BODY, ON_DISCONNECT, DirectBody
 
 log = logging.getLogger("narwhal.connection")
@@ -594,11 +594,8 @@ class ClientConnection(TCPServer):
             try:
                 if socket.fileno() < 0:
                     break
-                await trio.lowlevel.wait_readable(socket.fileno())
-                data = os.read(socket.fileno(), MAX_RECV)
-            except BlockingIOError:  # pragma: no cover - a spurious wakeup
-                continue
-            except (trio.ClosedResourceError, trio.BrokenResourceError, OSError):
+                data = await read_when_ready(socket.fileno(), MAX_RECV)
+            except STREAM_GONE:
                 break
             try:
                 await handle(RawData(data))
@@ -647,7 +644,7 @@ class ClientConnection(TCPServer):
             return
         try:
             await self._write(event.data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except STREAM_GONE:
             self.write_failed = True
             await self.protocol.handle(Closed())
 
@@ -710,9 +707,7 @@ class ClientConnection(TCPServer):
             self._rest, self._rest_state = data, Rest.UNLOCKED
             return False
         try:
-            sent = os.write(socket.fileno(), data)  # a closed socket (fd -1): OSError
-        except BlockingIOError:
-            sent = 0
+            sent = write_nowait(socket.fileno(), data)  # a closed socket (fd -1): OSError
         except OSError:
             self._rest_state = Rest.BROKEN
             return False
@@ -740,7 +735,7 @@ class ClientConnection(TCPServer):
                 return
             elif state is Rest.BROKEN:
                 raise trio.BrokenResourceError
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except STREAM_GONE:
             self.write_failed = True
             await self.protocol.handle(Closed())
 
@@ -753,10 +748,7 @@ class ClientConnection(TCPServer):
             return
         lock.acquire_nowait()  # the send that nothing contends for: no scheduler trip
         try:
-            try:
-                sent = os.write(socket.fileno(), data)  # a closed socket (fd -1): OSError
-            except BlockingIOError:
-                sent = 0
+            sent = write_nowait(socket.fileno(), data)  # a closed socket (fd -1): OSError
             if sent < len(data):
                 await self._send_all(memoryview(data)[sent:])
         finally:

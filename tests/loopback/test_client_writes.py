@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import trio
 
+from narwhal import fast_io
 from narwhal.core.config import EngineConfig
-from narwhal.frontdoor import connection
 from narwhal.stream.sse import SSEParser
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 
@@ -88,16 +88,16 @@ async def test_answers_given_without_reading_the_body_keep_the_connection(pd: Ha
 async def test_the_head_goes_out_with_the_first_chunk_and_the_last_chunk_with_the_end(
     pd: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 19: one write for the 200 head and the first events, one for the last events
-    and the end of the chunked body (the router's writes to client sockets, counted)."""
+    """One write for the 200 head and the first events, one for the last events and the
+    end of the chunked body (the router's writes to client sockets, counted)."""
     writes: list[bytes] = []
-    real_write = connection.os.write
+    real_write = fast_io.os.write
 
     def write(fd: int, data: bytes) -> int:
         writes.append(bytes(data))
         return real_write(fd, data)
 
-    monkeypatch.setattr(connection.os, "write", write)
+    monkeypatch.setattr(fast_io.os, "write", write)
     events = await read_stream(pd.url, slow=False, tokens=5)
     assert events[-1] == b"[DONE]"
     head = [w for w in writes if w.startswith(b"HTTP/1.1 200")]

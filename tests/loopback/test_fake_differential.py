@@ -1,4 +1,4 @@
-"""Issue 14's differential table in ``make test``, on the fake engine: every request shape of
+"""The differential table in ``make test``, on the fake engine: every request shape of
 ``e2e.vllm.capture_shapes.SHAPES`` sent (a) to the consumer as an ordinary local request and
 (b) through the router over the fake KV handoff, streamed and not (a stream folded by the
 router's ``Assembler`` through ``StreamRelay``), compared field by field as

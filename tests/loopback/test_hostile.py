@@ -1,4 +1,4 @@
-"""Hostile clients (issue 6): what they send never reaches an engine it must not, never
+"""Hostile clients: what they send never reaches an engine it must not, never
 becomes two requests, never ties a connection up past a configured bound, never a 500.
 
 Raw sockets where the shape cannot be sent by an HTTP client library.

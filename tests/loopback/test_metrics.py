@@ -162,7 +162,7 @@ async def test_an_expired_handoff_is_counted(nursery: trio.Nursery) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10, allow_nan=False), st.integers(1, 8)), max_size=40))
 def test_request_buckets_count_as_observe_would(reads: list[tuple[float, int]]) -> None:
-    """Issue 19: per-request buckets flushed once give the histogram ``observe`` gives."""
+    """Per-request buckets flushed once give the histogram ``observe`` gives."""
 
     def histogram() -> Histogram:
         return Histogram("gap", "", registry=CollectorRegistry(), buckets=GAP_BUCKETS)

@@ -1,4 +1,4 @@
-"""The stream reactor (issue 19): parked decode streams are read from one task, and every
+"""The stream reactor: parked decode streams are read from one task, and every
 way out of a park (a result, an error, cancellation, the reactor stopping) leaves the
 parked request's task in charge with its socket unregistered."""
 

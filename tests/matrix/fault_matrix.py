@@ -1,4 +1,4 @@
-"""The fault matrix (issue 6): many requests per scenario against fake engines that break in
+"""The fault matrix: many requests per scenario against fake engines that break in
 scripted ways, then one reconciliation of what the client saw, what the router's journal
 says and what the engines logged, against the invariants of SPEC.md.
 

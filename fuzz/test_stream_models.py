@@ -1,4 +1,4 @@
-"""Hypothesis stream models (issue 6): generated decode streams, played by a fake engine on
+"""Hypothesis stream models: generated decode streams, played by a fake engine on
 the in-memory network under trio's MockClock, and what the client sees through the router
 checked against a small reference model of SPEC.md section 6.
 

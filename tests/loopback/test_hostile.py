@@ -17,7 +17,7 @@ import trio.testing
 
 from narwhal.core.config import ServingConfig
 from narwhal.fake_engine.engine import FakeEngine
-from narwhal.router.app import _read_body
+from narwhal.frontdoor.answers import read_body
 from narwhal.router.health import live_tasks
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 from tests.support.wire import read_answer
@@ -291,7 +291,7 @@ async def test_an_oversized_body_is_refused_after_reading_at_most_limit_plus_64k
 
     scope = {"headers": [(b"transfer-encoding", b"chunked")]}  # no length to refuse up front
     with pytest.raises(Exception, match="exceeds max_request_bytes") as caught:
-        await _read_body(scope, receive, limit)
+        await read_body(scope, receive, limit)
     assert getattr(caught.value, "status", None) == 413
     assert delivered <= limit + 64 * 1024
 

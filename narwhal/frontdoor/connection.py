@@ -9,7 +9,7 @@ connection handler is kept whole except for five rules, each in code below:
    (``narwhal_connection_errors_total``) and closes that connection only. ``Cancelled``
    passes through.
 2. **HTTP/1.1 only.** Hypercorn's HTTP/2 path crashes the process when it answers a stream
-   whose DATA frames are still arriving (hypercorn issue 329: ``KeyError`` in
+   whose DATA frames are still arriving (hypercorn bug #329: ``KeyError`` in
    ``H2Protocol``), and no OpenAI client, load balancer health check or vLLM engine needs
    HTTP/2 from us. A prior-knowledge HTTP/2 preface is answered with an HTTP/2 ``GOAWAY``
    (``HTTP_1_1_REQUIRED``, RFC 9113 7) and the connection closes; an ``Upgrade: h2c`` offer is

@@ -79,4 +79,4 @@ e2e-lb: venv         ## two router replicas behind HAProxy: rolling restart and 
 	$(PY) -m pytest -m lb -p no:cacheprovider -s e2e/lb
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LOWEST_VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

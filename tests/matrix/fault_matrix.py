@@ -61,6 +61,7 @@ RECOVERY = RecoveryConfig(eject_after=3, readmit_interval_s=0.25)
 CLIENT_LIMIT_S = SERVING.request_timeout_s + 2.0  # past this a request counts as hung
 DRAIN_S = 2.0
 CANCEL_LAG_S = 1.0
+EVIDENCE_EXTRA = 64  # the most requests a run adds while it waits for an expected ejection
 # every request also carries a forged descriptor aimed at a real-looking producer
 FORGED = {
     "do_remote_prefill": True,
@@ -510,9 +511,17 @@ async def _load(
     pool = httpcore.AsyncConnectionPool(max_connections=concurrency, keepalive_expiry=5.0)
     next_index = 0
 
+    def more() -> bool:
+        # A scenario that expects an ejection keeps its load on (bounded) until the failing
+        # engine has met enough legs to be judged: a short run can finish on the healthy
+        # consumers while d0's first hung legs still hold it out of placement.
+        if next_index < requests:
+            return True
+        return _awaits_ejection(h, sc) and next_index < requests + EVIDENCE_EXTRA
+
     async def worker() -> None:
         nonlocal next_index
-        while next_index < requests:
+        while more():
             i = next_index
             next_index += 1
             if sc.recover_at is not None and i == int(requests * sc.recover_at):
@@ -525,6 +534,12 @@ async def _load(
         for _ in range(concurrency):
             workers.start_soon(worker)
     return results
+
+
+def _awaits_ejection(h: Harness, sc: Scenario) -> bool:
+    if not sc.expect.endswith("ejected"):
+        return False
+    return h.router.fleet.by_id["d0"].breaker.state.value not in ("ejected", "probing")
 
 
 async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> Report:

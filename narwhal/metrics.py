@@ -34,6 +34,7 @@ from prometheus_client import (
 from narwhal.core.breaker import ProbeOutcome
 from narwhal.core.faults import BreakerClass, Phase
 from narwhal.core.fleet import LEGS
+from narwhal.core.flow import SATURATIONS, Exit, Priority
 from narwhal.core.handoff import DROP_REASONS, FATES
 from narwhal.core.placement import REASONS
 from narwhal.core.retry import Denial
@@ -58,6 +59,7 @@ TRANSFER_BUCKETS = (
     30.0,
 )
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
+QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 ENDPOINTS = {
@@ -71,6 +73,8 @@ PHASES = tuple(p.value for p in Phase)
 BREAKER_CLASSES = tuple(c.value for c in BreakerClass if c is not BreakerClass.NONE)
 PROBE_OUTCOMES = get_args(ProbeOutcome)
 DENIALS = tuple(d.value for d in Denial)
+CLASSES = tuple(c.value for c in Priority)
+SHEDS = tuple(e.value for e in Exit if e is not Exit.DISPATCHED)
 
 
 class RequestBuckets:
@@ -145,8 +149,10 @@ class Metrics:
         def gauge(name: str, doc: str, labels: tuple[str, ...], mode: str) -> Gauge:
             return Gauge(name, doc, labels, registry=registry, multiprocess_mode=mode)  # type: ignore[arg-type]
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, registry=registry, buckets=buckets)
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+        ) -> Histogram:
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
 
         self.requests = counter(
             "narwhal_requests",
@@ -354,6 +360,39 @@ class Metrics:
             "Client connections closed by their error boundary: an exception inside the "
             "server (protocol or codec) that ended that connection only.",
         )
+        # flow control (SPEC 4.5), by class: interactive, default, batch
+        self.queue_depth = gauge(
+            "narwhal_queue_depth",
+            "Requests waiting in the admission queue for the fleet to have room.",
+            ("class",),
+            "livesum",
+        )
+        self.queue_wait = histogram(
+            "narwhal_queue_wait_seconds",
+            "Time a request waited in the admission queue before it was dispatched or shed "
+            "(0 for one dispatched on arrival).",
+            QUEUE_WAIT_BUCKETS,
+            ("class",),
+        )
+        self.queue_dispatched = counter(
+            "narwhal_queue_dispatched",
+            "Requests that went on to the engines, on arrival or from the queue.",
+            ("class",),
+        )
+        self.queue_shed = counter(
+            "narwhal_queue_shed",
+            "Requests that left the admission queue without being dispatched, by why: "
+            "queue_full, displaced, max_queue_wait, deadline (429), drained (503), "
+            "cancelled (the client left).",
+            ("class", "reason"),
+        )
+        self.engine_saturated = gauge(
+            "narwhal_engine_saturated",
+            "1 while the engine is saturated for the admission queue, by why: waiting "
+            "(its waiting queue reached engine_waiting_limit) or kv_usage.",
+            ("engine", "reason"),
+            "livemax",
+        )
         self._initialise(engine_ids)
         # per-request series, bound once: a label lookup per request is measurable on the hot path
         self.requests_of = Children(self.requests)
@@ -383,6 +422,12 @@ class Metrics:
         for leg in LEGS:
             for why in REASONS:
                 self.placements.labels(leg, why)
+        for cls in CLASSES:
+            self.queue_depth.labels(cls).set(0)
+            self.queue_wait.labels(cls)
+            self.queue_dispatched.labels(cls)
+            for shed in SHEDS:
+                self.queue_shed.labels(cls, shed)
         for engine in engine_ids:
             self.add_engine(engine)
 
@@ -399,6 +444,8 @@ class Metrics:
         self.ejections.labels(engine)
         self.readmissions.labels(engine)
         self.scrape_failures.labels(engine)
+        for why in SATURATIONS:
+            self.engine_saturated.labels(engine, why).set(0)
 
     def remove_engine(self, engine: str) -> None:
         """An engine left the fleet (reload, or gone from DNS): its series go with it, so
@@ -410,6 +457,7 @@ class Metrics:
             *((self.leg_failures, (engine, cls)) for cls in BREAKER_CLASSES),
             *((self.probes, (engine, outcome)) for outcome in PROBE_OUTCOMES),
             *((self.engine_requests, (engine, state)) for state in ("running", "waiting")),
+            *((self.engine_saturated, (engine, why)) for why in SATURATIONS),
             *(
                 (metric, (engine,))
                 for metric in (

@@ -131,6 +131,23 @@ class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True):
     affinity_load_factor: Annotated[float, Meta(ge=1.0)] = 1.25
 
 
+Priority: TypeAlias = Literal["interactive", "default", "batch"]
+
+
+class AdmissionConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """Flow control (SPEC 4.5): what the router holds while the fleet is saturated."""
+
+    queue: bool = True  # false: dispatch at once, the engines' queues take the burst
+    max_queued: PositiveInt = 4096
+    max_queue_wait_s: NonNegativeFloat = 30.0  # never past the request's deadline
+    # an engine is saturated when its scraped waiting queue, plus this router's legs sent to
+    # it since that scrape and not yet started, reaches this ...
+    engine_waiting_limit: PositiveInt = 2
+    kv_usage_limit: Annotated[float, Meta(gt=0, le=1)] = 0.95  # ... or, for a consumer, this
+    priority_from: Literal["header", "key"] = "header"
+    default_class: Priority = "default"
+
+
 class DiscoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
     interval_s: PositiveFloat = 5.0  # re-resolve period
     nameserver: str = ""  # "ip" or "ip:port" ("[v6]:port"); "" = the system resolver
@@ -145,6 +162,7 @@ class FleetConfig(Struct, frozen=True, forbid_unknown_fields=True):
     engine: EngineConfig = EngineConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     placement: PlacementConfig = PlacementConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     engine_contract: EngineContract | None = None
 
 
@@ -168,6 +186,7 @@ _SECTIONS: dict[str, type[Struct]] = {
     "engine": EngineConfig,
     "recovery": RecoveryConfig,
     "placement": PlacementConfig,
+    "admission": AdmissionConfig,
     "engine_contract": EngineContract,
 }
 

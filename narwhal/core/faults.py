@@ -276,6 +276,22 @@ class Overloaded(RequestFault):
     kind = "rate_limit_exceeded"
 
 
+class NotDispatched(RequestFault):
+    """The admission queue let the request go without sending it on (SPEC 4.5): the queue
+    was full, it was displaced, or no capacity came in time (429 with Retry-After). It
+    never started, so it is rejected, never failed."""
+
+    status = 429
+    kind = "rate_limit_exceeded"
+
+
+class QueueDrained(NotDispatched):
+    """SIGTERM while it was queued: 503, so a load balancer may send it elsewhere."""
+
+    status = 503
+    kind = "service_unavailable"
+
+
 class Maintenance(RequestFault):
     """Whole-wave maintenance after an ejection (503 with Retry-After)."""
 

@@ -7,12 +7,14 @@ included.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal
 
 from narwhal.core.breaker import Breaker
 from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
+from narwhal.core.flow import Saturation, room_left
 from narwhal.core.policies import PrefixRing
 
 # the two legs of an attempt; an engine serves either, as its role allows
@@ -25,11 +27,13 @@ class EngineState:
     __slots__ = (
         "breaker",
         "checked_at",
+        "epoch",
         "failed_as",
         "failed_with",
         "health_failures",
         "inflight",
         "inflight_gauges",
+        "pending",
         "report",
         "scrape_failures",
         "spec",
@@ -53,6 +57,33 @@ class EngineState:
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
+        # this router's legs sent to it since ``report`` and not yet started (a prefill
+        # until it ends, a decode until its first token): the queue the report cannot show
+        # yet (SPEC 4.5); ``epoch`` counts reports, so a leg sent before one is not
+        # taken off the count that report reset
+        self.pending = 0
+        self.epoch = 0
+
+    def note_report(self, report: EngineReport | None) -> None:
+        """A new account of its load (None: scraping stopped)."""
+        self.report = report
+        self.pending = 0
+        self.epoch += 1
+
+    def room(
+        self, now: float, interval_s: float, waiting_limit: int, kv_limit: float, leg: Leg
+    ) -> tuple[int, Saturation | None]:
+        """How many more legs it takes before it is saturated, and why it is, for ``leg``."""
+        report = self.report
+        fresh = report is not None and report.fresh(now, interval_s)
+        return room_left(
+            report.waiting if fresh and report is not None else None,
+            self.pending,
+            report.kv_usage if fresh and report is not None else None,
+            waiting_limit=waiting_limit,
+            kv_limit=kv_limit,
+            consumer=leg == "decode",
+        )
 
     def note_health(self, ok: bool, now: float) -> str | None:
         """Record one active health check; the transition it caused ("joined", "left")."""
@@ -68,6 +99,33 @@ class EngineState:
             self.up = False
             return "left"
         return None
+
+    def saturation(
+        self, now: float, interval_s: float, waiting_limit: int, kv_limit: float
+    ) -> Saturation | None:
+        """Why it takes no more legs of any role it serves now, or None."""
+        legs = [leg for leg, able in zip(LEGS, self._serves(), strict=True) if able]
+        for leg in legs:
+            _, why = self.room(now, interval_s, waiting_limit, kv_limit, leg)
+            if why is not None:
+                return why
+        return None
+
+    def saturation_view(
+        self, now: float, interval_s: float, waiting_limit: int, kv_limit: float
+    ) -> dict[str, object]:
+        """The operator's view of its saturation (``/narwhal/engines``)."""
+        report = self.report
+        fresh = report is not None and report.fresh(now, interval_s)
+        return {
+            "saturated": self.saturation(now, interval_s, waiting_limit, kv_limit),
+            "waiting_scraped": report.waiting if fresh and report is not None else None,
+            "sent_since_scrape": self.pending,
+            "waiting_limit": waiting_limit,
+        }
+
+    def _serves(self) -> tuple[bool, bool]:
+        return self.spec.can_prefill, self.spec.can_decode
 
     @property
     def id(self) -> str:
@@ -118,18 +176,32 @@ class EngineState:
 class Reservation:
     """One in-flight leg on one engine, held for the leg's whole life."""
 
-    __slots__ = ("engine", "leg")
+    __slots__ = ("engine", "epoch", "leg", "on_change", "waiting")
 
-    def __init__(self, engine: EngineState, leg: Leg) -> None:
+    def __init__(self, engine: EngineState, leg: Leg, on_change: Callable[[], None]) -> None:
         self.engine = engine
         self.leg = leg
+        self.on_change = on_change  # room may have freed: the admission queue looks
+        self.epoch = engine.epoch
+        self.waiting = False
 
     async def __aenter__(self) -> EngineState:
-        self.engine.inflight[self.leg] += 1
-        gauge = self.engine.inflight_gauges.get(self.leg)
+        engine = self.engine
+        engine.inflight[self.leg] += 1
+        self.epoch, self.waiting = engine.epoch, True
+        engine.pending += 1
+        gauge = engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.inc()
-        return self.engine
+        return engine
+
+    def started(self) -> None:
+        """The engine runs it (a decode's first token): it no longer waits there."""
+        if self.waiting:
+            self.waiting = False
+            if self.epoch == self.engine.epoch:
+                self.engine.pending -= 1
+            self.on_change()
 
     async def __aexit__(
         self,
@@ -141,6 +213,10 @@ class Reservation:
         gauge = self.engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.dec()
+        if self.waiting:
+            self.started()
+        else:
+            self.on_change()
 
 
 class Fleet:
@@ -155,6 +231,7 @@ class Fleet:
         self.health_checked = False
         # (producer id, consumer id) pairs that moved KV: the consumer knows the producer
         self.paired: set[tuple[str, str]] = set()
+        self.on_change: Callable[[], None] = _nothing  # a leg started or ended
         self.reload(specs, recovery)
 
     def reload(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
@@ -178,7 +255,24 @@ class Fleet:
         self.ring = PrefixRing([e.id for e in self.producers])
 
     def reserve(self, engine: EngineState, leg: Leg) -> Reservation:
-        return Reservation(engine, leg)
+        return Reservation(engine, leg, self.on_change)
+
+    def headroom(
+        self, now: float, interval_s: float, waiting_limit: int, kv_limit: float
+    ) -> int | None:
+        """How many more requests the fleet takes before every placeable producer or
+        every placeable consumer is saturated (SPEC 4.5): the producers' summed room, 0
+        when no consumer has any. None: a role has no placeable engine at all, which is
+        not saturation: the request goes on and is answered 503 at once."""
+        rooms = []
+        for leg in LEGS:
+            engines, _ = self.placeable(leg, now)
+            if not engines:
+                return None
+            rooms.append(
+                sum(e.room(now, interval_s, waiting_limit, kv_limit, leg)[0] for e in engines)
+            )
+        return rooms[0] if rooms[1] else 0
 
     def reserved(self) -> int:
         """Legs in flight across the fleet (0 after a drain)."""
@@ -213,3 +307,7 @@ class Fleet:
             if held_in or not engines:
                 return False
         return True
+
+
+def _nothing() -> None:
+    return None

@@ -179,7 +179,7 @@ class FlowQueue:
         if entry.id in self._queued:
             raise ValueError(f"request {entry.id!r} is already queued")
         if self.leave_by(entry) <= now:
-            return Refused(self._timed_out(entry))
+            return Refused(self.timed_out(entry))
         if len(self) < self.max_queued:
             self._add(entry)
             return Offered()
@@ -215,7 +215,7 @@ class FlowQueue:
             if self._alive(seq, id):
                 entry = self._queued.pop(id)[1]
                 self._bands[entry.cls].take(entry)
-                shed.append((entry, self._timed_out(entry)))
+                shed.append((entry, self.timed_out(entry)))
         return shed
 
     def next_expiry(self) -> float | None:
@@ -271,7 +271,7 @@ class FlowQueue:
         slot = self._queued.get(id)
         return slot is not None and slot[0] == seq
 
-    def _timed_out(self, entry: Entry) -> Literal[Exit.WAIT, Exit.DEADLINE]:
+    def timed_out(self, entry: Entry) -> Literal[Exit.WAIT, Exit.DEADLINE]:
         # whichever bound came first names the reason
         if entry.arrival + self.max_queue_wait_s <= entry.deadline:
             return Exit.WAIT
@@ -279,10 +279,36 @@ class FlowQueue:
 
 
 Saturation = Literal["waiting", "kv_usage"]
+SATURATIONS: tuple[Saturation, ...] = ("waiting", "kv_usage")
+
+
+def room_left(
+    waiting_scraped: float | None,
+    sent_since_scrape: int,
+    kv_usage: float | None,
+    *,
+    waiting_limit: int,
+    kv_limit: float,
+    consumer: bool,
+) -> tuple[int, Saturation | None]:
+    """How many more legs an engine takes before it is saturated, and why it is when that
+    is 0 (SPEC 4.5).
+
+    ``waiting_scraped``: its ``vllm:num_requests_waiting`` as last scraped, None without a
+    usable scrape; ``sent_since_scrape``: this router's legs sent to it since that scrape
+    and not yet started (without scrapes, the router's own legs are all that counts);
+    ``kv_usage``: its ``vllm:kv_cache_usage_perc`` (0..1), which only saturates a consumer.
+    """
+    waiting = math.ceil(waiting_scraped or 0) + sent_since_scrape
+    if waiting >= waiting_limit:
+        return 0, "waiting"
+    if consumer and kv_usage is not None and kv_usage >= kv_limit:
+        return 0, "kv_usage"
+    return waiting_limit - waiting, None
 
 
 def saturated(
-    waiting_scraped: int | None,
+    waiting_scraped: float | None,
     sent_since_scrape: int,
     kv_usage: float | None,
     *,
@@ -290,15 +316,12 @@ def saturated(
     kv_limit: float,
     consumer: bool,
 ) -> Saturation | None:
-    """Why an engine can take no more now, or None (SPEC 4.5).
-
-    ``waiting_scraped``: its ``vllm:num_requests_waiting`` as last scraped, None without a
-    usable scrape; ``sent_since_scrape``: this router's legs sent to it since that scrape
-    (without scrapes, the router's own legs are all that counts); ``kv_usage``: its
-    ``vllm:kv_cache_usage_perc`` (0..1), which only saturates a consumer.
-    """
-    if (waiting_scraped or 0) + sent_since_scrape >= waiting_limit:
-        return "waiting"
-    if consumer and kv_usage is not None and kv_usage >= kv_limit:
-        return "kv_usage"
-    return None
+    """Why an engine can take no more now, or None (see ``room_left``)."""
+    return room_left(
+        waiting_scraped,
+        sent_since_scrape,
+        kv_usage,
+        waiting_limit=waiting_limit,
+        kv_limit=kv_limit,
+        consumer=consumer,
+    )[1]

@@ -1,41 +1,97 @@
-"""Admission: who gets in, and how many are in (SPEC 3's 429 and 503 rows, 8 invariant 1).
+"""Admission: who gets in, how many are in, and who waits (SPEC 3's 429 and 503 rows, 4.5,
+8 invariants 1 and 11).
 
-One object owns both the check a request passes before it is admitted (the router is not
+One object owns the check a request passes before it is admitted (the router is not
 draining nor in maintenance, and this process is under its share of
-``serving.max_inflight``) and the count of admitted requests that check reads, so they
-cannot drift apart. Requests to a completion endpoint are counted on arrival too
-(``received``): each one, admitted or not, ends in exactly one journal line.
+``serving.max_inflight``, plus ``admission.max_queued`` with the queue on), the count of
+admitted requests that check reads, and the queue in front of the engines: with
+``admission.queue`` a request is *dispatched* only while the fleet has room
+(``headroom``) and fewer than ``max_inflight`` are dispatched; otherwise it waits here,
+holding no engine resource. The order is ``narwhal.core.flow.FlowQueue``'s.
+
+A queued request waits in its own task, on its own event, under a cancel scope that ends
+at the time the queue would shed it: waiting costs no other task and no timer. Room is
+looked for (``pump``) when it may have freed: a leg started or ended, a scrape came in, an
+engine joined or was readmitted, a request ended. With nothing queued ``pump`` returns at
+once, so the queue costs nothing while there is room. Requests to a completion endpoint
+are counted on arrival too (``received``): each one, admitted or not, ends in exactly one
+journal line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import trio
 
 from narwhal.core.admission import inflight_share
-from narwhal.core.config import ServingConfig
-from narwhal.core.faults import Maintenance, Overloaded, Phase, ShuttingDown
+from narwhal.core.config import AdmissionConfig, FleetConfig, ServingConfig
+from narwhal.core.faults import (
+    Maintenance,
+    NotDispatched,
+    Overloaded,
+    Phase,
+    QueueDrained,
+    ShuttingDown,
+)
+from narwhal.core.flow import Displaced, Entry, Exit, FlowQueue, Priority, Refused
+
+
+class Ticket:
+    """A queued request's place: set ``exit`` and the event to let it go."""
+
+    __slots__ = ("entry", "exit", "woken")
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        self.exit: Exit | None = None
+        self.woken = trio.Event()
+
+
+def _no_limit() -> int | None:
+    return None
 
 
 class Admission:
-    def __init__(self, in_flight_gauge: Any = None) -> None:
+    def __init__(self, metrics: Any = None) -> None:
         self.received = 0  # requests to a completion endpoint, admitted or not
-        self.admitted = 0
+        self.admitted = 0  # in this process: queued, dispatched, or passed through
+        self.dispatched = 0  # sent on to the engines (bounded by max_inflight)
         # serve --workers N: this process is worker ``worker_index`` of ``worker_count``
         # and admits its share of max_inflight (``limit``)
         self.worker_index, self.worker_count = 0, 1
-        self._gauge = in_flight_gauge  # narwhal_requests_in_flight, when exported
+        self._metrics = metrics  # Prometheus, when exported
         self._drained = trio.Event()
         self._drained.set()
+        # the fleet's room (``Fleet.headroom``, bound by the router): how many more
+        # requests it takes; None, a role with no placeable engine (the run answers 503)
+        self.headroom: Callable[[], int | None] = _no_limit
+        self._serving = ServingConfig()
+        self._flow = AdmissionConfig()
+        self._queue = FlowQueue(self._flow.max_queued, self._flow.max_queue_wait_s)
+        self._tickets: dict[Hashable, Ticket] = {}
+        self._handed = 0  # dispatched from the queue, not yet running: they take room too
+        self._seq = 0
+
+    def configure(self, config: FleetConfig) -> None:
+        """Limits for what comes next (start, reload); queued requests keep their place."""
+        self._serving, self._flow = config.serving, config.admission
+        self._queue.max_queued = config.admission.max_queued
+        self._queue.max_queue_wait_s = config.admission.max_queue_wait_s
+        self.pump()
 
     def limit(self, serving: ServingConfig) -> int:
-        """The admitted requests this process takes at once before 429."""
+        """The dispatched requests this process runs at once."""
         return inflight_share(serving.max_inflight, self.worker_index, self.worker_count)
 
-    def check(self, serving: ServingConfig, *, draining: bool, maintenance: bool) -> None:
+    def check(
+        self, serving: ServingConfig, *, draining: bool, maintenance: bool, queues: bool = True
+    ) -> None:
         """Raise the fault that refuses a request now (503 draining or maintenance, 429 at
-        the in-flight limit); return when it may be admitted."""
+        the in-flight limit; with the queue on, a request that may queue is refused at the
+        limit plus a full queue); return when it may be admitted. ``queues``: False for a
+        request that never waits (``/tokenize``), bounded by the dispatched count alone."""
         if draining:
             raise ShuttingDown(
                 "router shutting down: not taking new requests", phase=Phase.ADMISSION
@@ -46,20 +102,26 @@ class Admission:
                 "POST /narwhal/lifecycle/readmit once the fleet is back",
                 phase=Phase.ADMISSION,
             )
-        if self.admitted >= self.limit(serving):
+        if not self._flow.queue:
+            full = self.admitted >= self.limit(serving)
+        elif queues:
+            full = self.admitted >= self.limit(serving) + self._flow.max_queued
+        else:
+            full = self.dispatched >= self.limit(serving)
+        if full:
             raise Overloaded(self._at_limit(serving), phase=Phase.ADMISSION)
 
     def admit(self) -> None:
         if not self.admitted:
             self._drained = trio.Event()
         self.admitted += 1
-        if self._gauge is not None:
-            self._gauge.inc()
+        if self._metrics is not None:
+            self._metrics.in_flight.inc()
 
     def release(self) -> None:
         self.admitted -= 1
-        if self._gauge is not None:
-            self._gauge.dec()
+        if self._metrics is not None:
+            self._metrics.in_flight.dec()
         if not self.admitted:
             self._drained.set()
 
@@ -67,10 +129,135 @@ class Admission:
         """Return once no admitted request is left."""
         await self._drained.wait()
 
+    # ---- the queue -----------------------------------------------------------------------
+
+    async def dispatch(self, cls: Priority, tenant: str, arrival: float, deadline: float) -> float:
+        """Return when the request may go on to the engines, with the seconds it waited;
+        raise ``NotDispatched`` (429, or 503 on SIGTERM) when it leaves the queue another
+        way. A dispatched request calls ``done`` when it ends. The caller's cancellation
+        (its client left, its deadline) takes it out of the queue at once."""
+        if not self._flow.queue or (not self._tickets and self._room()):
+            self._went(cls, 0.0)
+            return 0.0
+        self._seq += 1
+        entry = Entry(self._seq, cls, tenant, arrival, deadline)
+        now = trio.current_time()
+        verdict = self._queue.offer(entry, now)
+        if isinstance(verdict, Refused):
+            raise self._shed(entry, verdict.exit, now)
+        if isinstance(verdict, Displaced):
+            self._let_go(verdict.victim, Exit.DISPLACED)
+        ticket = self._tickets[entry.id] = Ticket(entry)
+        self._depth(cls, +1)
+        self.pump()  # the fleet may have room and only order kept it: not for long
+        return await self._wait(ticket)
+
+    def take_slot(self) -> None:
+        """A request that goes on without queueing (``/tokenize``) takes its slot."""
+        self.dispatched += 1
+
+    def done(self) -> None:
+        """A dispatched request ended: its ``max_inflight`` slot is free."""
+        self.dispatched -= 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Let queued requests go while the fleet has room, in the queue's order; shed the
+        ones whose time came. Synchronous and cheap: called wherever room may free."""
+        if not self._tickets:
+            return
+        now = trio.current_time()
+        for entry, exit in self._queue.expire(now):
+            self._let_go(entry, exit)
+        while len(self._queue) and self._room():
+            taken = self._queue.next(now)
+            assert taken is not None
+            self.dispatched += 1
+            self._handed += 1
+            self._let_go(taken, Exit.DISPATCHED)
+
+    def drain_queue(self) -> None:
+        """SIGTERM: every queued request is answered 503 at once (it never started)."""
+        for entry in self._queue.drain():
+            self._let_go(entry, Exit.DRAINED)
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def _wait(self, ticket: Ticket) -> float:
+        entry = ticket.entry
+        try:
+            with trio.move_on_at(self._queue.leave_by(entry)):
+                await ticket.woken.wait()
+        except BaseException:  # cancelled: the client left, or its deadline or drain came
+            self._abandon(ticket, Exit.CANCELLED)
+            raise
+        now = trio.current_time()
+        if ticket.exit is None:  # its own timer: the queue sheds it now
+            self._abandon(ticket, self._queue.timed_out(entry))
+        if ticket.exit is Exit.DISPATCHED:
+            self._handed -= 1
+            waited = now - entry.arrival
+            self._observe(entry.cls, waited)
+            return waited
+        assert ticket.exit is not None
+        raise self._shed(entry, ticket.exit, now)
+
+    def _abandon(self, ticket: Ticket, exit: Exit) -> None:
+        """Its task leaves before the queue let it go (or just after: undone)."""
+        if ticket.exit is Exit.DISPATCHED:  # let go, but cancelled before it ran
+            self._handed -= 1
+            self.done()
+            return
+        if ticket.exit is None and self._queue.remove(ticket.entry.id):
+            self._let_go(ticket.entry, exit)
+            if exit is Exit.CANCELLED:
+                self._count_shed(ticket.entry, exit, trio.current_time())
+
+    def _let_go(self, entry: Entry, exit: Exit) -> None:
+        ticket = self._tickets.pop(entry.id)
+        ticket.exit = exit
+        ticket.woken.set()
+        self._depth(entry.cls, -1)
+
+    def _room(self) -> bool:
+        if self.dispatched >= self.limit(self._serving):
+            return False
+        headroom = self.headroom()
+        return headroom is None or headroom > self._handed
+
+    def _went(self, cls: Priority, waited: float) -> None:
+        self.dispatched += 1
+        self._observe(cls, waited)
+
+    def _observe(self, cls: Priority, waited: float) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_dispatched.labels(cls.value).inc()
+            self._metrics.queue_wait.labels(cls.value).observe(waited)
+
+    def _depth(self, cls: Priority, change: int) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_depth.labels(cls.value).inc(change)
+
+    def _shed(self, entry: Entry, exit: Exit, now: float) -> NotDispatched:
+        """The fault that answers a request the queue let go without dispatching it."""
+        self._count_shed(entry, exit, now)
+        status, message = self._queue.answer(entry, exit)
+        fault = QueueDrained if status == 503 else NotDispatched
+        return fault(message, phase=Phase.ADMISSION)
+
+    def _count_shed(self, entry: Entry, exit: Exit, now: float) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_shed.labels(entry.cls.value, exit.value).inc()
+            self._metrics.queue_wait.labels(entry.cls.value).observe(max(0.0, now - entry.arrival))
+
     def view(self, serving: ServingConfig) -> dict[str, object]:
-        """For ``/narwhal/engines``: the admitted count and the limit, per worker."""
+        """For ``/narwhal/engines``: the admitted count, the limit, the queue, per worker."""
         return {
             "admitted": self.admitted,
+            "dispatched": self.dispatched,
+            "queued": {cls.value: self._queue.depth(cls) for cls in Priority},
+            "queue": self._flow.queue,
             "max_inflight": {
                 "router": serving.max_inflight,
                 "this_worker": self.limit(serving),
@@ -80,9 +267,10 @@ class Admission:
 
     def _at_limit(self, serving: ServingConfig) -> str:
         total = serving.max_inflight
+        queued = f" and {self._flow.max_queued} queued" if self._flow.queue else ""
         if self.worker_count == 1:
-            return f"router is at max_inflight={total}; retry later"
+            return f"router is at max_inflight={total}{queued}; retry later"
         return (
-            f"router is at max_inflight={total} (this worker's share: {self.limit(serving)}, "
-            f"of {self.worker_count} workers); retry later"
+            f"router is at max_inflight={total}{queued} (this worker's share: "
+            f"{self.limit(serving)}, of {self.worker_count} workers); retry later"
         )

@@ -15,6 +15,7 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from narwhal.core.classify import classify
 from narwhal.core.config import ConfigError
 from narwhal.core.faults import (
     BodyCut,
@@ -251,14 +252,14 @@ class RouterApp:
         body; None when it was refused (answered and journaled) or its client left."""
         self.router.admission.received += 1
         try:
-            return await self._admitted_body(scope, receive)
+            return await self._admitted_body(path, scope, receive)
         except Disconnected:
             self._left_mid_body(scope, rid.decode(), path, self._caller(scope))
         except RequestFault as fault:
             await self._refuse(fault, scope, receive, send, rid, path, self._caller(scope))
         return None
 
-    async def _admitted_body(self, scope: Scope, receive: Receive) -> bytes:
+    async def _admitted_body(self, path: str, scope: Scope, receive: Receive) -> bytes:
         """The body of a request to admit: read within the limits, then refused (a
         RequestFault) while draining, in maintenance or at ``max_inflight``."""
         router = self.router
@@ -272,7 +273,10 @@ class RouterApp:
                 phase=Phase.ADMISSION,
             )
         router.admission.check(
-            serving, draining=router.draining, maintenance=router.health.maintenance
+            serving,
+            draining=router.draining,
+            maintenance=router.health.maintenance,
+            queues=path not in _PASS_THROUGH_PATHS,
         )
         return raw
 
@@ -321,6 +325,16 @@ class RouterApp:
             await self._refuse(fault, scope, receive, send, rid, path, self._caller(scope))
             return
         rid_text, caller = rid.decode(), self._caller(scope)
+        try:
+            flow = classify(
+                scope["headers"],
+                router.config.admission,
+                key_id=caller.key,
+                key_class=router.api_keys.key_class(scope["headers"]),
+            )
+        except RequestFault as fault:
+            await self._refuse(fault, scope, receive, send, rid, path, caller)
+            return
         extensions = scope.get("extensions") or {}  # the server's features (ASGI's channel)
         await router.handle(
             req,
@@ -330,6 +344,7 @@ class RouterApp:
             caller,
             scope["headers"],
             extensions.get(ON_DISCONNECT),
+            flow,
         )
 
     async def _pass_through(

@@ -12,17 +12,28 @@ import hashlib
 import hmac
 import os
 
+from narwhal.core.classify import split_key
 from narwhal.core.config import ConfigError
+from narwhal.core.flow import Priority
 
 
 class ApiKeys:
-    def __init__(self, env_var: str, key: str = "serving.api_keys_env") -> None:
+    """``classes``: entries may be written ``class:key`` (``admission.priority_from =
+    "key"``), and a request sent with such a key is of that class."""
+
+    def __init__(
+        self, env_var: str, key: str = "serving.api_keys_env", *, classes: bool = False
+    ) -> None:
         self.env_var = env_var
         self.keys: tuple[bytes, ...] = ()
+        self.classes: tuple[Priority | None, ...] = ()
         if not env_var:
             return  # an open router
         raw = os.environ.get(env_var, "")
-        keys = tuple(k.strip().encode() for k in raw.split(",") if k.strip())
+        entries = [entry.strip() for entry in raw.split(",") if entry.strip()]
+        split = [split_key(entry) if classes else (None, entry) for entry in entries]
+        keys = tuple(k.encode() for _, k in split)
+        self.classes = tuple(cls for cls, _ in split)
         if not keys:
             # fail closed and loudly: an operator who asked for keys must not run open
             raise ConfigError(
@@ -45,12 +56,20 @@ class ApiKeys:
 
     def allows(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """True when the request carries one of the keys (or none are configured)."""
-        if not self.keys:
-            return True
+        return not self.keys or self._match(headers) is not None
+
+    def key_class(self, headers: list[tuple[bytes, bytes]]) -> Priority | None:
+        """The class of the key the request carries, when its entry names one."""
+        index = self._match(headers)
+        return None if index is None or not self.classes else self.classes[index]
+
+    def _match(self, headers: list[tuple[bytes, bytes]]) -> int | None:
+        """Which key the request carries (its index), or None."""
         offered = _offered(headers)
-        matched = False
-        for key in self.keys:  # no early exit: the same work whatever matches
-            matched |= hmac.compare_digest(key, offered)
+        matched = None
+        for index, key in enumerate(self.keys):  # no early exit: the same work whatever matches
+            if hmac.compare_digest(key, offered):
+                matched = index
         return matched
 
 

@@ -20,6 +20,7 @@ import trio
 from opentelemetry.trace import Span, SpanKind
 
 from narwhal import tracing
+from narwhal.core.classify import Flow
 from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
 from narwhal.core.faults import (
@@ -28,6 +29,7 @@ from narwhal.core.faults import (
     FirstTokenTimeout,
     HandoffExpired,
     NoCapacity,
+    NotDispatched,
     Phase,
     PrefillTimeout,
     RequestFault,
@@ -124,6 +126,8 @@ class RunRecord:
         # tracing off: the client's traceparent/tracestate, which every leg carries unchanged
         self.trace: tracing.Headers = tracing.NO_HEADERS
         self.cut = False  # the last write (the answer's end) was cut on its way: not whole
+        self.flow = Flow()  # its class and fairness key in the admission queue (SPEC 4.5)
+        self.queued_s = 0.0  # how long it waited there
 
     @property
     def phase(self) -> Phase:
@@ -185,7 +189,10 @@ class RunRecord:
 
     def _record(self, fault: RequestFault) -> None:
         self.fault, self.status = fault, fault.status
-        self.outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
+        if isinstance(fault, DeadlineExpired):
+            self.outcome = "expired"
+        else:  # a request the queue never let go to an engine was rejected, not failed
+            self.outcome = "rejected" if isinstance(fault, NotDispatched) else "failed"
 
     async def _end_stream(self, data: bytes, *, abandon: bool) -> None:
         await self.sink.cut(data, abandon=abandon)
@@ -218,6 +225,8 @@ class RunRecord:
             at=round(self.arrived_at, 3),
             client=self.caller.client,
             key=self.caller.key,
+            queued_s=round(self.queued_s, 6),
+            cls=self.flow.cls.value,
         )
 
 
@@ -505,11 +514,12 @@ class RequestRun(RunRecord):
         decode_clock = trio.CancelScope(
             deadline=trio.current_time() + engine_cfg.first_token_timeout_s
         )
+        reservation = router.fleet.reserve(consumer, "decode")
         with decode_clock, faults_of(consumer.id, consumer.url):
-            async with router.fleet.reserve(consumer, "decode"), stream:
+            async with reservation, stream:
                 # the consumer took the request: reading the blocks is its job now
                 handoff.fate = Fate.DECODED
-                await self._relay(stream, decode_clock)
+                await self._relay(stream, decode_clock, reservation.started)
                 return
         if not self.lifecycle.output_seen:
             raise FirstTokenTimeout(
@@ -525,7 +535,9 @@ class RequestRun(RunRecord):
             engine_id=consumer.id,
         )
 
-    async def _relay(self, stream: DecodeStream, clock: trio.CancelScope) -> None:
+    async def _relay(
+        self, stream: DecodeStream, clock: trio.CancelScope, started: Callable[[], None]
+    ) -> None:
         """Move the engine's stream to the client until ``[DONE]`` (``TokenPath``), then
         write the end."""
         collector = None
@@ -544,7 +556,7 @@ class RequestRun(RunRecord):
         silence = self.config.engine.decode_read_timeout_s
         gaps = RequestBuckets(self.router.metrics.token_gap)
         relay = StreamRelay(collector, strip_usage=not self.req.include_usage)
-        path = TokenPath(client, relay, clock, silence, gaps, reactor)
+        path = TokenPath(client, relay, clock, silence, gaps, reactor, started)
         try:
             end = await path.relay_all(stream)
         finally:

@@ -90,6 +90,7 @@ class Health:
             metrics.ejections.labels(engine.id).inc()
             metrics.ejected.labels(engine.id).set(1)
             self._ejected(engine, fault)
+            self.router.fleet.on_change()  # the queue's view of the fleet changed
 
     def _ejected(self, engine: EngineState, fault: RequestFault) -> None:
         self.router.events.record(
@@ -159,6 +160,7 @@ class Health:
         self.router.metrics.up.labels(engine.id).set(int(engine.up))
         if change is not None:
             self.router.events.record(change, engine.id, failures=engine.health_failures)
+            self.router.fleet.on_change()  # joined: room for the queue; left: maybe none
 
     async def _readmission_loop(self, engine: EngineState) -> None:
         interval = self.router.config.recovery.readmit_interval_s
@@ -183,6 +185,7 @@ class Health:
             metrics.ejected.labels(engine.id).set(0)
             metrics.streak.labels(engine.id).set(0)
             self.router.events.record("readmitted", engine.id)
+            self.router.fleet.on_change()
 
     async def probe(self, engine: EngineState) -> ProbeOutcome:
         """Decide, with real evidence, whether an ejected engine may take traffic again."""

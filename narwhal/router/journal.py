@@ -78,6 +78,8 @@ class JournalLine(msgspec.Struct):
     at: float = 0.0  # wall clock (Unix seconds) of the request's arrival
     client: str | None = None
     key: str | None = None
+    queued_s: float = 0.0  # waited in the admission queue (part of ttft_s and first_byte_s)
+    cls: str | None = msgspec.field(default=None, name="class")  # its class in that queue
 
 
 class Journal:

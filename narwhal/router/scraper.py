@@ -62,7 +62,7 @@ class Scraper:
                 await trio.sleep(self.interval_s * self._jitter.uniform(0.8, 1.2))
         finally:
             self._scraped.discard(id(engine))
-            engine.report = None  # scraping stopped: nothing of it may steer placement
+            engine.note_report(None)  # scraping stopped: nothing of it may steer placement
 
     async def scrape(self, engine: EngineState) -> bool:
         """One scrape of ``engine``; whether it gave a report."""
@@ -78,8 +78,10 @@ class Scraper:
             except (RequestFault, ReportError):
                 pass
             else:
-                engine.report, engine.scrape_failures = report, 0
+                engine.note_report(report)
+                engine.scrape_failures = 0
                 self._export(engine)
+                self.router.fleet.on_change()  # it may show room the queue waits for
                 return True
         engine.scrape_failures += 1
         if engine.id in self.router.metrics.engines:

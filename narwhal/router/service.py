@@ -22,6 +22,7 @@ import msgspec
 import trio
 
 from narwhal import tracing
+from narwhal.core.classify import Flow
 from narwhal.core.config import ConfigError, FleetConfig, load_config
 from narwhal.core.faults import (
     DeadlineExpired,
@@ -82,7 +83,9 @@ class Router:
         config_path: str | None = None,
     ) -> None:
         self.config = config
-        self.api_keys = ApiKeys(config.serving.api_keys_env)
+        self.api_keys = ApiKeys(
+            config.serving.api_keys_env, classes=config.admission.priority_from == "key"
+        )
         self.admin_keys = ApiKeys(config.serving.admin_keys_env, "serving.admin_keys_env")
         self.fleet = Fleet(config.engines, config.recovery)
         self.metrics = Metrics((e.id for e in self.fleet.engines), model=config.model)
@@ -115,8 +118,21 @@ class Router:
         self.draining = False
         self.drain_deadline = math.inf
         self._running: set[trio.CancelScope] = set()
-        self.admission = Admission(self.metrics.in_flight)
+        self.admission = Admission(self.metrics)
+        self.admission.configure(config)
+        self.admission.headroom = self._headroom
+        self.fleet.on_change = self.admission.pump  # a leg started or ended: room may free
         self.disconnects = 0
+
+    def _headroom(self) -> int | None:
+        """How many more requests the fleet takes before it is saturated (SPEC 4.5)."""
+        flow = self.config.admission
+        return self.fleet.headroom(
+            trio.current_time(),
+            self.config.placement.metrics_interval_s,
+            flow.engine_waiting_limit,
+            flow.kv_usage_limit,
+        )
 
     def engines_view(self) -> bytes:
         now = trio.current_time()
@@ -126,7 +142,15 @@ class Router:
             **self.admission.view(self.config.serving),
             "maintenance": self.health.maintenance,
             "engines": [
-                e.snapshot(now, e.id in held, self.config.placement.metrics_interval_s)
+                {
+                    **e.snapshot(now, e.id in held, self.config.placement.metrics_interval_s),
+                    "saturation": e.saturation_view(
+                        now,
+                        self.config.placement.metrics_interval_s,
+                        self.config.admission.engine_waiting_limit,
+                        self.config.admission.kv_usage_limit,
+                    ),
+                }
                 for e in self.fleet.engines
             ],
         }
@@ -143,6 +167,7 @@ class Router:
         caller: Caller | None = None,
         headers: Sequence[tuple[bytes, bytes]] = (),
         on_disconnect: Callable[[Callable[[], None]], None] | None = None,
+        flow: Flow | None = None,
     ) -> Run:
         """Serve one admitted request to its single terminal outcome. ``headers``: the
         client's, where an incoming W3C ``traceparent`` is read: continued by the request's
@@ -158,6 +183,7 @@ class Router:
             else RequestRun(self, self.config, req, rid, sink)
         )
         run.caller = caller or run.caller
+        run.flow = flow or run.flow
         traced = None
         if tracing.ENABLED:  # off: nothing is made, this is the only cost
             run.span = tracing.server_span(
@@ -219,7 +245,12 @@ class Router:
         deadline = run.arrival + timeout
         with trio.CancelScope(deadline=min(deadline, self.drain_deadline)) as limit:
             self._running.add(limit)
+            dispatched = False
             try:
+                run.queued_s = await self.admission.dispatch(
+                    run.flow.cls, run.flow.tenant, run.arrival, self._dispatch_by(run)
+                )
+                dispatched = True
                 await run.execute()
             except RequestFault as fault:
                 await run.fail(fault)
@@ -231,6 +262,8 @@ class Router:
                 )
             finally:
                 self._running.discard(limit)
+                if dispatched:
+                    self.admission.done()
         if limit.cancelled_caught:
             ended: RequestFault = DeadlineExpired(timeout, phase=run.phase)
             if self.drain_deadline < deadline:  # the drain's deadline was the one that came
@@ -241,6 +274,12 @@ class Router:
                 )
             with trio.move_on_after(FAIL_SEND_BOUND_S):
                 await run.fail(ended)
+
+    def _dispatch_by(self, run: Run) -> float:
+        """The latest a queued request is worth sending on: its deadline less the time a
+        first token may take (a request sent later would most likely end in a 504)."""
+        timeout = run.config.serving.request_timeout_s
+        return run.deadline - min(run.config.engine.first_token_timeout_s, timeout / 2)
 
     async def pass_through(
         self,
@@ -261,6 +300,7 @@ class Router:
         answer: tuple[int, bytes] | None = None
         fault: RequestFault | None = None
         self.admission.admit()
+        self.admission.take_slot()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on, wait_disconnect, nursery.cancel_scope)
@@ -271,6 +311,7 @@ class Router:
                     answer = fault.status, fault.error_json()
                 nursery.cancel_scope.cancel()  # the watcher's task
         finally:
+            self.admission.done()
             self.admission.release()
             line = _pass_line(path, rid, caller, attempt, answer, fault, arrival, arrived_at)
             self.journal.write(line)
@@ -358,6 +399,7 @@ class Router:
         # no timer task: every running request's scope gets the deadline (and so does
         # one admitted a moment later), so the drain is bounded whatever else is shutting down
         self.drain_deadline = trio.current_time() + grace
+        self.admission.drain_queue()  # never started: 503 now, a load balancer may retry
         for scope in self._running:
             scope.deadline = min(scope.deadline, self.drain_deadline)
 
@@ -367,12 +409,13 @@ class Router:
         requests. Discovered engines stay while their ``[[discover]]`` block does."""
         check_workers(new, self.admission.worker_count, self.config_path or "<reload>")
         # an unset variable refuses the file
-        api_keys = ApiKeys(new.serving.api_keys_env)
+        api_keys = ApiKeys(new.serving.api_keys_env, classes=new.admission.priority_from == "key")
         admin_keys = ApiKeys(new.serving.admin_keys_env, "serving.admin_keys_env")
         self.api_keys, self.admin_keys = api_keys, admin_keys
         self.config = new
         self.discovery.state.configure(new.discover)
         change = self._set_engines()
+        self.admission.configure(new)
         self.retry_budget.cap = new.serving.retry_budget
         self.retry_budget.replenish = new.serving.retry_replenish
         log_event(log, logging.WARNING, "fleet reloaded", dict(change))

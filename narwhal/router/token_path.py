@@ -27,6 +27,7 @@ are counted per request and flushed to the histogram at the end.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -129,8 +130,11 @@ class TokenPath:
         silence: float,
         gaps: RequestBuckets,
         reactor: StreamReactor | None,
+        on_first_token: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
+        # the engine runs it now: its leg no longer counts as waiting there (SPEC 4.5)
+        self.on_first_token = on_first_token
         self.relay = relay
         self.clock = clock
         self.reactor = reactor
@@ -207,6 +211,8 @@ class TokenPath:
         if tokens and not tokens_before:
             self.first_token_at = trio.current_time()
             self.client.lifecycle.advance(Input.FIRST_TOKEN)
+            if self.on_first_token is not None:
+                self.on_first_token()
         match action:
             case Fault() | Finish():
                 return action

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import trio
 
-from narwhal.core.config import ServingConfig
+from narwhal.core.config import AdmissionConfig, ServingConfig
 from narwhal.fake_engine.faults import Fault
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 
@@ -60,7 +60,12 @@ async def keyed(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Harne
         max_inflight=1,
         client_body_timeout_s=0.5,
     )
-    return await start_fleet(nursery, {"p0": "prefill", "d0": "decode"}, serving=serving)
+    # queue off: at max_inflight the next request is refused at once (the queue's own 429s
+    # are tests/loopback/test_flow_control.py's)
+    admission = AdmissionConfig(queue=False)
+    return await start_fleet(
+        nursery, {"p0": "prefill", "d0": "decode"}, serving=serving, admission=admission
+    )
 
 
 async def test_status_lines_carry_their_reason_phrase(keyed: Harness) -> None:

@@ -50,6 +50,10 @@ async def _open_stream(url: str) -> tuple[int, trio.SocketStream, bytes]:
         got += data
     return int(got.split(b" ", 2)[1]), stream, got
 
+# without the queue, the request beyond max_inflight is refused at once (with the queue it
+# would wait: tests/loopback/test_flow_control.py)
+QUEUE_OFF = "[admission]\nqueue = false\n"
+
 
 def _whole(got: bytes) -> bool:
     """The head has come, and the body too if it has a length (an error's JSON)."""
@@ -81,7 +85,7 @@ async def test_two_workers_admit_max_inflight_in_all_and_429_beyond(
 ) -> None:
     # a token every 0.2 s: an admitted stream lasts far longer than the test needs it
     engines = await start_engines(nursery, {"p0": "prefill", "d0": "decode"}, itl_s=0.2)
-    fleet = write_fleet(tmp_path / "fleet.toml", engines, "max_inflight = 2\n")
+    fleet = write_fleet(tmp_path / "fleet.toml", engines, "max_inflight = 2\n" + QUEUE_OFF)
     async with narwhal_serve("--config", str(fleet), "--workers", "2") as served:
         with trio.fail_after(60):
             views = await _views(served.url)
@@ -104,11 +108,11 @@ async def test_two_workers_admit_max_inflight_in_all_and_429_beyond(
                 await stream.aclose()
         # a reload splits the new figure; one that cannot be split is refused everywhere
         async with httpcore.AsyncConnectionPool() as http:
-            write_fleet(fleet, engines, "max_inflight = 1\n")
+            write_fleet(fleet, engines, "max_inflight = 1\n" + QUEUE_OFF)
             refused = await http.request("POST", served.url + "/narwhal/reload")
             assert refused.status == 400
             assert b"serving.max_inflight: 1 is fewer than the 2 workers" in refused.content
-            write_fleet(fleet, engines, "max_inflight = 5\n")
+            write_fleet(fleet, engines, "max_inflight = 5\n" + QUEUE_OFF)
             assert (await http.request("POST", served.url + "/narwhal/reload")).status == 200
         with trio.fail_after(60):
             views = await _views(served.url)

@@ -30,6 +30,7 @@ from narwhal.core.breaker import BreakerState, ProbeOutcome
 from narwhal.core.config import FleetConfig
 from narwhal.core.faults import BreakerClass, RequestFault
 from narwhal.core.fleet import EngineState, Fleet, Leg
+from narwhal.core.flow import SATURATIONS
 from narwhal.core.handoff import Fate, Handoff
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
@@ -114,7 +115,13 @@ class Health:
         metrics, fleet = self.router.metrics, self.router.fleet
         metrics.tasks.set(live_tasks())
         held = fleet.held_in(now)
+        flow, interval = self.router.config.admission, self.router.config.placement
         for engine in fleet.engines:
+            why = engine.saturation(
+                now, interval.metrics_interval_s, flow.engine_waiting_limit, flow.kv_usage_limit
+            )
+            for reason in SATURATIONS:
+                metrics.engine_saturated.labels(engine.id, reason).set(int(why == reason))
             b = engine.breaker
             metrics.quarantined.labels(engine.id).set(int(now < b.quarantined_until))
             metrics.ejected.labels(engine.id).set(int(b.state is not BreakerState.CLOSED))

@@ -264,6 +264,8 @@ class Router:
                 self._running.discard(limit)
                 if dispatched:
                     self.admission.done()
+                else:  # it left the queue another way: its wait is all it did
+                    run.queued_s = trio.current_time() - run.arrival
         if limit.cancelled_caught:
             ended: RequestFault = DeadlineExpired(timeout, phase=run.phase)
             if self.drain_deadline < deadline:  # the drain's deadline was the one that came

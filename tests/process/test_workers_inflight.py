@@ -50,6 +50,7 @@ async def _open_stream(url: str) -> tuple[int, trio.SocketStream, bytes]:
         got += data
     return int(got.split(b" ", 2)[1]), stream, got
 
+
 # without the queue, the request beyond max_inflight is refused at once (with the queue it
 # would wait: tests/loopback/test_flow_control.py)
 QUEUE_OFF = "[admission]\nqueue = false\n"

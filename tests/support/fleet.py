@@ -139,13 +139,16 @@ class RawReply(Reply):
     ended: bool  # the chunked body's last chunk arrived (False: the body was cut)
 
 
-async def post_raw(harness: Harness, path: str, body: Any) -> RawReply:
-    """POST ``body`` on a fresh kept-alive raw connection and read the response until it is
-    complete or the router closes the connection: what a client sees on the wire, a body
-    cut short included (``Harness.post`` raises on that)."""
+async def post_raw(
+    harness: Harness, path: str, body: Any, extra: dict[str, str] | None = None
+) -> RawReply:
+    """POST ``body`` (with ``extra`` headers) on a fresh kept-alive raw connection and read
+    the response until it is complete or the router closes the connection: what a client
+    sees on the wire, a body cut short included (``Harness.post`` raises on that)."""
     payload = msgspec.json.encode(body)
     host, port = harness.url.removeprefix("http://").split(":")
     head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in (extra or {}).items())
     raw, content, decoder = b"", b"", ChunkedDecoder()
     headers: dict[str, str] = {}
     status = 0

@@ -1,0 +1,101 @@
+"""When an engine is saturated for the admission queue (SPEC 4.5): its scraped waiting
+queue plus this router's legs sent since that scrape and not yet started; and the room the
+fleet has in all."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.core.config import EngineSpec, RecoveryConfig
+from narwhal.core.engine_report import EngineReport
+from narwhal.core.fleet import Fleet
+
+INTERVAL = 1.0
+LIMIT = 2
+KV = 0.95
+
+
+def _fleet(*roles: str) -> Fleet:
+    specs = tuple(
+        EngineSpec(f"e{i}", f"http://127.0.0.1:{9000 + i}", r) for i, r in enumerate(roles)
+    )  # type: ignore[arg-type]
+    return Fleet(specs, RecoveryConfig())
+
+
+def _report(waiting: float, kv: float = 0.0, at: float = 0.0) -> EngineReport:
+    return EngineReport(at=at, running=0, waiting=waiting, kv_usage=kv)
+
+
+async def test_legs_not_yet_started_fill_an_engine_and_free_it_as_they_start() -> None:
+    fleet = _fleet("prefill", "decode")
+    producer = fleet.by_id["e0"]
+    changes: list[int] = []
+    fleet.on_change = lambda: changes.append(producer.pending)
+    async with fleet.reserve(producer, "prefill"):
+        assert producer.saturation(0, INTERVAL, LIMIT, KV) is None
+        async with fleet.reserve(producer, "prefill"):
+            assert producer.saturation(0, INTERVAL, LIMIT, KV) == "waiting"
+            assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 0
+        assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 1
+    assert producer.pending == 0
+    assert changes == [1, 0]  # each leg's end told the queue
+
+
+async def test_a_scrape_replaces_what_it_has_seen_and_legs_sent_before_it_are_not_taken_twice() -> (
+    None
+):
+    fleet = _fleet("both")
+    engine = fleet.by_id["e0"]
+    async with fleet.reserve(engine, "decode") as _, fleet.reserve(engine, "prefill"):
+        assert engine.pending == 2
+        engine.note_report(_report(waiting=1))  # the engine counts them, 1 still waiting
+        assert engine.pending == 0
+        assert engine.room(0, INTERVAL, LIMIT, KV, "prefill") == (1, None)
+    # legs sent before the report end: the count the report reset is not lowered again
+    assert engine.pending == 0
+
+
+async def test_a_decode_leaves_the_count_at_its_first_token() -> None:
+    fleet = _fleet("prefill", "decode")
+    consumer = fleet.by_id["e1"]
+    reservation = fleet.reserve(consumer, "decode")
+    async with reservation:
+        assert consumer.pending == 1
+        reservation.started()
+        reservation.started()  # once only
+        assert consumer.pending == 0
+        assert consumer.inflight["decode"] == 1
+    assert consumer.pending == 0
+
+
+def test_kv_usage_saturates_a_consumer_only() -> None:
+    fleet = _fleet("prefill", "decode")
+    producer, consumer = fleet.by_id["e0"], fleet.by_id["e1"]
+    for engine in (producer, consumer):
+        engine.note_report(_report(waiting=0, kv=0.97))
+    assert producer.saturation(0, INTERVAL, LIMIT, KV) is None
+    assert consumer.saturation(0, INTERVAL, LIMIT, KV) == "kv_usage"
+    assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 0  # no consumer has room
+
+
+def test_a_stale_report_is_not_believed() -> None:
+    fleet = _fleet("prefill", "decode")
+    producer = fleet.by_id["e0"]
+    producer.note_report(_report(waiting=5, at=0.0))
+    assert producer.saturation(1.0, INTERVAL, LIMIT, KV) == "waiting"
+    assert producer.saturation(10.0, INTERVAL, LIMIT, KV) is None  # 10 intervals old
+
+
+def test_a_role_with_no_placeable_engine_is_not_saturation() -> None:
+    fleet = _fleet("prefill", "decode")
+    fleet.health_checked = True  # and nobody answered a check yet
+    assert fleet.headroom(0, INTERVAL, LIMIT, KV) is None  # the request is answered 503
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(1, 4))
+def test_the_fleet_has_the_summed_room_of_its_producers(waiting: list[int], limit: int) -> None:
+    fleet = _fleet(*(["prefill"] * len(waiting)), "decode")
+    for i, w in enumerate(waiting):
+        fleet.by_id[f"e{i}"].note_report(_report(waiting=w))
+    assert fleet.headroom(0, INTERVAL, limit, KV) == sum(max(0, limit - w) for w in waiting)

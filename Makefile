@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BENCH_VENV ?= .bench-venv
 VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement e2e-vllm e2e-lb faults soak fuzz clean
+.PHONY: venv demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement bench-overload e2e-vllm e2e-lb faults soak fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,9 @@ bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in
 
 bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies vs the peers, 3 workloads (~15 min)
 	$(PY) bench/placement.py --peers-venv $(BENCH_VENV)
+
+bench-overload: venv $(BENCH_VENV)/.installed   ## flow control at 2x capacity vs no queue and the peers (~10 min)
+	$(PY) bench/overload.py --peers-venv $(BENCH_VENV)
 
 faults: venv         ## the fault matrix: every scenario, 200 requests at c=32, as a table
 	$(PY) -m tests.matrix.fault_matrix --requests 200 --concurrency 32

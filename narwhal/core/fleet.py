@@ -260,10 +260,12 @@ class Fleet:
     def headroom(
         self, now: float, interval_s: float, waiting_limit: int, kv_limit: float
     ) -> int | None:
-        """How many more requests the fleet takes before every placeable producer or
-        every placeable consumer is saturated (SPEC 4.5): the producers' summed room, 0
-        when no consumer has any. None: a role has no placeable engine at all, which is
-        not saturation: the request goes on and is answered 503 at once."""
+        """How many more requests the fleet takes before its placeable producers or its
+        placeable consumers are saturated (SPEC 4.5): the lesser of the producers' summed
+        room and the consumers', where every prefill in flight takes a consumer's room
+        already (its decode leg follows within moments, and a decode sent to a full
+        consumer waits in its queue). None: a role has no placeable engine at all, which
+        is not saturation: the request goes on and is answered 503 at once."""
         rooms = []
         for leg in LEGS:
             engines, _ = self.placeable(leg, now)
@@ -272,7 +274,8 @@ class Fleet:
             rooms.append(
                 sum(e.room(now, interval_s, waiting_limit, kv_limit, leg)[0] for e in engines)
             )
-        return rooms[0] if rooms[1] else 0
+        decodes_coming = sum(e.inflight["prefill"] for e in self.producers)
+        return max(0, min(rooms[0], rooms[1] - decodes_coming))
 
     def reserved(self) -> int:
         """Legs in flight across the fleet (0 after a drain)."""

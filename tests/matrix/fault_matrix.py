@@ -30,7 +30,13 @@ import httpcore
 import msgspec
 import trio
 
-from narwhal.core.config import EngineConfig, RecoveryConfig, ServingConfig
+from narwhal.core.config import (
+    AdmissionConfig,
+    EngineConfig,
+    PlacementConfig,
+    RecoveryConfig,
+    ServingConfig,
+)
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.health import live_tasks
@@ -58,9 +64,11 @@ ENGINE = EngineConfig(
     max_connections=64,
 )
 RECOVERY = RecoveryConfig(eject_after=3, readmit_interval_s=0.25)
+PLACEMENT = PlacementConfig(metrics_interval_s=0.25)
 CLIENT_LIMIT_S = SERVING.request_timeout_s + 2.0  # past this a request counts as hung
 DRAIN_S = 2.0
 CANCEL_LAG_S = 1.0
+QUEUE_SLACK_S = 0.25  # a queued request's timer fires late by at most this on a busy machine
 EVIDENCE_EXTRA = 64  # the most requests a run adds while it waits for an expected ejection
 # every request also carries a forged descriptor aimed at a real-looking producer
 FORGED = {
@@ -100,6 +108,7 @@ class Scenario:
     stall_tokens: int = 30_000
     http2_every: int = 0
     journal: str = ""  # "" | "/dev/full" | "broken pipe"
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # its flow control
 
 
 def _on(engine: str, *faults: Fault) -> dict[str, tuple[Fault, ...]]:
@@ -200,6 +209,17 @@ SCENARIOS: list[Scenario] = [
         "flapping engine",
         armed=_on("d0", _always(kind="tokens_then_close", tokens=1)),
         flap_every=20,
+    ),
+    # flow control (invariant 11): two slots per engine and a queue that lets one leg wait
+    # on each, so most requests wait in the router; some wait past max_queue_wait_s (429),
+    # some clients leave while queued
+    Scenario(
+        "saturated fleet, queued",
+        engine_config={"slots": 2, "itl_s": 0.02},
+        admission=AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=0.2),
+        max_tokens=12,
+        disconnect_after_s=0.5,
+        expect="queued",
     ),
     Scenario(
         "health 200 while inference hangs",
@@ -465,6 +485,8 @@ async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
             serving=SERVING,
             engine=ENGINE,
             recovery=RECOVERY,
+            admission=sc.admission,
+            placement=PLACEMENT,
         )
         for eid in sc.stopped:
             h.engines[eid].stop()
@@ -785,7 +807,10 @@ async def _front_door(
 
 
 def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
-    """A failing engine is out of placement at the end (ejected, or being probed)."""
+    """A failing engine is out of placement at the end (ejected, or being probed); a
+    saturated fleet queued requests and kept invariant 11."""
+    if sc.expect == "queued":
+        return _queue_kept(h, sc, problems)
     if not sc.expect.endswith("ejected"):
         return ""
     state = h.router.fleet.by_id["d0"]
@@ -794,6 +819,25 @@ def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
     if not ok:
         problems.append(f"expected {sc.expect}, d0 is {breaker}")
     return f"{sc.expect}: {'yes' if ok else 'NO'} ({breaker}, {state.breaker.ejections} ejections)"
+
+
+def _queue_kept(h: Harness, sc: Scenario, problems: list[str]) -> str:
+    """Invariant 11 from the journal: requests waited in the queue, none longer than
+    ``max_queue_wait_s`` (plus the scheduling slack of a loaded machine), and one that left
+    it without being dispatched holds no attempt (it never reached an engine)."""
+    lines = h.router.journal.lines
+    waited = [line for line in lines if line.queued_s > 0]
+    bound = sc.admission.max_queue_wait_s + QUEUE_SLACK_S
+    too_long = [line.request_id for line in waited if line.queued_s > bound]
+    shed = [line for line in lines if line.outcome == "rejected" and line.status == 429]
+    attempted = [line.request_id for line in shed if line.attempts]
+    if not waited:
+        problems.append("no request waited in the queue: the fleet was never saturated")
+    if too_long:
+        problems.append(f"{len(too_long)} waited past max_queue_wait_s, e.g. {too_long[0]}")
+    if attempted:
+        problems.append(f"{len(attempted)} shed by the queue had attempts, e.g. {attempted[0]}")
+    return f"queued {len(waited)}, shed 429 {len(shed)}"
 
 
 # ---- the table ------------------------------------------------------------------------------

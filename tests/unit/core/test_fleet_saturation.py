@@ -93,9 +93,25 @@ def test_a_role_with_no_placeable_engine_is_not_saturation() -> None:
     assert fleet.headroom(0, INTERVAL, LIMIT, KV) is None  # the request is answered 503
 
 
-@given(st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(1, 4))
-def test_the_fleet_has_the_summed_room_of_its_producers(waiting: list[int], limit: int) -> None:
-    fleet = _fleet(*(["prefill"] * len(waiting)), "decode")
-    for i, w in enumerate(waiting):
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    st.integers(1, 4),
+)
+def test_the_fleet_has_the_lesser_room_of_its_two_roles(
+    producers: list[int], consumers: list[int], limit: int
+) -> None:
+    fleet = _fleet(*(["prefill"] * len(producers)), *(["decode"] * len(consumers)))
+    for i, w in enumerate([*producers, *consumers]):
         fleet.by_id[f"e{i}"].note_report(_report(waiting=w))
-    assert fleet.headroom(0, INTERVAL, limit, KV) == sum(max(0, limit - w) for w in waiting)
+    room = [sum(max(0, limit - w) for w in ws) for ws in (producers, consumers)]
+    assert fleet.headroom(0, INTERVAL, limit, KV) == min(room)
+
+
+async def test_a_prefill_in_flight_takes_a_consumer_s_room_before_its_decode_is_sent() -> None:
+    fleet = _fleet("prefill", "prefill", "decode")
+    assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 2  # the one consumer's
+    async with fleet.reserve(fleet.by_id["e0"], "prefill"):
+        assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 1
+        async with fleet.reserve(fleet.by_id["e1"], "prefill"):
+            assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 0  # producers have room left

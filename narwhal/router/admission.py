@@ -144,7 +144,8 @@ class Admission:
         now = trio.current_time()
         verdict = self._queue.offer(entry, now)
         if isinstance(verdict, Refused):
-            raise self._shed(entry, verdict.exit, now)
+            self._count_shed(entry, verdict.exit, now)
+            raise self._shed(entry, verdict.exit)
         if isinstance(verdict, Displaced):
             self._let_go(verdict.victim, Exit.DISPLACED)
         ticket = self._tickets[entry.id] = Ticket(entry)
@@ -201,7 +202,7 @@ class Admission:
             self._observe(entry.cls, waited)
             return waited
         assert ticket.exit is not None
-        raise self._shed(entry, ticket.exit, now)
+        raise self._shed(entry, ticket.exit)
 
     def _abandon(self, ticket: Ticket, exit: Exit) -> None:
         """Its task leaves before the queue let it go (or just after: undone)."""
@@ -211,14 +212,14 @@ class Admission:
             return
         if ticket.exit is None and self._queue.remove(ticket.entry.id):
             self._let_go(ticket.entry, exit)
-            if exit is Exit.CANCELLED:
-                self._count_shed(ticket.entry, exit, trio.current_time())
 
     def _let_go(self, entry: Entry, exit: Exit) -> None:
         ticket = self._tickets.pop(entry.id)
         ticket.exit = exit
         ticket.woken.set()
         self._depth(entry.cls, -1)
+        if exit is not Exit.DISPATCHED:  # counted now: its task may be cancelled before it runs
+            self._count_shed(entry, exit, trio.current_time())
 
     def _room(self) -> bool:
         if self.dispatched >= self.limit(self._serving):
@@ -239,9 +240,8 @@ class Admission:
         if self._metrics is not None:
             self._metrics.queue_depth.labels(cls.value).inc(change)
 
-    def _shed(self, entry: Entry, exit: Exit, now: float) -> NotDispatched:
+    def _shed(self, entry: Entry, exit: Exit) -> NotDispatched:
         """The fault that answers a request the queue let go without dispatching it."""
-        self._count_shed(entry, exit, now)
         status, message = self._queue.answer(entry, exit)
         fault = QueueDrained if status == 503 else NotDispatched
         return fault(message, phase=Phase.ADMISSION)

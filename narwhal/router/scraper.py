@@ -86,6 +86,7 @@ class Scraper:
         engine.scrape_failures += 1
         if engine.id in self.router.metrics.engines:
             self.router.metrics.scrape_failures.labels(engine.id).inc()
+        self.router.fleet.on_change()  # its last report may have gone stale: look again
         return False
 
     def _export(self, engine: EngineState) -> None:

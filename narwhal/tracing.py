@@ -174,18 +174,37 @@ def end(span: Span | None, outcome: str, message: str | None = None, **attrs: An
     span.end()
 
 
+class Ending:
+    """How the block of ``ended`` went, when it handled a fault itself (a retried attempt)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self) -> None:
+        self.message: str | None = None
+
+    def fail(self, message: str) -> None:
+        self.message = message
+
+
 @contextmanager
-def ended(span: Span | None, attrs: Callable[[], dict[str, Any]] | None = None) -> Iterator[None]:
+def ended(
+    span: Span | None, attrs: Callable[[], dict[str, Any]] | None = None
+) -> Iterator[Ending]:
     """End ``span`` (None: tracing off, nothing to do) when the block exits: ``completed``;
-    ``failed`` with the message of the fault it raised; ``cancelled`` for anything else
-    (a cancellation, a client gone). ``attrs``: what is known only at the end."""
-    outcome, message = "cancelled", None
+    ``failed`` with the message of the fault it raised, or of the one it handled and told
+    (``Ending.fail``); ``error`` for a bug of ours; ``cancelled`` for anything else (a
+    cancellation, a client gone). ``attrs``: what is known only at the end."""
+    ending = Ending()
+    outcome = "cancelled"
     try:
-        yield
-        outcome = "completed"
+        yield ending
+        outcome = "completed" if ending.message is None else "failed"
     except RequestFault as fault:
-        outcome, message = "failed", fault.message
+        outcome, ending.message = "failed", fault.message
+        raise
+    except Exception:
+        outcome = "error"
         raise
     finally:
         if span is not None:
-            end(span, outcome, message, **(attrs() if attrs is not None else {}))
+            end(span, outcome, ending.message, **(attrs() if attrs is not None else {}))

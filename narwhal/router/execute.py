@@ -271,34 +271,29 @@ class RequestRun(RunRecord):
         while True:
             metrics.attempts.inc()
             span = self._attempt_span = self._start_attempt_span()
-            outcome = "cancelled"  # until the attempt returns or raises a fault
-            try:
-                await self._attempt()
-                outcome = "completed"
-                return
-            except RequestFault as fault:
-                outcome = "failed"
-                decision = self._retry_decision(fault)
-                if decision.retry:
-                    metrics.retries.inc()
-                elif fault.transient:
-                    metrics.retries_denied.labels(decision.reason).inc()
-                record = self.attempts[-1]
-                record.error, record.phase, record.retry = (
-                    fault.message,
-                    fault.phase,
-                    decision.reason,
-                )
-                if not decision.retry:
-                    raise
-            except Exception:
-                outcome = "error"  # a bug of ours: Router.handle ends the request
-                raise
-            finally:
-                if span is not None:  # every exit, cancellation included; nothing awaits
-                    self._end_attempt_span(span, outcome)
+            with tracing.ended(span, self._attempt_figures) as ending:
+                try:
+                    await self._attempt()
+                    return
+                except RequestFault as fault:
+                    ending.fail(fault.message)
+                    decision = self._told(fault)
+                    if not decision.retry:
+                        raise
             self.lifecycle.advance(Input.RETRY)
             await trio.sleep(decision.delay_s)
+
+    def _told(self, fault: RequestFault) -> RetryDecision:
+        """A failed attempt's record and counters, and whether it is retried."""
+        metrics = self.router.metrics
+        decision = self._retry_decision(fault)
+        if decision.retry:
+            metrics.retries.inc()
+        elif fault.transient:
+            metrics.retries_denied.labels(decision.reason).inc()
+        record = self.attempts[-1]
+        record.error, record.phase, record.retry = fault.message, fault.phase, decision.reason
+        return decision
 
     def _start_attempt_span(self) -> Span | None:
         if self.span is None:
@@ -308,22 +303,19 @@ class RequestRun(RunRecord):
             attrs["narwhal.choice"] = self.choice
         return tracing.child_span(self.span, "attempt", attrs)
 
-    def _end_attempt_span(self, span: Span, outcome: str) -> None:
-        record = self.attempts[-1] if self.attempts else None
-        if record is None:
-            tracing.end(span, outcome)
-            return
-        tracing.end(
-            span,
-            outcome,
-            record.error,
-            producer=record.producer,
-            consumer=record.consumer,
-            phase=record.phase,
-            retry=record.retry,
-            handoff=record.handoff,
-            tokens=self.tokens,
-        )
+    def _attempt_figures(self) -> dict[str, Any]:
+        """The attempt span's attributes, known once it ended."""
+        if not self.attempts:
+            return {}
+        record = self.attempts[-1]
+        return {
+            "producer": record.producer,
+            "consumer": record.consumer,
+            "phase": record.phase,
+            "retry": record.retry,
+            "handoff": record.handoff,
+            "tokens": self.tokens,
+        }
 
     def _leg_span(self, leg: Leg, engine: EngineState, backend_id: str) -> Span | None:
         parent = self._attempt_span

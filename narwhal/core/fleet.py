@@ -27,16 +27,17 @@ class EngineState:
     __slots__ = (
         "breaker",
         "checked_at",
-        "epoch",
         "failed_as",
         "failed_with",
         "health_failures",
         "inflight",
         "inflight_gauges",
-        "pending",
+        "mark",
         "report",
         "scrape_failures",
+        "sent",
         "spec",
+        "unstarted",
         "up",
     )
 
@@ -57,18 +58,26 @@ class EngineState:
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
-        # this router's legs sent to it since ``report`` and not yet started (a prefill
-        # until it ends, a decode until its first token): the queue the report cannot show
-        # yet (SPEC 4.5); ``epoch`` counts reports, so a leg sent before one is not
-        # taken off the count that report reset
-        self.pending = 0
-        self.epoch = 0
+        # this router's legs to it, numbered as they are sent (``sent``), and the numbers of
+        # those not yet started (a prefill until it ends, a decode until its first token);
+        # ``mark``: how many had been sent when the scrape behind ``report`` went out. The
+        # legs after the mark and not started are the queue the report cannot show yet
+        # (SPEC 4.5); a leg sent while a scrape was on its way counts until the next one
+        self.sent = 0
+        self.unstarted: set[int] = set()
+        self.mark = 0
 
-    def note_report(self, report: EngineReport | None) -> None:
-        """A new account of its load (None: scraping stopped)."""
+    def note_report(self, report: EngineReport | None, mark: int = 0) -> None:
+        """A new account of its load, from a scrape sent when ``mark`` legs had been sent
+        (None: scraping stopped, and every leg not started counts again)."""
         self.report = report
-        self.pending = 0
-        self.epoch += 1
+        self.mark = mark if report is not None else 0
+
+    @property
+    def pending(self) -> int:
+        """Legs sent since the last report's scrape went out and not yet started."""
+        mark = self.mark
+        return sum(1 for number in self.unstarted if number > mark)
 
     def room(
         self, now: float, interval_s: float, waiting_limit: int, kv_limit: float, leg: Leg
@@ -78,7 +87,7 @@ class EngineState:
         fresh = report is not None and report.fresh(now, interval_s)
         return room_left(
             report.waiting if fresh and report is not None else None,
-            self.pending,
+            self.pending if fresh else len(self.unstarted),
             report.kv_usage if fresh and report is not None else None,
             waiting_limit=waiting_limit,
             kv_limit=kv_limit,
@@ -120,7 +129,7 @@ class EngineState:
         return {
             "saturated": self.saturation(now, interval_s, waiting_limit, kv_limit),
             "waiting_scraped": report.waiting if fresh and report is not None else None,
-            "sent_since_scrape": self.pending,
+            "sent_since_scrape": self.pending if fresh else len(self.unstarted),
             "waiting_limit": waiting_limit,
         }
 
@@ -176,20 +185,21 @@ class EngineState:
 class Reservation:
     """One in-flight leg on one engine, held for the leg's whole life."""
 
-    __slots__ = ("engine", "epoch", "leg", "on_change", "waiting")
+    __slots__ = ("engine", "leg", "number", "on_change", "waiting")
 
     def __init__(self, engine: EngineState, leg: Leg, on_change: Callable[[], None]) -> None:
         self.engine = engine
         self.leg = leg
         self.on_change = on_change  # room may have freed: the admission queue looks
-        self.epoch = engine.epoch
+        self.number = 0
         self.waiting = False
 
     async def __aenter__(self) -> EngineState:
         engine = self.engine
         engine.inflight[self.leg] += 1
-        self.epoch, self.waiting = engine.epoch, True
-        engine.pending += 1
+        engine.sent += 1
+        self.number, self.waiting = engine.sent, True
+        engine.unstarted.add(self.number)
         gauge = engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.inc()
@@ -199,8 +209,7 @@ class Reservation:
         """The engine runs it (a decode's first token): it no longer waits there."""
         if self.waiting:
             self.waiting = False
-            if self.epoch == self.engine.epoch:
-                self.engine.pending -= 1
+            self.engine.unstarted.discard(self.number)
             self.on_change()
 
     async def __aexit__(

@@ -67,6 +67,7 @@ class Scraper:
     async def scrape(self, engine: EngineState) -> bool:
         """One scrape of ``engine``; whether it gave a report."""
         client = self.router.background.checks_client()
+        mark = engine.sent  # legs sent from here on may not be in what it answers
         with trio.move_on_after(self.router.config.engine.health_timeout_s):
             try:
                 status, body = await client.get(engine.url, "/metrics")
@@ -78,7 +79,7 @@ class Scraper:
             except (RequestFault, ReportError):
                 pass
             else:
-                engine.note_report(report)
+                engine.note_report(report, mark)
                 engine.scrape_failures = 0
                 self._export(engine)
                 self.router.fleet.on_change()  # it may show room the queue waits for

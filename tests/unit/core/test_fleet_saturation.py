@@ -42,18 +42,23 @@ async def test_legs_not_yet_started_fill_an_engine_and_free_it_as_they_start() -
     assert changes == [1, 0]  # each leg's end told the queue
 
 
-async def test_a_scrape_replaces_what_it_has_seen_and_legs_sent_before_it_are_not_taken_twice() -> (
+async def test_a_scrape_replaces_what_it_has_seen_but_not_what_was_sent_while_it_travelled() -> (
     None
 ):
     fleet = _fleet("both")
     engine = fleet.by_id["e0"]
     async with fleet.reserve(engine, "decode") as _, fleet.reserve(engine, "prefill"):
         assert engine.pending == 2
-        engine.note_report(_report(waiting=1))  # the engine counts them, 1 still waiting
+        mark = engine.sent  # the scrape goes out now
+        async with fleet.reserve(engine, "prefill"):  # ... and this leg is sent meanwhile
+            engine.note_report(_report(waiting=1), mark)  # it counted the first two
+            assert engine.pending == 1
+            assert engine.room(0, INTERVAL, 3, KV, "prefill") == (1, None)  # 3 - (1 + 1)
         assert engine.pending == 0
-        assert engine.room(0, INTERVAL, LIMIT, KV, "prefill") == (1, None)
-    # legs sent before the report end: the count the report reset is not lowered again
-    assert engine.pending == 0
+    # without a usable report every leg not started counts again
+    async with fleet.reserve(engine, "prefill"), fleet.reserve(engine, "prefill"):
+        engine.note_report(None)
+        assert engine.room(0, INTERVAL, LIMIT, KV, "prefill") == (0, "waiting")
 
 
 async def test_a_decode_leaves_the_count_at_its_first_token() -> None:
@@ -103,7 +108,7 @@ def test_the_fleet_has_the_lesser_room_of_its_two_roles(
 ) -> None:
     fleet = _fleet(*(["prefill"] * len(producers)), *(["decode"] * len(consumers)))
     for i, w in enumerate([*producers, *consumers]):
-        fleet.by_id[f"e{i}"].note_report(_report(waiting=w))
+        fleet.by_id[f"e{i}"].note_report(_report(waiting=w))  # nothing sent: mark 0
     room = [sum(max(0, limit - w) for w in ws) for ws in (producers, consumers)]
     assert fleet.headroom(0, INTERVAL, limit, KV) == min(room)
 

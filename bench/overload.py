@@ -58,6 +58,7 @@ from peers import (
     start_fake_engine,
     tree_cpu,
 )
+from placement import warm_up
 
 from narwhal.engines.transport import ConnectFailed, Pool, TransportError, tcp_connect
 
@@ -159,10 +160,13 @@ class Run:
         thirds, at the moments when both tenants had a request waiting for its first token
         (sampled every 0.1 s)."""
         waits: dict[str, list[tuple[float, float]]] = {"big": [], "small": []}
+        served: dict[str, list[float]] = {"big": [], "small": []}  # their first tokens
         for o in self.outcomes:
             if o.arrival.tenant in waits and o.done_at is not None:
                 end = o.arrival.at + o.ttft if o.ttft is not None else o.done_at
                 waits[o.arrival.tenant].append((o.arrival.at, end))
+                if o.ttft is not None:  # a shed or failed request was not served
+                    served[o.arrival.tenant].append(end)
         # the overload phase less its first third, while the backlog builds
         start, length = phases[0][2] + phases[1][2] / 3, phases[1][2] * 2 / 3
         step, both, firsts = 0.1, 0, {"big": 0, "small": 0}
@@ -170,8 +174,8 @@ class Run:
         while t < start + length:
             if all(any(a <= t < b for a, b in spans) for spans in waits.values()):
                 both += 1
-                for tenant, spans in waits.items():
-                    firsts[tenant] += sum(1 for _, b in spans if t <= b < t + step)
+                for tenant, times in served.items():
+                    firsts[tenant] += sum(1 for b in times if t <= b < t + step)
             t += step
         if not both:
             return {"big": None, "small": None}
@@ -290,7 +294,7 @@ def measure(name: str, start: Any, arrivals: list[Arrival], cpu_at: float, tmp: 
             run.note = f"not measured: {exc}"[:200]
             return run
         try:
-            time.sleep(1.5)  # its first health checks and scrapes have landed
+            warm_up(url)  # connections open, first health checks and scrapes landed
             trio.run(replay, arrivals, url, run, proc.proc.pid, cpu_at)
         finally:
             proc.stop()

@@ -85,9 +85,13 @@ def small_consumer(fleet: Fleet) -> Iterator[Engine]:
         engine.stop()
 
 
-def _scalar(text: str, prefix: str) -> float:
+def _scalar(text: str, series: str) -> float:
+    """The sum of ``series`` over its label sets (not of the series whose names it begins:
+    vLLM also exports ``vllm:num_requests_waiting_by_reason``)."""
     return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((series + "{", series + " "))
     )
 
 
@@ -114,6 +118,8 @@ def test_what_the_consumer_has_no_room_for_waits_in_the_router(
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
     peaks = {"router_queued": 0.0, "engine_waiting": 0.0, "engine_running": 0.0}
+    timeline: list[tuple[float, float, float, float]] = []
+    start = time.monotonic()
     try:
         for t in threads:
             t.start()
@@ -122,21 +128,21 @@ def test_what_the_consumer_has_no_room_for_waits_in_the_router(
             # sampling gauges through the run, bounded by the clients' own timeout
             ours = http("GET", url + "/metrics", timeout=30)[1].decode()
             theirs = http("GET", small_consumer.url + "/metrics", timeout=30)[1].decode()
-            peaks["router_queued"] = max(
-                peaks["router_queued"], _scalar(ours, "narwhal_queue_depth{")
+            sample = (
+                _scalar(ours, "narwhal_queue_depth"),
+                _scalar(theirs, "vllm:num_requests_waiting"),
+                _scalar(theirs, "vllm:num_requests_running"),
             )
-            peaks["engine_waiting"] = max(
-                peaks["engine_waiting"], _scalar(theirs, "vllm:num_requests_waiting")
-            )
-            peaks["engine_running"] = max(
-                peaks["engine_running"], _scalar(theirs, "vllm:num_requests_running")
-            )
+            timeline.append((round(time.monotonic() - start, 2), *sample))
+            for key, value in zip(peaks, sample, strict=True):
+                peaks[key] = max(peaks[key], value)
             time.sleep(SAMPLE_S)
         for t in threads:
             t.join(timeout=30)
     finally:
         router.stop()
     print(f"\nflow control on real vLLM: peaks {peaks}, statuses {[s for s, _ in answers]}")
+    print("timeline (s, router queued, engine waiting, engine running):", timeline)
     assert len(answers) == CLIENTS
     assert all(status == 200 for status, _ in answers), answers
     assert all(a["usage"]["completion_tokens"] == TOKENS for _, a in answers)

@@ -60,6 +60,11 @@ kv_lease_s = {lease}
 first_token_timeout_s = {first_token}
 reclaim_orphans = {reclaim}
 health_timeout_s = 10.0
+
+# every client at once to the engines: the held decode legs are what this test makes, and
+# with the queue on the router would hold all but the first few, as a saturated consumer's
+[admission]
+queue = false
 """
 
 

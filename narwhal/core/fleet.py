@@ -31,13 +31,15 @@ class EngineState:
         "failed_with",
         "health_failures",
         "inflight",
+        "decoding",
+        "decoding_at_mark",
         "inflight_gauges",
         "mark",
+        "prefilling",
         "report",
         "scrape_failures",
         "sent",
         "spec",
-        "unstarted",
         "up",
     )
 
@@ -58,26 +60,40 @@ class EngineState:
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
-        # this router's legs to it, numbered as they are sent (``sent``), and the numbers of
-        # those not yet started (a prefill until it ends, a decode until its first token);
-        # ``mark``: how many had been sent when the scrape behind ``report`` went out. The
-        # legs after the mark and not started are the queue the report cannot show yet
-        # (SPEC 4.5); a leg sent while a scrape was on its way counts until the next one
+        # This router's legs to it that it has not started (SPEC 4.5), the queue a report
+        # cannot show yet or shows late (vLLM's gauges trail its requests by an engine
+        # step or more). A decode has started at its first token: every decode before it
+        # counts (``decoding``), and the report's waiting queue counts only beyond the ones
+        # it may hold already (``decoding_at_mark``, when its scrape went out). A prefill
+        # shows no start, only its end: those sent since the scrape went out count
+        # (numbered as sent; ``prefilling`` holds the numbers of those not ended, ``mark``
+        # how many had been sent when the scrape went out).
+        self.decoding = 0
+        self.decoding_at_mark = 0
         self.sent = 0
-        self.unstarted: set[int] = set()
+        self.prefilling: set[int] = set()
         self.mark = 0
 
-    def note_report(self, report: EngineReport | None, mark: int = 0) -> None:
-        """A new account of its load, from a scrape sent when ``mark`` legs had been sent
-        (None: scraping stopped, and every leg not started counts again)."""
+    def scrape_mark(self) -> tuple[int, int]:
+        """What the scrape going out now may count of ours (for ``note_report``)."""
+        return self.sent, self.decoding
+
+    def note_report(self, report: EngineReport | None, mark: tuple[int, int] = (0, 0)) -> None:
+        """A new account of its load, from a scrape sent at ``mark`` (``scrape_mark``);
+        None: scraping stopped, and every leg not started counts again."""
         self.report = report
-        self.mark = mark if report is not None else 0
+        self.mark, self.decoding_at_mark = mark if report is not None else (0, 0)
 
     @property
     def pending(self) -> int:
-        """Legs sent since the last report's scrape went out and not yet started."""
+        """This router's legs it has not started and its last report may not show: every
+        decode before its first token, the prefills sent since the scrape went out."""
         mark = self.mark
-        return sum(1 for number in self.unstarted if number > mark)
+        return self.decoding + sum(1 for number in self.prefilling if number > mark)
+
+    def _others_waiting(self, report: EngineReport) -> float:
+        """The report's waiting queue less what of it may be our own decodes."""
+        return max(0.0, report.waiting - self.decoding_at_mark)
 
     def room(
         self, now: float, interval_s: float, waiting_limit: int, kv_limit: float, leg: Leg
@@ -86,8 +102,8 @@ class EngineState:
         report = self.report
         fresh = report is not None and report.fresh(now, interval_s)
         return room_left(
-            report.waiting if fresh and report is not None else None,
-            self.pending if fresh else len(self.unstarted),
+            self._others_waiting(report) if fresh and report is not None else None,
+            self.pending if fresh else self.decoding + len(self.prefilling),
             report.kv_usage if fresh and report is not None else None,
             waiting_limit=waiting_limit,
             kv_limit=kv_limit,
@@ -129,7 +145,7 @@ class EngineState:
         return {
             "saturated": self.saturation(now, interval_s, waiting_limit, kv_limit),
             "waiting_scraped": report.waiting if fresh and report is not None else None,
-            "sent_since_scrape": self.pending if fresh else len(self.unstarted),
+            "ours_not_started": self.pending if fresh else self.decoding + len(self.prefilling),
             "waiting_limit": waiting_limit,
         }
 
@@ -186,6 +202,7 @@ class Reservation:
     """One in-flight leg on one engine, held for the leg's whole life."""
 
     __slots__ = ("engine", "leg", "number", "on_change", "waiting")
+    # number: a prefill's, as sent (``EngineState.prefilling``)
 
     def __init__(self, engine: EngineState, leg: Leg, on_change: Callable[[], None]) -> None:
         self.engine = engine
@@ -197,9 +214,13 @@ class Reservation:
     async def __aenter__(self) -> EngineState:
         engine = self.engine
         engine.inflight[self.leg] += 1
-        engine.sent += 1
-        self.number, self.waiting = engine.sent, True
-        engine.unstarted.add(self.number)
+        self.waiting = True
+        if self.leg == "decode":
+            engine.decoding += 1
+        else:
+            engine.sent += 1
+            self.number = engine.sent
+            engine.prefilling.add(self.number)
         gauge = engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.inc()
@@ -209,7 +230,10 @@ class Reservation:
         """The engine runs it (a decode's first token): it no longer waits there."""
         if self.waiting:
             self.waiting = False
-            self.engine.unstarted.discard(self.number)
+            if self.leg == "decode":
+                self.engine.decoding -= 1
+            else:
+                self.engine.prefilling.discard(self.number)
             self.on_change()
 
     async def __aexit__(

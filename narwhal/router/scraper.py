@@ -67,7 +67,7 @@ class Scraper:
     async def scrape(self, engine: EngineState) -> bool:
         """One scrape of ``engine``; whether it gave a report."""
         client = self.router.background.checks_client()
-        mark = engine.sent  # legs sent from here on may not be in what it answers
+        mark = engine.scrape_mark()  # legs sent from here on are not in what it answers
         with trio.move_on_after(self.router.config.engine.health_timeout_s):
             try:
                 status, body = await client.get(engine.url, "/metrics")

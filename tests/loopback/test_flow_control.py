@@ -94,7 +94,7 @@ async def test_a_full_queue_answers_429_queue_full_with_retry_after(
     assert view["queued"]["default"] == 1
     p0 = next(e for e in view["engines"] if e["id"] == "p0")
     assert p0["saturation"]["saturated"] == "waiting"
-    assert p0["saturation"]["sent_since_scrape"] == 1
+    assert p0["saturation"]["ours_not_started"] == 1
 
     refused = await h.post("/v1/completions", BODY)
     assert refused.status == 429

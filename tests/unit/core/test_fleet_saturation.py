@@ -42,14 +42,14 @@ async def test_legs_not_yet_started_fill_an_engine_and_free_it_as_they_start() -
     assert changes == [1, 0]  # each leg's end told the queue
 
 
-async def test_a_scrape_replaces_what_it_has_seen_but_not_what_was_sent_while_it_travelled() -> (
+async def test_a_scrape_replaces_the_prefills_it_saw_but_not_those_sent_while_it_travelled() -> (
     None
 ):
-    fleet = _fleet("both")
+    fleet = _fleet("prefill", "decode")
     engine = fleet.by_id["e0"]
-    async with fleet.reserve(engine, "decode") as _, fleet.reserve(engine, "prefill"):
+    async with fleet.reserve(engine, "prefill"), fleet.reserve(engine, "prefill"):
         assert engine.pending == 2
-        mark = engine.sent  # the scrape goes out now
+        mark = engine.scrape_mark()  # the scrape goes out now
         async with fleet.reserve(engine, "prefill"):  # ... and this leg is sent meanwhile
             engine.note_report(_report(waiting=1), mark)  # it counted the first two
             assert engine.pending == 1
@@ -59,6 +59,18 @@ async def test_a_scrape_replaces_what_it_has_seen_but_not_what_was_sent_while_it
     async with fleet.reserve(engine, "prefill"), fleet.reserve(engine, "prefill"):
         engine.note_report(None)
         assert engine.room(0, INTERVAL, LIMIT, KV, "prefill") == (0, "waiting")
+
+
+async def test_a_decode_counts_until_its_first_token_whatever_a_lagging_report_says() -> None:
+    fleet = _fleet("prefill", "decode")
+    consumer = fleet.by_id["e1"]
+    async with fleet.reserve(consumer, "decode"):
+        # the engine has not shown it yet (its gauges trail): it is still ours to count
+        consumer.note_report(_report(waiting=0), consumer.scrape_mark())
+        assert consumer.room(0, INTERVAL, LIMIT, KV, "decode") == (1, None)
+        # once shown, it is not counted twice, and another router's request is
+        consumer.note_report(_report(waiting=2), consumer.scrape_mark())
+        assert consumer.room(0, INTERVAL, 3, KV, "decode") == (1, None)  # 3 - (1 other + 1)
 
 
 async def test_a_decode_leaves_the_count_at_its_first_token() -> None:

@@ -27,12 +27,12 @@ class EngineState:
     __slots__ = (
         "breaker",
         "checked_at",
+        "decoding",
+        "decoding_at_mark",
         "failed_as",
         "failed_with",
         "health_failures",
         "inflight",
-        "decoding",
-        "decoding_at_mark",
         "inflight_gauges",
         "mark",
         "prefilling",
@@ -201,13 +201,20 @@ class EngineState:
 class Reservation:
     """One in-flight leg on one engine, held for the leg's whole life."""
 
-    __slots__ = ("engine", "leg", "number", "on_change", "waiting")
+    __slots__ = ("claim", "engine", "leg", "number", "on_change", "waiting")
     # number: a prefill's, as sent (``EngineState.prefilling``)
 
-    def __init__(self, engine: EngineState, leg: Leg, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        engine: EngineState,
+        leg: Leg,
+        on_change: Callable[[], None],
+        claim: DecodeClaim | None = None,
+    ) -> None:
         self.engine = engine
         self.leg = leg
         self.on_change = on_change  # room may have freed: the admission queue looks
+        self.claim = claim
         self.number = 0
         self.waiting = False
 
@@ -217,6 +224,8 @@ class Reservation:
         self.waiting = True
         if self.leg == "decode":
             engine.decoding += 1
+            if self.claim is not None:  # the same step: the room is never counted free
+                self.claim.handed()
         else:
             engine.sent += 1
             self.number = engine.sent
@@ -252,6 +261,39 @@ class Reservation:
             self.on_change()
 
 
+class DecodeClaim:
+    """A request between its prefill and its decode leg: its decode will take a consumer's
+    room, so the admission queue counts it before the leg is sent (a prefill's end must not
+    look like room for another request). Held by ``with``; handed over by the decode leg's
+    reservation, or given back when the attempt ends without one."""
+
+    __slots__ = ("fleet", "held")
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.held = False
+
+    def __enter__(self) -> DecodeClaim:
+        self.fleet.decodes_coming += 1
+        self.held = True
+        return self
+
+    def handed(self) -> None:
+        if self.held:
+            self.held = False
+            self.fleet.decodes_coming -= 1
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.held:  # no decode leg was sent: the room it held is free
+            self.handed()
+            self.fleet.on_change()
+
+
 class Fleet:
     def __init__(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
         self.engines: list[EngineState] = []
@@ -265,6 +307,7 @@ class Fleet:
         # (producer id, consumer id) pairs that moved KV: the consumer knows the producer
         self.paired: set[tuple[str, str]] = set()
         self.on_change: Callable[[], None] = _nothing  # a leg started or ended
+        self.decodes_coming = 0  # requests holding a DecodeClaim
         self.reload(specs, recovery)
 
     def reload(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
@@ -287,18 +330,25 @@ class Fleet:
         # prefix affinity's ring: a producer added or removed moves only its own keys
         self.ring = PrefixRing([e.id for e in self.producers])
 
-    def reserve(self, engine: EngineState, leg: Leg) -> Reservation:
-        return Reservation(engine, leg, self.on_change)
+    def reserve(
+        self, engine: EngineState, leg: Leg, claim: DecodeClaim | None = None
+    ) -> Reservation:
+        """A leg on ``engine``; a decode leg takes over its request's ``claim``."""
+        return Reservation(engine, leg, self.on_change, claim)
+
+    def claim_decode(self) -> DecodeClaim:
+        return DecodeClaim(self)
 
     def headroom(
         self, now: float, interval_s: float, waiting_limit: int, kv_limit: float
     ) -> int | None:
         """How many more requests the fleet takes before its placeable producers or its
         placeable consumers are saturated (SPEC 4.5): the lesser of the producers' summed
-        room and the consumers', where every prefill in flight takes a consumer's room
-        already (its decode leg follows within moments, and a decode sent to a full
-        consumer waits in its queue). None: a role has no placeable engine at all, which
-        is not saturation: the request goes on and is answered 503 at once."""
+        room and the consumers', where every request between its prefill and its decode
+        leg takes a consumer's room already (``DecodeClaim``: its decode follows within
+        moments, and a decode sent to a full consumer waits in its queue). None: a role
+        has no placeable engine at all, which is not saturation: the request goes on and
+        is answered 503 at once."""
         rooms = []
         for leg in LEGS:
             engines, _ = self.placeable(leg, now)
@@ -307,8 +357,7 @@ class Fleet:
             rooms.append(
                 sum(e.room(now, interval_s, waiting_limit, kv_limit, leg)[0] for e in engines)
             )
-        decodes_coming = sum(e.inflight["prefill"] for e in self.producers)
-        return max(0, min(rooms[0], rooms[1] - decodes_coming))
+        return max(0, min(rooms[0], rooms[1] - self.decodes_coming))
 
     def reserved(self) -> int:
         """Legs in flight across the fleet (0 after a drain)."""

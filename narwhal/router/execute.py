@@ -37,7 +37,7 @@ from narwhal.core.faults import (
     SilenceTimeout,
     faults_of,
 )
-from narwhal.core.fleet import EngineState, Fleet, Leg
+from narwhal.core.fleet import DecodeClaim, EngineState, Fleet, Leg
 from narwhal.core.handoff import Fate, Handoff, too_old
 from narwhal.core.lifecycle import Input, Lifecycle, State
 from narwhal.core.placement import choose
@@ -258,6 +258,7 @@ class RequestRun(RunRecord):
         self._echo: Echo | None = None  # a streamed echo (completions)
         self._attempt_span: Span | None = None  # the running attempt's, tracing on
         self._prefix: str | None = None  # the prompt prefix that keys producer affinity
+        self._claim: DecodeClaim | None = None  # the current attempt's, until its decode leg
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
@@ -385,7 +386,6 @@ class RequestRun(RunRecord):
     async def _attempt(self) -> None:
         """One prefill leg, one handoff, one decode leg; each leg's result feeds its
         engine's breaker (client errors and disconnects never do)."""
-        health = self.router.health
         attempt = AttemptLine(number=len(self.attempts) + 1, choice=self.choice)
         self.attempts.append(attempt)
         producer = self._place("prefill")
@@ -395,6 +395,12 @@ class RequestRun(RunRecord):
         self.router.fleet.turn += 1
         attempt.producer = producer.id
         self.lifecycle.advance(Input.PREFILL)
+        # from its prefill until its decode leg is sent, it holds a consumer's room already
+        with self.router.fleet.claim_decode() as self._claim:
+            await self._legs(producer, attempt)
+
+    async def _legs(self, producer: EngineState, attempt: AttemptLine) -> None:
+        health = self.router.health
         handoff_start = trio.current_time()
         try:
             result = await self._prefill(producer, attempt.number)
@@ -506,7 +512,7 @@ class RequestRun(RunRecord):
         decode_clock = trio.CancelScope(
             deadline=trio.current_time() + engine_cfg.first_token_timeout_s
         )
-        reservation = router.fleet.reserve(consumer, "decode")
+        reservation = router.fleet.reserve(consumer, "decode", self._claim)
         with decode_clock, faults_of(consumer.id, consumer.url):
             async with reservation, stream:
                 # the consumer took the request: reading the blocks is its job now

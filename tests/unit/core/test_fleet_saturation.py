@@ -4,6 +4,7 @@ fleet has in all."""
 
 from __future__ import annotations
 
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -125,10 +126,24 @@ def test_the_fleet_has_the_lesser_room_of_its_two_roles(
     assert fleet.headroom(0, INTERVAL, limit, KV) == min(room)
 
 
-async def test_a_prefill_in_flight_takes_a_consumer_s_room_before_its_decode_is_sent() -> None:
+def test_a_request_between_its_prefill_and_its_decode_holds_a_consumer_s_room() -> None:
     fleet = _fleet("prefill", "prefill", "decode")
+    consumer = fleet.by_id["e2"]
+    changes: list[int] = []
+    fleet.on_change = lambda: changes.append(fleet.decodes_coming)
     assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 2  # the one consumer's
-    async with fleet.reserve(fleet.by_id["e0"], "prefill"):
+    with fleet.claim_decode():
         assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 1
-        async with fleet.reserve(fleet.by_id["e1"], "prefill"):
+        with fleet.claim_decode() as claim:
             assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 0  # producers have room left
+            reservation = fleet.reserve(consumer, "decode", claim)
+
+            async def decode() -> None:
+                async with reservation:  # the decode leg takes the claim's room over
+                    assert (fleet.decodes_coming, consumer.decoding) == (1, 1)
+                    assert fleet.headroom(0, INTERVAL, LIMIT, KV) == 0
+
+            trio.run(decode)
+    # one claim went to its decode, one ended without: that one told the queue
+    assert fleet.decodes_coming == 0
+    assert changes[-1] == 0

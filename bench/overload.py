@@ -323,7 +323,7 @@ def table(rows: list[dict[str, Any]], phases: list[tuple[str, float, float]]) ->
             lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| target | goodput (all classes) | batch tenants, completions/s while both wait "
+        "| target | goodput (all classes) | batch tenants, first tokens/s while both wait "
         "(big / small) | router CPU per request at 0.5x, ms |",
         "|---|---|---|---|",
     ]

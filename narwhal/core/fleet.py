@@ -91,6 +91,10 @@ class EngineState:
         mark = self.mark
         return self.decoding + sum(1 for number in self.prefilling if number > mark)
 
+    def _ours(self, fresh: bool) -> int:
+        """Our legs not started that count: without a fresh report, every one."""
+        return self.pending if fresh else self.decoding + len(self.prefilling)
+
     def _others_waiting(self, report: EngineReport) -> float:
         """The report's waiting queue less what of it may be our own decodes."""
         return max(0.0, report.waiting - self.decoding_at_mark)
@@ -103,7 +107,7 @@ class EngineState:
         fresh = report is not None and report.fresh(now, interval_s)
         return room_left(
             self._others_waiting(report) if fresh and report is not None else None,
-            self.pending if fresh else self.decoding + len(self.prefilling),
+            self._ours(fresh),
             report.kv_usage if fresh and report is not None else None,
             waiting_limit=waiting_limit,
             kv_limit=kv_limit,
@@ -145,7 +149,7 @@ class EngineState:
         return {
             "saturated": self.saturation(now, interval_s, waiting_limit, kv_limit),
             "waiting_scraped": report.waiting if fresh and report is not None else None,
-            "ours_not_started": self.pending if fresh else self.decoding + len(self.prefilling),
+            "ours_not_started": self._ours(fresh),
             "waiting_limit": waiting_limit,
         }
 

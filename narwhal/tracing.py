@@ -187,9 +187,7 @@ class Ending:
 
 
 @contextmanager
-def ended(
-    span: Span | None, attrs: Callable[[], dict[str, Any]] | None = None
-) -> Iterator[Ending]:
+def ended(span: Span | None, attrs: Callable[[], dict[str, Any]] | None = None) -> Iterator[Ending]:
     """End ``span`` (None: tracing off, nothing to do) when the block exits: ``completed``;
     ``failed`` with the message of the fault it raised, or of the one it handled and told
     (``Ending.fail``); ``error`` for a bug of ours; ``cancelled`` for anything else (a

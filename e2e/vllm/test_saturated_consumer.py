@@ -7,7 +7,8 @@ than the consumer's room, so the router holds them (``narwhal_queue_depth`` on i
 ``/metrics``), the consumer's own waiting queue stays at or below the limit, and every
 request completes with all its tokens.
 
-Runs after test_differential (file order), before test_real_vllm kills the consumer.
+Runs last (file order): its second consumer pairs with the session's producer, and the
+suites before it never meet a consumer that has come and gone.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from peers import (
     pct,
     plot,
     serve_narwhal,
-    start_fake_engine,
+    start_fake_fleet,
     tree_cpu,
 )
 from placement import warm_up
@@ -267,19 +267,14 @@ TARGETS: list[tuple[str, Any]] = [
 
 
 def start_fleet(tmp: Path) -> tuple[list[Proc], dict[str, str]]:
-    procs, urls = [], {}
-    try:
-        for name, role in FLEET:
-            args = [*(PRODUCER if role == "prefill" else CONSUMER), "--engine-id", name]
-            args += ["--max-model-len", "65536", "--kv-lease-s", str(LEASE_S)]
-            proc, url = start_fake_engine(role, args, tmp / f"engine-{name}.log")
-            procs.append(proc)
-            urls[name] = url
-    except BaseException:
-        for proc in procs:
-            proc.stop()
-        raise
-    return procs, urls
+    lease = ["--kv-lease-s", str(LEASE_S)]
+    return start_fake_fleet(
+        [
+            (name, role, [*(PRODUCER if role == "prefill" else CONSUMER), *lease])
+            for name, role in FLEET
+        ],
+        tmp,
+    )
 
 
 def measure(name: str, start: Any, arrivals: list[Arrival], cpu_at: float, tmp: Path) -> Run:

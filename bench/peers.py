@@ -537,6 +537,25 @@ def start_fake_engine(role: str, args: list[str], log: Path) -> tuple[Proc, str]
     return proc, proc.wait_for_url("fake-engine")
 
 
+def start_fake_fleet(
+    engines: list[tuple[str, str, list[str]]], tmp: Path
+) -> tuple[list[Proc], dict[str, str]]:
+    """``narwhal fake-engine`` for each (name, role, arguments); (processes, URL by name).
+    Every one started is stopped again if a later one fails to start."""
+    procs, urls = [], {}
+    try:
+        for name, role, args in engines:
+            argv = [*args, "--max-model-len", "65536", "--engine-id", name]
+            proc, url = start_fake_engine(role, argv, tmp / f"engine-{name}.log")
+            procs.append(proc)
+            urls[name] = url
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return procs, urls
+
+
 def measure(scenario: Scenario, target: Target, engines: tuple[str, str], tmp: Path) -> Result:
     result = Result(target.name, scenario.name)
     if target.start is None:

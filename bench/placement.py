@@ -92,7 +92,7 @@ from peers import (
     plot,
     prefill_leg,
     serve_narwhal,
-    start_fake_engine,
+    start_fake_fleet,
 )
 
 from narwhal.engines.transport import ConnectFailed, Pool, TransportError, tcp_connect
@@ -401,19 +401,13 @@ def warm_up(url: str) -> None:
 
 
 def start_fleet(tmp: Path) -> tuple[list[Proc], dict[str, str]]:
-    procs, urls = [], {}
-    try:
-        for name, role, slowdown in FLEET:
-            args = [*(PRODUCER if role == "prefill" else CONSUMER), "--slowdown", str(slowdown)]
-            args += ["--max-model-len", "65536", "--engine-id", name]
-            proc, url = start_fake_engine(role, args, tmp / f"engine-{name}.log")
-            procs.append(proc)
-            urls[name] = url
-    except BaseException:
-        for proc in procs:
-            proc.stop()
-        raise
-    return procs, urls
+    return start_fake_fleet(
+        [
+            (name, role, [*(PRODUCER if role == "prefill" else CONSUMER), "--slowdown", str(slow)])
+            for name, role, slow in FLEET
+        ],
+        tmp,
+    )
 
 
 def measure(workload: Workload, target: str, start: Start, tmp: Path, seed: int) -> Run:

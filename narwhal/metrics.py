@@ -19,7 +19,7 @@ import os
 import sys
 from bisect import bisect_left
 from collections.abc import Iterable
-from typing import Any, get_args
+from typing import Any, Generic, TypeVar, get_args
 
 from prometheus_client import (
     CollectorRegistry,
@@ -68,6 +68,7 @@ ENDPOINTS = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
+M = TypeVar("M", Counter, Gauge, Histogram)
 # label sets come from the enums that the code records, so a new value is never unexported
 PHASES = tuple(p.value for p in Phase)
 BREAKER_CLASSES = tuple(c.value for c in BreakerClass if c is not BreakerClass.NONE)
@@ -111,18 +112,18 @@ class RequestBuckets:
         self._sum = 0.0
 
 
-class Children:
+class Children(Generic[M]):
     """A labelled metric's children, each made once by its label values: ``labels()``
     validates the values and takes the metric's lock on every call, and a request makes
     several. Only for metrics whose label sets are never removed (not the engines')."""
 
     __slots__ = ("_made", "_metric")
 
-    def __init__(self, metric: Counter) -> None:
-        self._metric = metric
-        self._made: dict[tuple[str, ...], Counter] = {}
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._made: dict[tuple[str, ...], M] = {}
 
-    def __call__(self, *values: str) -> Counter:
+    def __call__(self, *values: str) -> M:
         child = self._made.get(values)
         if child is None:
             child = self._made[values] = self._metric.labels(*values)
@@ -399,6 +400,10 @@ class Metrics:
         self.handoffs_of = Children(self.handoffs)
         self.disconnects_of = Children(self.disconnects)
         self.placements_of = Children(self.placements)
+        self.queue_dispatched_of = Children(self.queue_dispatched)
+        self.queue_wait_of = Children(self.queue_wait)
+        self.queue_depth_of = Children(self.queue_depth)
+        self.queue_shed_of = Children(self.queue_shed)
         self.model_generation_tokens = self.generation_tokens.labels(self.model)
         self.model_prompt_tokens = self.prompt_tokens.labels(self.model)
 

@@ -233,12 +233,12 @@ class Admission:
 
     def _observe(self, cls: Priority, waited: float) -> None:
         if self._metrics is not None:
-            self._metrics.queue_dispatched.labels(cls.value).inc()
-            self._metrics.queue_wait.labels(cls.value).observe(waited)
+            self._metrics.queue_dispatched_of(cls.value).inc()
+            self._metrics.queue_wait_of(cls.value).observe(waited)
 
     def _depth(self, cls: Priority, change: int) -> None:
         if self._metrics is not None:
-            self._metrics.queue_depth.labels(cls.value).inc(change)
+            self._metrics.queue_depth_of(cls.value).inc(change)
 
     def _shed(self, entry: Entry, exit: Exit) -> NotDispatched:
         """The fault that answers a request the queue let go without dispatching it."""
@@ -248,8 +248,8 @@ class Admission:
 
     def _count_shed(self, entry: Entry, exit: Exit, now: float) -> None:
         if self._metrics is not None:
-            self._metrics.queue_shed.labels(entry.cls.value, exit.value).inc()
-            self._metrics.queue_wait.labels(entry.cls.value).observe(max(0.0, now - entry.arrival))
+            self._metrics.queue_shed_of(entry.cls.value, exit.value).inc()
+            self._metrics.queue_wait_of(entry.cls.value).observe(max(0.0, now - entry.arrival))
 
     def view(self, serving: ServingConfig) -> dict[str, object]:
         """For ``/narwhal/engines``: the admitted count, the limit, the queue, per worker."""

@@ -69,6 +69,11 @@ class Clients:
         self.nursery.start_soon(run)
         await trio.testing.wait_all_tasks_blocked()
 
+    async def hold_the_producer(self) -> None:
+        """A request ("held") whose prefill hangs: the producer is full until it ends."""
+        self.fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
+        await self.send("held")
+
     async def wait_ended(self, rid: str) -> None:
         with trio.fail_after(60):
             await self.ended[rid].wait()
@@ -136,8 +141,7 @@ async def test_a_queued_request_holds_no_engine_leg_and_no_connection(
 ) -> None:
     fleet = await _fleet(nursery)
     clients = Clients(fleet, nursery)
-    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
-    await clients.send("held")
+    await clients.hold_the_producer()
     for n in range(5):
         await clients.send(f"q{n}")
     router = fleet.router
@@ -153,8 +157,7 @@ async def test_a_request_leaves_the_queue_after_max_queue_wait_s(
 ) -> None:
     fleet = await _fleet(nursery, AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=2.0))
     clients = Clients(fleet, nursery)
-    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
-    await clients.send("held")
+    await clients.hold_the_producer()
     start = trio.current_time()
     await clients.send("waits")
     await clients.wait_ended("waits")
@@ -171,8 +174,7 @@ async def test_a_request_leaves_when_its_deadline_could_not_cover_a_first_token(
     engine = EngineConfig(first_token_timeout_s=2.0)
     fleet = await _fleet(nursery, serving=serving, engine=engine)
     clients = Clients(fleet, nursery)
-    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
-    await clients.send("held")
+    await clients.hold_the_producer()
     await clients.send("waits")
     await clients.wait_ended("waits")
     when, status, message = clients.sinks["waits"].error

@@ -47,10 +47,12 @@ def classify(
     its ``api_keys_env`` entry names, if it names one."""
     priority = tenant = None
     for name, value in headers:
+        # a header sent twice means its values joined by a comma (RFC 9110 5.3): never a
+        # valid class or tenant, so the request is refused, never silently promoted
         if name == PRIORITY_HEADER:
-            priority = value.strip()
+            priority = value.strip() if priority is None else priority + b", " + value.strip()
         elif name == TENANT_HEADER:
-            tenant = value.strip()
+            tenant = value.strip() if tenant is None else tenant + b", " + value.strip()
     cls = Priority(config.default_class)
     if config.priority_from == "header" and priority is not None:
         found = _CLASSES.get(priority.lower())

@@ -77,13 +77,17 @@ class Admission:
     def configure(self, config: FleetConfig) -> None:
         """Limits for what comes next (start, reload); queued requests keep their place."""
         self._serving, self._flow = config.serving, config.admission
-        self._queue.max_queued = config.admission.max_queued
         self._queue.max_queue_wait_s = config.admission.max_queue_wait_s
         self.pump()
 
     def limit(self, serving: ServingConfig) -> int:
         """The dispatched requests this process runs at once."""
         return inflight_share(serving.max_inflight, self.worker_index, self.worker_count)
+
+    def queue_limit(self) -> int:
+        """The requests this process holds queued at once: its share of ``max_queued``,
+        as of ``max_inflight``, so that N workers together queue no more than one router."""
+        return inflight_share(self._flow.max_queued, self.worker_index, self.worker_count)
 
     def check(
         self, serving: ServingConfig, *, draining: bool, maintenance: bool, queues: bool = True
@@ -105,7 +109,7 @@ class Admission:
         if not self._flow.queue:
             full = self.admitted >= self.limit(serving)
         elif queues:
-            full = self.admitted >= self.limit(serving) + self._flow.max_queued
+            full = self.admitted >= self.limit(serving) + self.queue_limit()
         else:
             full = self.dispatched >= self.limit(serving)
         if full:
@@ -142,6 +146,7 @@ class Admission:
         self._seq += 1
         entry = Entry(self._seq, cls, tenant, arrival, deadline)
         now = trio.current_time()
+        self._queue.max_queued = self.queue_limit()  # the worker count is known by now
         verdict = self._queue.offer(entry, now)
         if isinstance(verdict, Refused):
             self._count_shed(entry, verdict.exit, now)
@@ -258,6 +263,7 @@ class Admission:
             "dispatched": self.dispatched,
             "queued": {cls.value: self._queue.depth(cls) for cls in Priority},
             "queue": self._flow.queue,
+            "max_queued": {"router": self._flow.max_queued, "this_worker": self.queue_limit()},
             "max_inflight": {
                 "router": serving.max_inflight,
                 "this_worker": self.limit(serving),
@@ -267,7 +273,7 @@ class Admission:
 
     def _at_limit(self, serving: ServingConfig) -> str:
         total = serving.max_inflight
-        queued = f" and {self._flow.max_queued} queued" if self._flow.queue else ""
+        queued = f" and max_queued={self._flow.max_queued}" if self._flow.queue else ""
         if self.worker_count == 1:
             return f"router is at max_inflight={total}{queued}; retry later"
         return (

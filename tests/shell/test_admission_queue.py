@@ -22,7 +22,8 @@ from narwhal.core.config import AdmissionConfig, EngineConfig, PlacementConfig, 
 from narwhal.core.flow import Priority
 from narwhal.core.requests import parse_request
 from narwhal.fake_engine.faults import Fault
-from tests.support.fleet import MODEL
+from narwhal.router.admission import Admission
+from tests.support.fleet import MODEL, fleet_config
 from tests.support.memory_fleet import MemoryFleet, RecordingSink, memory_fleet
 
 NO_SCRAPES = PlacementConfig(metrics_interval_s=0.0)
@@ -275,3 +276,21 @@ async def test_without_the_queue_every_request_goes_on_at_once(
     assert len(fleet.producer.log) == 4  # all on the engine, whose own queue holds them
     await drained(fleet)
     assert all(clients.line(f"r{n}").queued_s == 0.0 for n in range(4))
+
+
+def test_workers_share_max_queued_as_they_share_max_inflight() -> None:
+    """``--workers N`` behave as one router: together they queue no more than max_queued."""
+    config = fleet_config(
+        {"p0": ("http://127.0.0.1:1", "prefill")}, admission=AdmissionConfig(max_queued=3)
+    )
+    shares = []
+    for index in range(2):
+        admission = Admission()
+        admission.configure(config)
+        admission.worker_index, admission.worker_count = index, 2
+        shares.append(admission.queue_limit())
+        assert admission.view(config.serving)["max_queued"] == {
+            "router": 3,
+            "this_worker": shares[-1],
+        }
+    assert shares == [2, 1]

@@ -74,3 +74,12 @@ def test_with_priority_from_key_the_key_decides_and_the_header_is_ignored() -> N
 )
 def test_a_key_entry_may_name_its_class(entry: str, split: tuple[Priority | None, str]) -> None:
     assert split_key(entry) == split
+
+
+@pytest.mark.parametrize(
+    "header", [b"x-narwhal-priority", b"x-narwhal-tenant"], ids=["priority", "tenant"]
+)
+def test_a_header_sent_twice_is_a_400_not_its_last_value(header: bytes) -> None:
+    # two field lines mean their values joined by a comma (RFC 9110): "batch, interactive"
+    with pytest.raises(BadRequest, match=f"^{header.decode()}:"):
+        classify([(header, b"batch"), (header, b"interactive")], HEADER)

@@ -88,7 +88,11 @@ class KVStore:
         self.expire()
         reason = self._refusal(req)
         if reason:
-            self.counters[f"kv_pull_refused_{reason}"] += 1
+            # a release (a reclaim's, no transfer) is counted apart from a read: releasing
+            # blocks a decode already read is harmless (vLLM ignores a release it cannot
+            # match), reading them twice is not
+            kind = "kv_release_declined" if req.release_only else "kv_pull_refused"
+            self.counters[f"{kind}_{reason}"] += 1
             return PullReply(ok=False, reason=reason)
         lease = self.leases.pop(req.request_id)
         self._remember(req.request_id, req.consumer)

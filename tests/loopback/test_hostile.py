@@ -137,6 +137,7 @@ async def test_client_descriptors_never_reach_an_engine(nursery: trio.Nursery) -
         assert kv["remote_request_id"] in issued
     assert consumer.counters["kv_pull_failed"] == 0
     assert producer.counters["kv_pull_refused_forged"] == 0
+    assert producer.counters["kv_release_declined_forged"] == 0
     await finish(h)
 
 

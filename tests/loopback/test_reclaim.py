@@ -65,7 +65,10 @@ def consumers_of(harness: Harness) -> tuple[str, str]:
 
 
 def expired_reads(harness: Harness) -> int:
-    return sum(e.counters["kv_pull_refused_expired"] for e in harness.engines.values())
+    return sum(
+        e.counters["kv_pull_refused_expired"] + e.counters["kv_release_declined_expired"]
+        for e in harness.engines.values()
+    )
 
 
 # ---- every orphan source is reclaimed ---------------------------------------------------------

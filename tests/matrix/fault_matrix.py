@@ -212,12 +212,14 @@ SCENARIOS: list[Scenario] = [
     ),
     # flow control (invariant 11): two slots per engine and a queue that lets one leg wait
     # on each, so most requests wait in the router; some wait past max_queue_wait_s (429),
-    # some clients leave while queued
+    # the others' clients leave while they wait or stream
     Scenario(
         "saturated fleet, queued",
         engine_config={"slots": 2, "itl_s": 0.02},
         admission=AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=0.2),
-        max_tokens=12,
+        # a stream (40 tokens, 0.8 s) outlasts the client's patience (0.5 s): each request
+        # is shed, or cut while waiting or streaming, never finished as its client leaves
+        max_tokens=40,
         disconnect_after_s=0.5,
         expect="queued",
     ),
@@ -743,10 +745,16 @@ def _retries_after_output(legs: list[dict[str, Any]]) -> int:
 
 
 def _descriptor_misuse(engines: Any, legs: list[dict[str, Any]]) -> int:
-    """Descriptors pulled twice, never issued, forged or expired; client descriptors sent."""
+    """Descriptors pulled twice, never issued, forged or expired; client descriptors sent;
+    releases (reclaims) of descriptors never issued, forged or expired. A reclaim may
+    release a descriptor its decode leg already read, when the client left between the
+    consumer's read and its response head: harmless, and not a second use."""
     misuse = 0
     for engine in engines:
         misuse += sum(engine.counters[f"kv_pull_refused_{why}"] for why in _REFUSED)
+        misuse += sum(
+            engine.counters[f"kv_release_declined_{why}"] for why in _REFUSED if why != "reused"
+        )
     for leg in legs:
         kv = leg["body"].get("kv_transfer_params")
         if leg["prefill"] and kv != {"do_remote_decode": True}:

@@ -109,6 +109,13 @@ class Scenario:
     http2_every: int = 0
     journal: str = ""  # "" | "/dev/full" | "broken pipe"
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # its flow control
+    placement: PlacementConfig = PLACEMENT
+    long_every: int = 0  # every Nth request's prompt is long (about 250 tokens), else ~15
+
+
+# decode first: the short prompts are served by their consumers alone, the long ones by
+# a producer and a consumer, in one run
+MIXED = PlacementConfig(metrics_interval_s=0.25, local_prefill_tokens=64)
 
 
 def _on(engine: str, *faults: Fault) -> dict[str, tuple[Fault, ...]]:
@@ -223,6 +230,26 @@ SCENARIOS: list[Scenario] = [
         disconnect_after_s=0.5,
         expect="queued",
     ),
+    Scenario("local and P/D mixed", placement=MIXED, long_every=3),
+    Scenario(
+        "local and P/D mixed, consumer N tokens then close",
+        armed=_on("d0", _always(kind="tokens_then_close", tokens=3)),
+        placement=MIXED,
+        long_every=3,
+    ),
+    Scenario(
+        "local and P/D mixed, consumer no headers",
+        armed=_on("d0", _always(kind="hang", leg="decode")),
+        placement=MIXED,
+        long_every=3,
+    ),
+    Scenario(
+        "local and P/D mixed, one consumer failing 100%",
+        armed=_on("d0", _always(kind="status", status=500, leg="decode")),
+        placement=MIXED,
+        long_every=3,
+        expect="d0 ejected",
+    ),
     Scenario(
         "health 200 while inference hangs",
         armed=_on("d0", _always(kind="headers_then_silence")),
@@ -257,6 +284,8 @@ def _stalls(sc: Scenario, i: int) -> bool:
 def _body(sc: Scenario, i: int, tag: str) -> tuple[str, dict[str, Any], bool, bool]:
     stream, chat = i % 2 == 0, i % 4 in (1, 2)
     text = f"{tag} The quick brown fox jumps over the lazy dog"
+    if sc.long_every and i % sc.long_every == 0:
+        text = " ".join([text] * 20)
     max_tokens = sc.stall_tokens if _stalls(sc, i) else sc.max_tokens
     body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "stream": stream}
     if chat:
@@ -488,7 +517,7 @@ async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
             engine=ENGINE,
             recovery=RECOVERY,
             admission=sc.admission,
-            placement=PLACEMENT,
+            placement=sc.placement,
         )
         for eid in sc.stopped:
             h.engines[eid].stop()
@@ -819,14 +848,34 @@ def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
     saturated fleet queued requests and kept invariant 11."""
     if sc.expect == "queued":
         return _queue_kept(h, sc, problems)
+    mixed = _mixed(h, sc, problems)
     if not sc.expect.endswith("ejected"):
-        return ""
+        return mixed
     state = h.router.fleet.by_id["d0"]
     breaker = state.breaker.state.value
     ok = breaker in ("ejected", "probing")
     if not ok:
         problems.append(f"expected {sc.expect}, d0 is {breaker}")
-    return f"{sc.expect}: {'yes' if ok else 'NO'} ({breaker}, {state.breaker.ejections} ejections)"
+    ejected = (
+        f"{sc.expect}: {'yes' if ok else 'NO'} ({breaker}, {state.breaker.ejections} ejections)"
+    )
+    return f"{ejected}; {mixed}" if mixed else ejected
+
+
+def _mixed(h: Harness, sc: Scenario, problems: list[str]) -> str:
+    """Decode first: the run had local attempts (no producer leg, no descriptor) beside
+    disaggregated ones, and no local attempt's request id reached a producer."""
+    if not sc.placement.local_prefill_tokens:
+        return ""
+    attempts = [(line.request_id, a) for line in h.router.journal.lines for a in line.attempts]
+    local = {f"{rid}-a{a.number}" for rid, a in attempts if a.local}
+    remote = [a for _, a in attempts if not a.local and a.producer is not None]
+    if not local or not remote:
+        problems.append(f"{len(local)} local and {len(remote)} disaggregated attempts")
+    produced = {leg["request_id"].removesuffix("-prefill") for leg in _legs(h.engines.values())}
+    if local & produced:
+        problems.append(f"a local attempt reached a producer: {sorted(local & produced)[0]}")
+    return f"local {len(local)}, disaggregated {len(remote)}"
 
 
 def _queue_kept(h: Harness, sc: Scenario, problems: list[str]) -> str:

@@ -168,12 +168,14 @@ def warm_pair(producer: Engine, consumer: Engine) -> None:
     pytest.fail(f"no handoff {producer.name} -> {consumer.name} succeeded: {raw[:300]!r}")
 
 
-def serve_router(fleet: Fleet, name: str, fleet_text: str) -> Process:
-    """A router of its own on a fleet file of this text, ready; its ``url`` set."""
+def serve_router(fleet: Fleet, name: str, fleet_text: str, extra: tuple[str, ...] = ()) -> Process:
+    """A router of its own on a fleet file of this text (and ``extra`` arguments to
+    ``narwhal serve``), ready; its ``url`` set."""
     config = fleet.logs / f"{name}.toml"
     config.write_text(fleet_text)
     port = free_port()
     argv = [*fleet.router.argv[:3], "serve", "--config", str(config), "--port", str(port)]
+    argv += extra
     router = Process(name, argv, fleet.logs / f"{name}.log")
     router.start()
     router.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]

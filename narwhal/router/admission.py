@@ -49,7 +49,7 @@ class Ticket:
         self.woken = trio.Event()
 
 
-def _no_limit() -> int | None:
+def _no_limit(local: bool = False) -> int | None:
     return None
 
 
@@ -66,7 +66,8 @@ class Admission:
         self._drained.set()
         # the fleet's room (``Fleet.headroom``, bound by the router): how many more
         # requests it takes; None, a role with no placeable engine (the run answers 503)
-        self.headroom: Callable[[], int | None] = _no_limit
+        # (``local``: for a request its consumer serves alone, only the consumers' room)
+        self.headroom: Callable[[bool], int | None] = _no_limit
         self._serving = ServingConfig()
         self._flow = AdmissionConfig()
         self._queue = FlowQueue(self._flow.max_queued, self._flow.max_queue_wait_s)
@@ -135,12 +136,16 @@ class Admission:
 
     # ---- the queue -----------------------------------------------------------------------
 
-    async def dispatch(self, cls: Priority, tenant: str, arrival: float, deadline: float) -> float:
+    async def dispatch(
+        self, cls: Priority, tenant: str, arrival: float, deadline: float, *, local: bool = False
+    ) -> float:
         """Return when the request may go on to the engines, with the seconds it waited;
         raise ``NotDispatched`` (429, or 503 on SIGTERM) when it leaves the queue another
         way. A dispatched request calls ``done`` when it ends. The caller's cancellation
-        (its client left, its deadline) takes it out of the queue at once."""
-        if not self._flow.queue or (not self._tickets and self._room()):
+        (its client left, its deadline) takes it out of the queue at once. ``local``: its
+        consumer will serve it alone, so busy producers do not hold it back; once queued
+        it waits in the queue's order like any other (strict priority keeps its meaning)."""
+        if not self._flow.queue or (not self._tickets and self._room(local)):
             self._went(cls, 0.0)
             return 0.0
         self._seq += 1
@@ -226,10 +231,10 @@ class Admission:
         if exit is not Exit.DISPATCHED:  # counted now: its task may be cancelled before it runs
             self._count_shed(entry, exit, trio.current_time())
 
-    def _room(self) -> bool:
+    def _room(self, local: bool = False) -> bool:
         if self.dispatched >= self.limit(self._serving):
             return False
-        headroom = self.headroom()
+        headroom = self.headroom(local)
         return headroom is None or headroom > self._handed
 
     def _went(self, cls: Priority, waited: float) -> None:

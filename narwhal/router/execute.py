@@ -208,6 +208,11 @@ class RunRecord:
         """The prompt tokens the producers computed for this request (None: not known)."""
         return None
 
+    def surely_local(self) -> bool:
+        """Whether its consumer will serve it alone whatever it caches (SPEC 4.5: it then
+        needs a consumer's room only)."""
+        return False
+
     def journal_line(self) -> JournalLine:
         fault = self.fault
         attempts, ttft_s, first_byte_s, tokens = self.measures()
@@ -323,6 +328,7 @@ class RequestRun(RunRecord):
             "phase": record.phase,
             "retry": record.retry,
             "handoff": record.handoff,
+            "local": record.local,
             "tokens": self.tokens,
         }
 
@@ -392,6 +398,15 @@ class RequestRun(RunRecord):
         if self._prefix is None:  # once per request: every retry keys the same
             self._prefix = prefix_key(self.req.body, chat=self.req.chat)
         return self._prefix
+
+    def surely_local(self) -> bool:
+        """The whole prompt is under ``local_prefill_tokens``: local on any consumer."""
+        placement = self.config.placement
+        return (
+            placement.local_prefill_tokens > 0
+            and not wants_prompt_side(self.req.body)
+            and self._prompt_blocks().tokens < placement.local_prefill_tokens
+        )
 
     def _prompt_blocks(self) -> Prompt:
         if self._prompt is None:  # once per request: every attempt sees the same blocks

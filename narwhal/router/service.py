@@ -125,8 +125,9 @@ class Router:
         self.fleet.on_change = self.admission.pump  # a leg started or ended: room may free
         self.disconnects = 0
 
-    def _headroom(self) -> int | None:
-        """How many more requests the fleet takes before it is saturated (SPEC 4.5)."""
+    def _headroom(self, local: bool = False) -> int | None:
+        """How many more requests the fleet takes before it is saturated (SPEC 4.5);
+        ``local``: requests their consumers serve alone."""
         flow = self.config.admission
         return self.fleet.headroom(
             trio.current_time(),
@@ -134,7 +135,7 @@ class Router:
             flow.engine_waiting_limit,
             flow.kv_usage_limit,
             # busy producers send an attempt to its consumer alone: they hold nothing back
-            consumers_only=self.config.placement.local_prefill_when_busy,
+            consumers_only=local or self.config.placement.local_prefill_when_busy,
         )
 
     def engines_view(self) -> bytes:
@@ -251,7 +252,11 @@ class Router:
             dispatched = False
             try:
                 run.queued_s = await self.admission.dispatch(
-                    run.flow.cls, run.flow.tenant, run.arrival, self._dispatch_by(run)
+                    run.flow.cls,
+                    run.flow.tenant,
+                    run.arrival,
+                    self._dispatch_by(run),
+                    local=run.surely_local(),
                 )
                 dispatched = True
                 await run.execute()

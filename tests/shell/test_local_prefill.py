@@ -163,3 +163,24 @@ async def test_busy_producers_send_a_long_prompt_to_a_consumer_with_room(
     assert sink.events[-1][1] == "end", sink.events
     assert fleet.router.journal.lines[-1].attempts[0].local
     assert _decisions(fleet)["local_busy"] == 1
+
+
+async def test_busy_producers_hold_back_a_long_prompt_not_a_short_one(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(  # a consumer's room is held for the hung request's decode
+        nursery,
+        consumers=2,
+        placement=LOCAL,
+        admission=AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=5.0),
+    )
+    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
+    nursery.start_soon(fleet.request, LONG)  # holds the only producer: it is saturated
+    await fleet.producer.wait_logged(1)
+    short = await fleet.request(SHORT)
+    assert trio.current_time() == 0.0  # it did not wait
+    assert short.events[-1][1] == "end"
+    line = fleet.router.journal.lines[-1]
+    assert line.queued_s == 0.0 and line.attempts[0].local
+    waited = await fleet.request(LONG)
+    assert waited.error[1] == 429  # the producer stayed saturated past max_queue_wait_s

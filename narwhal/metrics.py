@@ -32,6 +32,7 @@ from prometheus_client import (
 )
 
 from narwhal.core.breaker import ProbeOutcome
+from narwhal.core.disaggregation import DECISIONS
 from narwhal.core.faults import BreakerClass, Phase
 from narwhal.core.fleet import LEGS
 from narwhal.core.flow import SATURATIONS, Exit, Priority
@@ -293,9 +294,16 @@ class Metrics:
         # placement (SPEC 4.4): each decision by its reason; each engine's own report
         self.placements = counter(
             "narwhal_placement_decisions",
-            "Legs placed, by leg and by why that engine: only, affinity, spill, "
-            "least_loaded, round_robin.",
+            "Legs placed, by leg and by why that engine: only, prefix_match, affinity, "
+            "spill, least_loaded, round_robin.",
             ("leg", "reason"),
+        )
+        self.disaggregation = counter(
+            "narwhal_disaggregation_decisions",
+            "Attempts placed decode first, by what was decided: local_short (the part of "
+            "the prompt its consumer does not hold was short), local_busy (every producer "
+            "was saturated), disaggregated.",
+            ("decision",),
         )
         self.engine_requests = gauge(
             "narwhal_engine_requests",
@@ -400,6 +408,7 @@ class Metrics:
         self.handoffs_of = Children(self.handoffs)
         self.disconnects_of = Children(self.disconnects)
         self.placements_of = Children(self.placements)
+        self.disaggregation_of = Children(self.disaggregation)
         self.queue_dispatched_of = Children(self.queue_dispatched)
         self.queue_wait_of = Children(self.queue_wait)
         self.queue_depth_of = Children(self.queue_depth)
@@ -427,6 +436,8 @@ class Metrics:
         for leg in LEGS:
             for why in REASONS:
                 self.placements.labels(leg, why)
+        for decision in DECISIONS:
+            self.disaggregation.labels(decision)
         for cls in CLASSES:
             self.queue_depth.labels(cls).set(0)
             self.queue_wait.labels(cls)

@@ -27,6 +27,7 @@ RestartPolicy: TypeAlias = Literal["individual", "whole_wave"]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 
 
@@ -129,6 +130,13 @@ class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True):
     prefix_affinity: bool = True  # producers chosen by prompt prefix, bounded by load
     # a producer may carry this times the mean load before its keys spill to the next
     affinity_load_factor: Annotated[float, Meta(ge=1.0)] = 1.25
+    # > 0: conditional disaggregation (decode first): a prompt whose part not cached on its
+    # consumer is estimated below this many tokens is prefilled by the consumer itself
+    local_prefill_tokens: NonNegativeInt = 0
+    # also prefill on the consumer when every producer is saturated and the consumer is not
+    local_prefill_when_busy: bool = False
+    # how long the router trusts that an engine still caches a prefix it sent there
+    prefix_index_ttl_s: PositiveFloat = 120.0
 
 
 Priority: TypeAlias = Literal["interactive", "default", "batch"]

@@ -16,6 +16,7 @@ from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
 from narwhal.core.flow import Saturation, room_left
 from narwhal.core.policies import PrefixRing
+from narwhal.core.prefix_index import PrefixIndex
 
 # the two legs of an attempt; an engine serves either, as its role allows
 Leg = Literal["prefill", "decode"]
@@ -312,12 +313,15 @@ class Fleet:
         self.paired: set[tuple[str, str]] = set()
         self.on_change: Callable[[], None] = _nothing  # a leg started or ended
         self.decodes_coming = 0  # requests holding a DecodeClaim
+        # what each engine is believed to cache (SPEC 4.4); its TTL is the router's to set
+        self.prefixes = PrefixIndex(ttl_s=120.0)
         self.reload(specs, recovery)
 
     def reload(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
         """Engines keep their state (breaker, in-flight counts) when id and URL stay; a
         removed engine leaves the lists, and its in-flight legs release on the old object."""
         engines = []
+        previous = set(map(id, self.engines))
         for spec in specs:
             state = self.by_id.get(spec.id)
             if state is None or state.spec.url != spec.url:
@@ -333,6 +337,8 @@ class Fleet:
         self.consumers = [e for e in engines if e.spec.can_decode]
         # prefix affinity's ring: a producer added or removed moves only its own keys
         self.ring = PrefixRing([e.id for e in self.producers])
+        # an engine replaced (a new URL) or removed starts from nothing cached
+        self.prefixes.keep_only(e.id for e in engines if id(e) in previous)
 
     def reserve(
         self, engine: EngineState, leg: Leg, claim: DecodeClaim | None = None
@@ -344,7 +350,13 @@ class Fleet:
         return DecodeClaim(self)
 
     def headroom(
-        self, now: float, interval_s: float, waiting_limit: int, kv_limit: float
+        self,
+        now: float,
+        interval_s: float,
+        waiting_limit: int,
+        kv_limit: float,
+        *,
+        consumers_only: bool = False,
     ) -> int | None:
         """How many more requests the fleet takes before its placeable producers or its
         placeable consumers are saturated (SPEC 4.5): the lesser of the producers' summed
@@ -352,16 +364,27 @@ class Fleet:
         leg takes a consumer's room already (``DecodeClaim``: its decode follows within
         moments, and a decode sent to a full consumer waits in its queue). None: a role
         has no placeable engine at all, which is not saturation: the request goes on and
-        is answered 503 at once."""
+        is answered 503 at once. ``consumers_only``: every request may be served by its
+        consumer alone when the producers are saturated (``local_prefill_when_busy``)."""
         rooms = []
-        for leg in LEGS:
+        for leg in ("decode",) if consumers_only else LEGS:
             engines, _ = self.placeable(leg, now)
             if not engines:
                 return None
             rooms.append(
                 sum(e.room(now, interval_s, waiting_limit, kv_limit, leg)[0] for e in engines)
             )
-        return max(0, min(rooms[0], rooms[1] - self.decodes_coming))
+        return max(0, min([*rooms[:-1], rooms[-1] - self.decodes_coming]))
+
+    def saturated(
+        self, leg: Leg, now: float, interval_s: float, waiting_limit: int, kv_limit: float
+    ) -> bool:
+        """Every placeable engine of ``leg``'s role is saturated (False when there is none:
+        that is no capacity, not saturation)."""
+        engines, _ = self.placeable(leg, now)
+        return bool(engines) and all(
+            e.room(now, interval_s, waiting_limit, kv_limit, leg)[0] <= 0 for e in engines
+        )
 
     def reserved(self) -> int:
         """Legs in flight across the fleet (0 after a drain)."""

@@ -4,9 +4,12 @@ The candidates are the placeable engines of the leg's role (``Fleet.placeable``)
 a retry must avoid are used only when nothing else is left; then:
 
 * one candidate: it (reason ``only``);
-* a producer with prefix affinity: the prompt prefix's home on the ring unless it carries
-  more than ``affinity_load_factor`` x the mean load, then the next under the bound
-  (``affinity``, ``spill``);
+* with prefix affinity, the engine the prefix index believes holds the longest leading part
+  of the prompt, among those under the load bound (``prefix_match``; equal matches go by
+  the ring's order for producers, by load for consumers);
+* else a producer with prefix affinity: the prompt prefix's home on the ring unless it
+  carries more than ``affinity_load_factor`` x the mean load, then the next under the bound
+  (``affinity``, ``spill``): a text never seen still lands on one producer;
 * ``least_loaded``: the lighter of two random candidates (``least_loaded``);
 * ``round_robin``: the next in rotation (``round_robin``).
 
@@ -25,10 +28,18 @@ from typing import Literal
 
 from narwhal.core.config import PlacementConfig
 from narwhal.core.fleet import EngineState, Leg
-from narwhal.core.policies import EngineLoad, PrefixRing, least_loaded
+from narwhal.core.policies import EngineLoad, PrefixRing, bound, least_loaded
+from narwhal.core.prefix_index import PrefixIndex, Prompt
 
-Reason = Literal["only", "affinity", "spill", "least_loaded", "round_robin"]
-REASONS: tuple[Reason, ...] = ("only", "affinity", "spill", "least_loaded", "round_robin")
+Reason = Literal["only", "prefix_match", "affinity", "spill", "least_loaded", "round_robin"]
+REASONS: tuple[Reason, ...] = (
+    "only",
+    "prefix_match",
+    "affinity",
+    "spill",
+    "least_loaded",
+    "round_robin",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +68,22 @@ def choose(
     prefer_not: str | None = None,
     key: str | None = None,
     ring: PrefixRing | None = None,
+    prompt: Prompt | None = None,
+    index: PrefixIndex | None = None,
 ) -> Choice | None:
     """The engine for ``leg`` and why; None when there are no candidates. ``key`` is the
-    request's prompt prefix (producers only), ``ring`` the producers' ring."""
+    request's prompt prefix (producers only), ``ring`` the producers' ring, ``prompt`` and
+    ``index`` the request's blocks and what each engine is believed to hold."""
     pool = [e for e in candidates if e.id not in avoid] or list(candidates)
     if len(pool) <= 1:
         return Choice(pool[0], "only") if pool else None
     consumer = leg == "decode"
     costs = {e.id: load_of(e, now, config.metrics_interval_s).cost(consumer=consumer) for e in pool}
+    if config.prefix_affinity and prompt is not None and index is not None:
+        order = ring.order(key) if ring is not None and key is not None and not consumer else []
+        held = longest_match(pool, costs, config.affinity_load_factor, prompt, index, now, order)
+        if held is not None:
+            return Choice(held, "prefix_match")
     if not consumer and config.prefix_affinity and key is not None and ring is not None:
         home, spilled = ring.choose(key, costs, config.affinity_load_factor)
         for engine in pool:
@@ -83,3 +102,31 @@ def choose(
     chosen = least_loaded(pool, rng, lambda e: (costs[e.id], *rotation(e)))
     assert chosen is not None  # the pool has two or more
     return Choice(chosen, "least_loaded")
+
+
+def longest_match(
+    pool: Sequence[EngineState],
+    costs: dict[str, float],
+    load_factor: float,
+    prompt: Prompt,
+    index: PrefixIndex,
+    now: float,
+    order: Sequence[str] = (),
+) -> EngineState | None:
+    """The engine under the load bound believed to hold the longest leading part of
+    ``prompt`` (None: no such engine holds a block of it). Equal matches go by ``order``
+    (the ring's, so a shared prefix stays on one producer while it may), then by load."""
+    limit = bound(list(costs.values()), load_factor)
+    rank = {engine_id: i for i, engine_id in enumerate(order)}
+    best: tuple[int, int, float] | None = None
+    chosen = None
+    for engine in pool:
+        if costs[engine.id] + 1 > limit:
+            continue
+        held = index.match(engine.id, prompt.blocks, now)
+        if not held:
+            continue
+        score = (-held, rank.get(engine.id, len(rank)), costs[engine.id])
+        if best is None or score < best:
+            best, chosen = score, engine
+    return chosen

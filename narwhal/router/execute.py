@@ -23,6 +23,8 @@ from narwhal import tracing
 from narwhal.core.classify import Flow
 from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
+from narwhal.core.disaggregation import Decision, decode_first, wants_prompt_side
+from narwhal.core.disaggregation import decide as decide_local
 from narwhal.core.faults import (
     BreakerClass,
     DeadlineExpired,
@@ -42,6 +44,7 @@ from narwhal.core.handoff import Fate, Handoff, too_old
 from narwhal.core.lifecycle import Input, Lifecycle, State
 from narwhal.core.placement import choose
 from narwhal.core.policies import prefix_key
+from narwhal.core.prefix_index import Prompt, prompt_of
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget, RetryDecision, decide
 from narwhal.engines.client import DecodeStream, EngineClient
@@ -258,7 +261,12 @@ class RequestRun(RunRecord):
         self._echo: Echo | None = None  # a streamed echo (completions)
         self._attempt_span: Span | None = None  # the running attempt's, tracing on
         self._prefix: str | None = None  # the prompt prefix that keys producer affinity
+        self._prompt: Prompt | None = None  # its blocks, for the prefix index
         self._claim: DecodeClaim | None = None  # the current attempt's, until its decode leg
+        placement = config.placement
+        # the prefix index is kept when placement reads it
+        self._indexing = placement.prefix_affinity or decode_first(placement)
+        self._reply: list[str] | None = None  # the generated text, for the index
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
@@ -367,6 +375,8 @@ class RequestRun(RunRecord):
             prefer_not=prefer_not,
             key=self._prefix_key() if leg == "prefill" else None,
             ring=fleet.ring,
+            prompt=self._prompt_blocks() if self.config.placement.prefix_affinity else None,
+            index=fleet.prefixes,
         )
         if choice is None:
             raise NoCapacity(
@@ -383,11 +393,25 @@ class RequestRun(RunRecord):
             self._prefix = prefix_key(self.req.body, chat=self.req.chat)
         return self._prefix
 
+    def _prompt_blocks(self) -> Prompt:
+        if self._prompt is None:  # once per request: every attempt sees the same blocks
+            self._prompt = prompt_of(self.req.body, chat=self.req.chat)
+        return self._prompt
+
     async def _attempt(self) -> None:
         """One prefill leg, one handoff, one decode leg; each leg's result feeds its
-        engine's breaker (client errors and disconnects never do)."""
+        engine's breaker (client errors and disconnects never do). Decode first: the
+        consumer is chosen before the producer, and the attempt may be local."""
         attempt = AttemptLine(number=len(self.attempts) + 1, choice=self.choice)
         self.attempts.append(attempt)
+        consumer = None
+        if decode_first(self.config.placement):
+            consumer = self._place("decode")
+            decision = self._disaggregation(consumer)
+            self.router.metrics.disaggregation_of(decision).inc()
+            if decision != "disaggregated":
+                await self._local(consumer, attempt)
+                return
         producer = self._place("prefill")
         if not self.router.fleet.placeable("decode", trio.current_time())[0]:
             # no consumer to decode: refuse now rather than pin KV nobody will read
@@ -397,9 +421,52 @@ class RequestRun(RunRecord):
         self.lifecycle.advance(Input.PREFILL)
         # from its prefill until its decode leg is sent, it holds a consumer's room already
         with self.router.fleet.claim_decode() as self._claim:
-            await self._legs(producer, attempt)
+            await self._legs(producer, attempt, consumer)
 
-    async def _legs(self, producer: EngineState, attempt: AttemptLine) -> None:
+    def _disaggregation(self, consumer: EngineState) -> Decision:
+        """Whether this attempt skips the remote prefill (SPEC 4.4, conditional
+        disaggregation). A request whose answer needs the prompt side the producer
+        computes (an echo, prompt logprobs, the prompt's token ids) always has it."""
+        if wants_prompt_side(self.req.body):
+            return "disaggregated"
+        placement, flow = self.config.placement, self.config.admission
+        now = trio.current_time()
+        prompt = self._prompt_blocks()
+        uncached = prompt.uncached(
+            self.router.fleet.prefixes.match(consumer.id, prompt.blocks, now)
+        )
+        limits = (placement.metrics_interval_s, flow.engine_waiting_limit, flow.kv_usage_limit)
+        busy = placement.local_prefill_when_busy and self.router.fleet.saturated(
+            "prefill", now, *limits
+        )
+        return decide_local(
+            uncached,
+            placement,
+            producers_saturated=busy,
+            consumer_saturated=busy and consumer.room(now, *limits, "decode")[0] <= 0,
+        )
+
+    async def _local(self, consumer: EngineState, attempt: AttemptLine) -> None:
+        """One leg to the consumer with no descriptor: it computes the prompt itself. Its
+        first token is bounded by the prefill and first-token budgets together."""
+        attempt.consumer, attempt.local = consumer.id, True
+        self.ttft_s = None  # no remote prefill: the journal's ttft_s is null
+        self.prefill_result = None
+        self.router.fleet.turn += 1
+        for step in (Input.PREFILL, Input.DESCRIPTOR, Input.DISPATCH):
+            self.lifecycle.advance(step)
+        engine_cfg = self.config.engine
+        budget = self.config.serving.prefill_timeout_s + engine_cfg.first_token_timeout_s
+        try:
+            await self._decode(consumer, None, attempt.number, first_token_s=budget)
+        except RequestFault as fault:
+            self.router.health.failure(consumer, fault, "decode", None)
+            raise
+        self.router.health.success(consumer)
+
+    async def _legs(
+        self, producer: EngineState, attempt: AttemptLine, consumer: EngineState | None
+    ) -> None:
         health = self.router.health
         handoff_start = trio.current_time()
         try:
@@ -408,18 +475,21 @@ class RequestRun(RunRecord):
             health.failure(producer, fault, "prefill", None)
             raise
         health.success(producer)
+        self._remember(producer, self._prompt_blocks() if self._indexing else None)
         self.prefill_result = result  # its prompt side is served with the answer (SPEC 3)
         self.ttft_s = self.elapsed
         self.lifecycle.advance(Input.DESCRIPTOR)
         handoff = Handoff(self.rid, attempt.number, producer.id, result, handoff_start)
         try:
-            consumer = self._place("decode", prefer_not=producer.id)
+            consumer = consumer or self._place("decode", prefer_not=producer.id)
             attempt.consumer = consumer.id
             self._check_handoff_age(handoff)
             self.lifecycle.advance(Input.DISPATCH)
             crossed = consumer is not producer
             try:
-                await self._decode(consumer, result if crossed else None, handoff)
+                await self._decode(
+                    consumer, result if crossed else None, attempt.number, handoff=handoff
+                )
             except RequestFault as fault:
                 # its reclaim goes elsewhere: a consumer that just failed this descriptor
                 # (stopped, refusing, sick) would most likely fail the reclaim too
@@ -479,27 +549,47 @@ class RequestRun(RunRecord):
             raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=producer.id)
 
     async def _decode(
-        self, consumer: EngineState, result: PrefillResult | None, handoff: Handoff
+        self,
+        consumer: EngineState,
+        result: PrefillResult | None,
+        number: int,
+        *,
+        handoff: Handoff | None = None,
+        first_token_s: float | None = None,
     ) -> None:
-        backend_id = f"{self.rid}-a{handoff.attempt}-decode"
+        backend_id = f"{self.rid}-a{number}-decode"
         span = self._leg_span("decode", consumer, backend_id)
+        budget = (
+            self.config.engine.first_token_timeout_s if first_token_s is None else first_token_s
+        )
 
         def at_end() -> dict[str, Any]:  # the decode's figures are known once it ended
             return {"tokens": self.tokens, "kv_transfer": result is not None}
 
         with tracing.ended(span, at_end):
-            await self._decode_leg(consumer, result, handoff, backend_id, span)
+            await self._decode_leg(consumer, result, handoff, backend_id, span, budget)
+        # it holds the prompt now, and what it generated: a next turn starts with both
+        self._remember(consumer, self._consumer_holds())
+
+    def _consumer_holds(self) -> Prompt | None:
+        if not self._indexing or self._reply is None:
+            return None
+        return prompt_of(self.req.body, chat=self.req.chat, reply="".join(self._reply))
+
+    def _remember(self, engine: EngineState, prompt: Prompt | None) -> None:
+        if prompt is not None:
+            self.router.fleet.prefixes.record(engine.id, prompt.blocks, trio.current_time())
 
     async def _decode_leg(
         self,
         consumer: EngineState,
         result: PrefillResult | None,
-        handoff: Handoff,
+        handoff: Handoff | None,
         backend_id: str,
         span: Span | None,
+        first_token_s: float,
     ) -> None:
         router = self.router
-        engine_cfg = self.config.engine
         stream = router.client.decode(
             consumer.url,
             self.req.endpoint,
@@ -509,26 +599,23 @@ class RequestRun(RunRecord):
             trace=self._leg_trace(span),
         )
         # decode_clock: first-token budget until the first token, then silence budget.
-        decode_clock = trio.CancelScope(
-            deadline=trio.current_time() + engine_cfg.first_token_timeout_s
-        )
+        decode_clock = trio.CancelScope(deadline=trio.current_time() + first_token_s)
         reservation = router.fleet.reserve(consumer, "decode", self._claim)
         with decode_clock, faults_of(consumer.id, consumer.url):
             async with reservation, stream:
-                # the consumer took the request: reading the blocks is its job now
-                handoff.fate = Fate.DECODED
+                if handoff is not None:  # the consumer took the request: reading the
+                    handoff.fate = Fate.DECODED  # blocks is its job now
                 await self._relay(stream, decode_clock, reservation.started)
                 return
         if not self.lifecycle.output_seen:
             raise FirstTokenTimeout(
-                f"no first token within {engine_cfg.first_token_timeout_s:g}s from engine "
-                f"{consumer.id}",
+                f"no first token within {first_token_s:g}s from engine {consumer.id}",
                 phase=Phase.DECODE,
                 engine_id=consumer.id,
             )
         raise SilenceTimeout(
             f"engine went silent between tokens: nothing from engine {consumer.id} for "
-            f"{engine_cfg.decode_read_timeout_s:g}s",
+            f"{self.config.engine.decode_read_timeout_s:g}s",
             phase=Phase.STREAM,
             engine_id=consumer.id,
         )
@@ -553,7 +640,10 @@ class RequestRun(RunRecord):
         reactor = self.router.reactor if direct is not None or collector is not None else None
         silence = self.config.engine.decode_read_timeout_s
         gaps = RequestBuckets(self.router.metrics.token_gap)
-        relay = StreamRelay(collector, strip_usage=not self.req.include_usage)
+        relay = StreamRelay(
+            collector, strip_usage=not self.req.include_usage, keep_reply=self._indexing
+        )
+        self._reply = relay.reply
         path = TokenPath(client, relay, clock, silence, gaps, reactor, started)
         try:
             end = await path.relay_all(stream)

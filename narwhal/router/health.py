@@ -94,6 +94,8 @@ class Health:
             self.router.fleet.on_change()  # the queue's view of the fleet changed
 
     def _ejected(self, engine: EngineState, fault: RequestFault) -> None:
+        # it comes back, if it does, restarted or not: nothing it cached is counted on
+        self.router.fleet.prefixes.forget(engine.id)
         self.router.events.record(
             "ejected",
             engine.id,

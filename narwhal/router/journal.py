@@ -52,6 +52,7 @@ class AttemptLine(msgspec.Struct, omit_defaults=True):
     phase: str | None = None
     retry: str | None = None  # the retry decision taken after this attempt failed
     handoff: str | None = None  # the KV descriptor's fate (narwhal.core.handoff.Fate)
+    local: bool = False  # served by its consumer alone: no producer leg, no KV transfer
 
 
 class Caller(msgspec.Struct, frozen=True):

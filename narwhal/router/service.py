@@ -88,6 +88,7 @@ class Router:
         )
         self.admin_keys = ApiKeys(config.serving.admin_keys_env, "serving.admin_keys_env")
         self.fleet = Fleet(config.engines, config.recovery)
+        self.fleet.prefixes.ttl_s = config.placement.prefix_index_ttl_s
         self.metrics = Metrics((e.id for e in self.fleet.engines), model=config.model)
         self._bind_gauges()
         self.journal = journal or Journal()
@@ -132,6 +133,8 @@ class Router:
             self.config.placement.metrics_interval_s,
             flow.engine_waiting_limit,
             flow.kv_usage_limit,
+            # busy producers send an attempt to its consumer alone: they hold nothing back
+            consumers_only=self.config.placement.local_prefill_when_busy,
         )
 
     def engines_view(self) -> bytes:
@@ -415,6 +418,7 @@ class Router:
         admin_keys = ApiKeys(new.serving.admin_keys_env, "serving.admin_keys_env")
         self.api_keys, self.admin_keys = api_keys, admin_keys
         self.config = new
+        self.fleet.prefixes.ttl_s = new.placement.prefix_index_ttl_s
         self.discovery.state.configure(new.discover)
         change = self._set_engines()
         self.admission.configure(new)

@@ -32,7 +32,7 @@ from typing import Protocol
 from msgspec import Struct
 
 from narwhal.core.faults import Phase, RequestFault, StreamBroken
-from narwhal.stream.events import Kind, classify, completion_tokens, parse_payload
+from narwhal.stream.events import Chunk, Kind, classify, completion_tokens, parse_payload
 from narwhal.stream.sse import DONE_FRAME, SSEError, SSEParser, frame
 
 
@@ -84,11 +84,21 @@ class StreamRelay:
         "_strip_usage",
         "generated",
         "output_started",
+        "reply",
         "tokens",
     )
 
-    def __init__(self, collector: Collector | None = None, *, strip_usage: bool = False) -> None:
+    def __init__(
+        self,
+        collector: Collector | None = None,
+        *,
+        strip_usage: bool = False,
+        keep_reply: bool = False,
+    ) -> None:
         self._collector = collector
+        # the first choice's generated text, kept for the prefix index (a consumer caches
+        # what it generated: the next turn of a conversation starts with it)
+        self.reply: list[str] | None = [] if keep_reply else None
         self._strip_usage = strip_usage and collector is None
         self._parser = SSEParser()
         self._held: list[bytes] = []  # framed metadata waiting for the first token
@@ -112,6 +122,8 @@ class StreamRelay:
                     return self._finish(out)
                 if classify(chunk) is Kind.TOKEN:
                     self.tokens += 1
+                    if self.reply is not None:
+                        _keep_text(chunk, self.reply)
                 elif chunk.usage is not None and not chunk.choices:  # the usage chunk
                     self.generated = completion_tokens(chunk.usage)
                     if self._strip_usage:
@@ -151,3 +163,12 @@ class StreamRelay:
         if self._collector is not None:
             return Finish(self._collector.body())
         return Finish(b"".join(out) + DONE_FRAME)
+
+
+def _keep_text(chunk: Chunk, reply: list[str]) -> None:
+    for choice in chunk.choices:
+        if choice.index == 0:
+            delta = choice.delta
+            text = choice.text if delta is None else delta.content
+            if text:
+                reply.append(text)

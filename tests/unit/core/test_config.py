@@ -72,6 +72,9 @@ def test_every_default() -> None:
         "metrics_interval_s": 1.0,
         "prefix_affinity": True,
         "affinity_load_factor": 1.25,
+        "local_prefill_tokens": 0,
+        "local_prefill_when_busy": False,
+        "prefix_index_ttl_s": 120.0,
     }
     assert fleet.engine_contract is None
 

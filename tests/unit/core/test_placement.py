@@ -12,6 +12,7 @@ from narwhal.core.config import EngineSpec, PlacementConfig, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
 from narwhal.core.fleet import Fleet, Leg
 from narwhal.core.placement import Choice, choose
+from narwhal.core.prefix_index import prompt_of
 
 LEAST = PlacementConfig(prefix_affinity=False)
 ROTATE = PlacementConfig(policy="round_robin", prefix_affinity=False)
@@ -184,3 +185,65 @@ async def test_reservations_release_on_every_exit_path() -> None:
     except RuntimeError:
         pass
     assert fleet.reserved() == 0
+
+
+def _held(fleet: Fleet, engine: str, text: str) -> None:
+    fleet.prefixes.record(engine, prompt_of({"prompt": text}, chat=False).blocks, 0.0)
+
+
+def _indexed(fleet: Fleet, leg: Leg, text: str, **kw: object) -> Choice:
+    pool = fleet.producers if leg == "prefill" else fleet.consumers
+    prompt = prompt_of({"prompt": text}, chat=False)
+    choice = choose(
+        pool,
+        leg,
+        AFFINITY,
+        rng=random.Random(0),
+        now=1.0,
+        key=text[:512],
+        ring=fleet.ring,
+        prompt=prompt,
+        index=fleet.prefixes,
+        **kw,  # type: ignore[arg-type]
+    )
+    assert choice is not None
+    return choice
+
+
+def test_both_legs_go_to_the_longest_indexed_match() -> None:
+    fleet = _fleet("prefill", "prefill", "decode", "decode", "decode")
+    shared = "s" * 1024
+    _held(fleet, "e0", shared)
+    _held(fleet, "e1", shared + "t" * 640)  # the conversation's last turn went here
+    _held(fleet, "e3", shared + "t" * 640 + "reply" * 40)
+    text = shared + "t" * 640 + "reply" * 40 + "next question"
+    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id["e1"], "prefix_match")
+    assert _indexed(fleet, "decode", text) == Choice(fleet.by_id["e3"], "prefix_match")
+
+
+def test_a_match_over_the_load_bound_falls_back() -> None:
+    fleet = _fleet("decode", "decode", "decode")
+    text = "q" * 2048
+    _held(fleet, "e0", text)
+    fleet.by_id["e0"].inflight["decode"] = 9  # far over the mean and the lightest + 4
+    choice = _indexed(fleet, "decode", text)
+    assert choice.engine.id != "e0"
+    assert choice.reason == "least_loaded"
+
+
+def test_a_text_never_seen_still_goes_by_the_ring() -> None:
+    fleet = _fleet("prefill", "prefill", "prefill")
+    text = "never seen " * 100
+    assert _indexed(fleet, "prefill", text).reason == "affinity"
+    assert _indexed(fleet, "prefill", text).engine.id == fleet.ring.order(text[:512])[0]
+
+
+def test_equal_matches_keep_the_ring_order_for_producers() -> None:
+    fleet = _fleet("prefill", "prefill", "prefill")
+    text = "system prompt " * 100
+    for engine in ("e0", "e1", "e2"):
+        _held(fleet, engine, text)
+    home = fleet.ring.order(text[:512])[0]
+    assert _indexed(fleet, "prefill", text + " a question") == Choice(
+        fleet.by_id[home], "prefix_match"
+    )

@@ -1,0 +1,169 @@
+"""The approximate prefix index (SPEC 4.4), pure: what the router believes each engine caches.
+
+Per engine, the chained hashes of the fixed-size blocks of what the router sent there and
+what came back: a producer holds a prompt's blocks, a consumer the prompt's and its
+generated output's (vLLM caches both). Text is cut into ``BLOCK_BYTES`` of UTF-8 (about
+vLLM's 16-token block at 4 bytes a token), token-id prompts into ``BLOCK_TOKENS`` ids. A
+block's hash chains the hash of the block before it, so a block matches only under the
+same whole prefix, as in vLLM's prefix caching. Chat is a canonical serialization of the
+messages in order (``chat_text``): the next turn of a conversation (its messages, the
+assistant's reply, a new message) starts with the previous turn's text and its reply.
+
+Nothing here is exact, it is the router's belief: entries expire after ``ttl_s``, and each
+engine's index is an LRU of at most ``max_blocks`` blocks (the oldest first, and within one
+text its tail before its head, as vLLM's free-block queue evicts). Because a text's blocks
+are recorded together, its head last (the most recent), the blocks an engine holds of any
+prompt are always a leading run: a match is found by bisection. Hashes are Python's
+``hash`` of (parent, block): per process, which is all the index needs (each worker keeps
+its own belief). Memory: ``bench/prefix_index_memory.py``, figures in ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+BLOCK_BYTES = 64  # a text block: about vLLM's 16-token block
+BLOCK_TOKENS = 16  # a token-id block: vLLM's default block size
+BYTES_PER_TOKEN = 4  # the estimate of a text's tokens (SPEC 4.4)
+MAX_BLOCKS = 65536  # per engine: 4 MiB of text, about a million tokens of KV
+_TEXT_ROOT = 0x5BD1E995  # the parent of a text's first block
+_TOKEN_ROOT = 0x27D4EB2F  # ... of a token-id prompt's: never equal to a text's chain
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What the index knows of one request's prompt: its blocks and its estimated tokens."""
+
+    blocks: tuple[int, ...]
+    tokens: int  # token-id prompts exactly; text as UTF-8 bytes / 4
+
+    def uncached(self, matched_blocks: int) -> int:
+        """The tokens left to compute when an engine holds ``matched_blocks`` of it."""
+        return max(0, self.tokens - matched_blocks * BLOCK_TOKENS)
+
+
+def text_blocks(data: bytes) -> tuple[int, ...]:
+    """The chained hashes of the full ``BLOCK_BYTES`` blocks of ``data``."""
+    out = []
+    parent = _TEXT_ROOT
+    for start in range(0, len(data) - len(data) % BLOCK_BYTES, BLOCK_BYTES):
+        parent = hash((parent, data[start : start + BLOCK_BYTES]))
+        out.append(parent)
+    return tuple(out)
+
+
+def token_blocks(ids: Sequence[int]) -> tuple[int, ...]:
+    """The chained hashes of the full ``BLOCK_TOKENS`` blocks of a token-id prompt."""
+    out = []
+    parent = _TOKEN_ROOT
+    for start in range(0, len(ids) - len(ids) % BLOCK_TOKENS, BLOCK_TOKENS):
+        parent = hash((parent, *ids[start : start + BLOCK_TOKENS]))
+        out.append(parent)
+    return tuple(out)
+
+
+def _content(content: Any) -> str:
+    if isinstance(content, list):  # content parts: their text, in order
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _message(role: str, content: str) -> str:
+    # record and unit separators: a role or text can hardly make another message's shape
+    return f"\x1e{role}\x1f{content}"
+
+
+def chat_text(messages: Iterable[Any], reply: str | None = None) -> str:
+    """The canonical serialization of chat messages, and of the assistant's ``reply`` when
+    given: a conversation's next turn starts with exactly this text."""
+    parts = [
+        _message(str(m.get("role", "")), _content(m.get("content")))
+        for m in messages
+        if isinstance(m, dict)
+    ]
+    if reply is not None:
+        parts.append(_message("assistant", reply))
+    return "".join(parts)
+
+
+def prompt_of(body: Mapping[str, Any], *, chat: bool, reply: str | None = None) -> Prompt:
+    """A request's prompt as the index sees it; with ``reply``, the prompt followed by the
+    output generated for it (what a consumer holds afterwards). A token-id prompt's output
+    is not known as ids: its blocks are the prompt's alone."""
+    if chat:
+        messages = body.get("messages")
+        return _text(chat_text(messages if isinstance(messages, list) else (), reply))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return Prompt(token_blocks(prompt), len(prompt))
+    if isinstance(prompt, list):  # several prompts (a fan-out's parent): the first keys it
+        prompt = prompt[0] if prompt else ""
+    return _text(str(prompt or "") + (reply or ""))
+
+
+def _text(text: str) -> Prompt:
+    data = text.encode("utf-8", "surrogatepass")
+    return Prompt(text_blocks(data), -(-len(data) // BYTES_PER_TOKEN))
+
+
+class PrefixIndex:
+    """Per engine, an LRU of block hashes with the time each was last recorded."""
+
+    def __init__(self, ttl_s: float, max_blocks: int = MAX_BLOCKS) -> None:
+        self.ttl_s = ttl_s
+        self.max_blocks = max_blocks
+        self._engines: dict[str, OrderedDict[int, float]] = {}
+
+    def record(self, engine_id: str, blocks: Sequence[int], now: float) -> None:
+        """``engine_id`` computed (or received) these blocks now: its tail is touched first,
+        its head last, so the head is evicted last."""
+        if not blocks:
+            return
+        lru = self._engines.setdefault(engine_id, OrderedDict())
+        for block in reversed(blocks):
+            lru[block] = now
+            lru.move_to_end(block)
+        self._expire(lru, now)
+        while len(lru) > self.max_blocks:
+            lru.popitem(last=False)
+
+    def match(self, engine_id: str, blocks: Sequence[int], now: float) -> int:
+        """How many leading blocks of ``blocks`` the engine is believed to hold."""
+        lru = self._engines.get(engine_id)
+        if not lru or not blocks:
+            return 0
+        oldest = now - self.ttl_s
+        lo, hi = 0, len(blocks)  # blocks[:lo] held; blocks[hi:] not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            at = lru.get(blocks[mid - 1])
+            if at is not None and at > oldest:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def forget(self, engine_id: str) -> None:
+        """The engine left, or restarted: whatever it cached is gone."""
+        self._engines.pop(engine_id, None)
+
+    def keep_only(self, engine_ids: Iterable[str]) -> None:
+        """Drop the index of every engine not among ``engine_ids`` (a reload removed it)."""
+        keep = set(engine_ids)
+        for gone in [e for e in self._engines if e not in keep]:
+            del self._engines[gone]
+
+    def size(self, engine_id: str) -> int:
+        """Blocks held for ``engine_id``, expired ones not yet dropped included."""
+        return len(self._engines.get(engine_id, ()))
+
+    def _expire(self, lru: OrderedDict[int, float], now: float) -> None:
+        oldest = now - self.ttl_s
+        while lru:
+            block, at = next(iter(lru.items()))
+            if at > oldest:
+                return
+            del lru[block]

@@ -882,7 +882,9 @@ def cd_cells(r: dict[str, Any]) -> list[str]:
     """One row of a conditional workload's table: "—" where a figure does not apply (legs
     saved: the peers, and ours before conditional disaggregation; KV MiB: engines that do
     not export the bytes)."""
-    saved = r["legs_saved"]
+    saved, decided = r["legs_saved"], r["legs_decided"]
+    # no decisions: our router placed nothing decode first (local_prefill_tokens = 0)
+    legs = "—" if saved is None else f"{saved:.0f} of {decided:.0f}" if decided else "0"
     return [
         r["target"],
         fmt(r["ttft_p50_ms"], 1, 1),
@@ -890,7 +892,7 @@ def cd_cells(r: dict[str, Any]) -> list[str]:
         fmt(r["ttft_short_p50_ms"], 1, 1),
         fmt(r["ttft_long_p99_ms"], 1, 1),
         fmt(r["itl_p99_ms"], 1, 1),
-        "—" if saved is None else f"{saved:.0f} of {r['legs_decided']:.0f}",
+        legs,
         fmt(r["kv_pulls"], 1, 0),
         fmt(r["kv_mib"], 1, 1),
         percent(r["hit_rate"]),

@@ -3,9 +3,11 @@
 What it models, all of it off by default (the engine then answers as fast as it always did):
 concurrent slots with a FIFO queue behind them (``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting``), prefill time proportional to the prompt tokens the prefix
-cache does not hold, and a per-engine ``slowdown`` on every modelled compute time (prefill and
-the delay between generated tokens; a KV transfer is the link's speed and is not scaled).
-The engine does the waiting; this module only decides how long.
+cache does not hold, a KV pull's time per prompt block the consumer's prefix cache does not
+hold, decode streams slowed while the same engine computes prompts (prefill interference:
+why one disaggregates at all), and a per-engine ``slowdown`` on every modelled compute time
+(prefill and the delay between generated tokens; a KV transfer is the link's speed and is
+not scaled). The engine does the waiting; this module only decides how long.
 
 Tokenisation is the fake engine's usual one (``generation.prompt_of``): a token per
 whitespace-separated word of the prompt (a word's id is its CRC-32), a list of token ids as
@@ -16,6 +18,14 @@ prefix caching. Only full blocks are cached, and a hit never covers the last pro
 (vLLM recomputes it to get the first output's logits). The cache is an LRU of block hashes:
 after a prompt is computed its blocks are touched from the last to the first, so the
 oldest prompt's tail is evicted first and its head last, as vLLM's free-block queue does.
+
+Every role has the cache. A consumer caches a prompt it pulled (the blocks are then in its
+KV cache as if computed) and, after a generation that ran to its end, the prompt followed
+by the reply (``reply_tokens``): vLLM keeps the output's blocks too, so the next turn of a
+chat (its messages, the assistant's reply as the client read it, a new message) hits the
+cache through the reply. A pull moves only the blocks the consumer does not already hold,
+as vLLM's NIXL connector loads only what is not computed locally; ``KV_BYTES_PER_BLOCK``
+turns blocks into the bytes ``vllm:nixl_bytes_transferred`` reports.
 Blocks are hashed with Python's ``hash`` of int tuples, which does not depend on
 ``PYTHONHASHSEED``.
 """
@@ -29,6 +39,11 @@ from collections.abc import Sequence
 from typing import Any
 
 BLOCK_TOKENS = 16  # vLLM's default block size
+# A nominal block's KV in bytes, only for vllm:nixl_bytes_transferred: an 8B model in bf16
+# shaped like Llama-3-8B (32 layers x K and V x 8 KV heads x 128 dims x 2 bytes: 128 KiB a
+# token), 16 tokens a block: 2 MiB. Benches compare it with real engines' bytes, so it is a
+# plausible size rather than the fake's (which moves no KV at all).
+KV_BYTES_PER_BLOCK = BLOCK_TOKENS * 32 * 2 * 8 * 128 * 2
 _ROOT = 0x9E3779B97F4A7C15  # the parent hash of the first block
 
 
@@ -55,6 +70,28 @@ def prompt_tokens(body: dict[str, Any], chat: bool) -> list[int]:
             return list(prompt)
         prompt = " ".join(map(str, prompt))
     return list(map(_word_id, str(prompt).split())) or [0]
+
+
+def reply_tokens(body: dict[str, Any], chat: bool, prompt_text: str, reply: str) -> list[int]:
+    """The tokens a finished generation leaves in the cache: the prompt, then ``reply`` (the
+    text the client read), tokenised as the client's next request will be. Chat: the
+    messages and an assistant message whose content is the reply (its header is the
+    generation prompt). Completions: the prompt text (``prompt_text``, one prompt of the
+    request) followed by the reply, so a word the reply continues is one token, as when the
+    client sends both back; a prompt of token ids keeps its ids, the reply's words follow."""
+    if chat:
+        turn = {"role": "assistant", "content": reply}
+        return prompt_tokens({"messages": [*(body.get("messages") or []), turn]}, True)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return [*prompt, *map(_word_id, reply.split())]
+    return prompt_tokens({"prompt": prompt_text + reply}, False)
+
+
+def prompt_blocks(prompt_tokens: int) -> int:
+    """The blocks a descriptor names for a prompt: a partly filled last block counts, and a
+    producer holds at least one (``KVStore.issue``)."""
+    return max(1, -(-prompt_tokens // BLOCK_TOKENS))
 
 
 def block_hashes(tokens: Sequence[int], limit: int | None = None) -> list[int]:
@@ -86,16 +123,23 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int]) -> int:
         """How many leading prompt tokens are cached (whole blocks, never the last token);
         counted in ``queries`` and ``hits``. Looking up touches nothing."""
+        return self.probe(tokens)[0]
+
+    def probe(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """``lookup``'s hit, and how many leading full blocks the cache holds: all of them
+        when the prompt fills its last block and every block is cached. The hit leaves the
+        last token to compute (its logits); a KV pull needs only the blocks not held."""
         if not self.enabled:
-            return 0
-        hit = 0
-        for block in block_hashes(tokens, len(tokens) - 1):
+            return 0, 0
+        held = 0
+        for block in block_hashes(tokens):
             if block not in self.blocks:
                 break
-            hit += 1
+            held += 1
+        hit = min(held, (len(tokens) - 1) // BLOCK_TOKENS) if tokens else 0
         self.queries += len(tokens)
         self.hits += hit * BLOCK_TOKENS
-        return hit * BLOCK_TOKENS
+        return hit * BLOCK_TOKENS, held
 
     def insert(self, tokens: Sequence[int]) -> None:
         """The prompt has been computed: its full blocks become the most recently used, the
@@ -116,6 +160,20 @@ def prefill_seconds(
     """Time to compute ``uncached_tokens`` prompt tokens (``--prefill-ms-per-token`` and the
     older ``--prefill-delay-per-token-s`` add up), times the engine's slowdown."""
     return uncached_tokens * (ms_per_token / 1000 + s_per_token) * slowdown
+
+
+def pull_seconds(blocks: int, fixed_s: float, ms_per_block: float) -> float:
+    """Time to pull ``blocks`` KV blocks: the fixed ``transfer_delay_s`` (the handshake and
+    the producer's notification, paid even when nothing moves) plus ``--kv-ms-per-block``
+    for each block moved. The link's speed: no slowdown."""
+    return fixed_s + blocks * ms_per_block / 1000
+
+
+def interfered_itl(itl_s: float, interference: float, computing: int) -> float:
+    """The delay before a decode stream's next token while ``computing`` prompts are being
+    computed on the same engine: prefill steps share the batch with decode steps, so each
+    one stretches every running stream's steps (``--prefill-interference``)."""
+    return itl_s * (1 + interference * computing)
 
 
 # ---- the command line (``narwhal fake-engine``) ----------------------------------------------
@@ -163,6 +221,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix cache (LRU) capacity in 16-token prompt blocks (0: no cache)",
     )
     parser.add_argument(
+        "--kv-ms-per-block",
+        type=_non_negative,
+        default=0.0,
+        help="KV pull time per 16-token prompt block the consumer's prefix cache does not "
+        "hold, in ms (the link's speed: not scaled by --slowdown)",
+    )
+    parser.add_argument(
+        "--prefill-interference",
+        type=_non_negative,
+        default=0.0,
+        help="while prompts are computed here, each running stream's delay between tokens "
+        "is multiplied by 1 + this x the prompts being computed (0: no interference)",
+    )
+    parser.add_argument(
         "--slowdown",
         type=_positive,
         default=1.0,
@@ -176,5 +248,7 @@ def config_fields(args: argparse.Namespace) -> dict[str, Any]:
         "slots": args.slots,
         "prefill_ms_per_token": args.prefill_ms_per_token,
         "prefix_cache_blocks": args.prefix_cache_blocks,
+        "kv_ms_per_block": args.kv_ms_per_block,
+        "prefill_interference": args.prefill_interference,
         "slowdown": args.slowdown,
     }

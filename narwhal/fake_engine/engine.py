@@ -6,8 +6,10 @@ Start it in-process with ``url = await nursery.start(engine.serve)`` or from the
 ``GET /fake/stats``, ``GET /fake/log``, ``POST /fake/faults``.
 
 An optional cost model (``cost``: slots and a FIFO queue, prefill time per uncached prompt
-token, a prefix cache, a slowdown) makes load and prefix placement measurable; its options
-default to off, and the engine is then as instant as ever.
+token, a prefix cache on every role, a KV pull's time per block the consumer does not hold,
+prefill interference on running streams, a slowdown) makes load, prefix placement and
+conditional disaggregation measurable; its options default to off, and the engine is then
+as instant as ever.
 """
 
 from __future__ import annotations
@@ -69,14 +71,16 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     slots: int = 0  # requests computed at once, the rest queue (0: unlimited)
     prefill_ms_per_token: float = 0.0  # per uncached prompt token, added to the delay above
     prefix_cache_blocks: int = 0  # LRU of 16-token prompt blocks (0: no prefix cache)
+    kv_ms_per_block: float = 0.0  # per pulled block not cached, added to transfer_delay_s
+    # while prompts are computed here, streams' itl x (1 + this x the prompts computing)
+    prefill_interference: float = 0.0
     slowdown: float = 1.0  # multiplier on prefill time and itl_s
 
     @property
     def cost_model(self) -> bool:
         """Whether any of the cost model's options is on."""
-        return bool(self.slots or self.prefill_ms_per_token or self.prefix_cache_blocks) or (
-            self.slowdown != 1.0
-        )
+        costs = (self.prefill_ms_per_token, self.kv_ms_per_block, self.prefill_interference)
+        return bool(self.slots or self.prefix_cache_blocks or any(costs)) or self.slowdown != 1.0
 
 
 class FakeEngine:
@@ -105,6 +109,7 @@ class FakeEngine:
         self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
         self.prefix_cache = cost.PrefixCache(cfg.prefix_cache_blocks)
         self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
+        self.computing = 0  # prompts being computed now (prefill interference)
         self._idle = trio.Event()
         self._idle.set()
 
@@ -338,6 +343,7 @@ class FakeEngine:
 
     def _metrics(self) -> bytes:
         c, label = self.counters, f'{{model_name="{self.config.model}"}}'
+        pulled_bytes = c["kv_blocks_pulled"] * cost.KV_BYTES_PER_BLOCK  # nominal, see cost
         lines = [
             "# HELP process_start_time_seconds Start time of the process since unix epoch.",
             "# TYPE process_start_time_seconds gauge",
@@ -357,8 +363,13 @@ class FakeEngine:
             f"vllm:prefix_cache_queries_total{label} {self.prefix_cache.queries}",
             "# TYPE vllm:prefix_cache_hits_total counter",
             f"vllm:prefix_cache_hits_total{label} {self.prefix_cache.hits}",
+            # a transfer moves at least one block; a pull the prefix cache holds whole moves
+            # none and is not one (vLLM then only notifies the producer)
             "# TYPE vllm:nixl_xfer_time_seconds histogram",
-            f"vllm:nixl_xfer_time_seconds_count{label} {c['kv_pull_ok']}",
+            f"vllm:nixl_xfer_time_seconds_count{label} {c['kv_transfers']}",
+            "# TYPE vllm:nixl_bytes_transferred histogram",
+            f"vllm:nixl_bytes_transferred_sum{label} {pulled_bytes}",
+            f"vllm:nixl_bytes_transferred_count{label} {c['kv_transfers']}",
             "# TYPE vllm:nixl_num_failed_transfers counter",
             f"vllm:nixl_num_failed_transfers_total{label} {c['kv_pull_failed']}",
         ]
@@ -558,21 +569,13 @@ class FakeEngine:
         if produce:
             self.counters["prefill"] += 1
         ask = answers.ask_of(body, chat, cfg.default_max_tokens)
+        # a decode's reply joins the prefix cache once it is whole (vLLM caches the output)
+        remember = leg == "decode" and self.prefix_cache.enabled
         if stream:
             finished = fault is None or fault.kind == "slow_drip"
-            if ask.plain:
-                ids = gen.token_ids(prompt, ask.max_tokens, ask.key(0))
-                plan = answers.plain_plan(
-                    ask,
-                    shapes,
-                    ids,
-                    finished=finished,
-                    prompt_tokens=prompt_tokens,
-                    chunk_tokens=cfg.chunk_tokens,
-                )
-            else:
-                plan = answers.stream_plan(ask, shapes, answers.samples(ask))
-            await self._stream(shapes, plan, prompt_tokens, ex, fault, entry)
+            plan, replies = self._stream_plan(ask, shapes, prompt, prompt_tokens, finished)
+            if await self._stream(shapes, plan, prompt_tokens, ex, fault, entry) and remember:
+                self._remember_replies(body, chat, replies)
             return
         issued = self._produce(resp_id, prompt_tokens, chat, backend_id) if produce else None
         descriptor = issued
@@ -589,18 +592,49 @@ class FakeEngine:
         entry["tokens"] = tokens
         if issued is not None and descriptor is issued:
             self.store.delivered(issued["remote_request_id"])
+        if remember:
+            self._remember_replies(body, chat, [(c.prompt.text, c.text) for c in choices])
+
+    def _stream_plan(
+        self, ask: answers.Ask, shapes: gen.Shapes, prompt: str, prompt_tokens: int, finished: bool
+    ) -> tuple[answers.StreamPlan, list[tuple[str, str]]]:
+        """The stream's frames, and each choice's (prompt text, reply) as the client reads it."""
+        if not ask.plain:
+            choices = answers.samples(ask)
+            replies = [(c.prompt.text, c.text) for c in choices]
+            return answers.stream_plan(ask, shapes, choices), replies
+        ids = gen.token_ids(prompt, ask.max_tokens, ask.key(0))
+        plan = answers.plain_plan(
+            ask,
+            shapes,
+            ids,
+            finished=finished,
+            prompt_tokens=prompt_tokens,
+            chunk_tokens=self.config.chunk_tokens,
+        )
+        return plan, [(prompt, "".join(gen.VOCAB[i] for i in ids))]
+
+    def _remember_replies(
+        self, body: dict[str, Any], chat: bool, replies: list[tuple[str, str]]
+    ) -> None:
+        """Cache each finished (prompt text, reply) as the client's next turn will send it."""
+        for prompt_text, reply in replies:
+            self.prefix_cache.insert(cost.reply_tokens(body, chat, prompt_text, reply))
 
     async def _prompt(
         self, body: dict[str, Any], chat: bool, prompt_tokens: int, kv: dict[str, Any] | None
     ) -> bool:
         """Compute the prompt, or pull its KV when ``kv`` is a descriptor (False: the pull
-        failed). With a prefix cache, only the tokens it does not hold cost prefill time."""
+        failed). With a prefix cache, only the tokens it does not hold cost prefill time,
+        and only the blocks it does not hold are pulled. A consumer's lookup is counted in
+        the cache's queries and hits too, as vLLM's scheduler looks up the local cache
+        before the connector loads the rest."""
         cfg = self.config
         cache = self.prefix_cache
         tokens = cost.prompt_tokens(body, chat) if cache.enabled else []
-        cached = cache.lookup(tokens) if cache.enabled else 0
+        cached, held = cache.probe(tokens)
         if kv is not None and cfg.role != "prefill":
-            if not await self._pull(kv):
+            if not await self._pull(kv, cost.prompt_blocks(prompt_tokens) - held):
                 return False
             self.counters["decode_remote"] += 1
         else:
@@ -616,7 +650,11 @@ class FakeEngine:
             uncached_tokens, cfg.prefill_ms_per_token, cfg.prefill_delay_per_token_s, cfg.slowdown
         )
         if delay > 0:
-            await trio.sleep(delay)
+            self.computing += 1  # running streams slow down meanwhile (prefill interference)
+            try:
+                await trio.sleep(delay)
+            finally:
+                self.computing -= 1
 
     def _produce(self, resp_id: str, prompt_tokens: int, chat: bool, origin: str) -> dict[str, Any]:
         """Hold the prompt's blocks under a lease; the descriptor exactly as vLLM 0.32 writes it."""
@@ -640,8 +678,10 @@ class FakeEngine:
             "remote_prefill_cached_tokens": 0,
         }
 
-    async def _pull(self, kv: dict[str, Any]) -> bool:
-        """Pull the blocks named by the descriptor from the producer's side channel."""
+    async def _pull(self, kv: dict[str, Any], blocks: int) -> bool:
+        """Pull the blocks named by the descriptor from the producer's side channel, of
+        which ``blocks`` move (those the prefix cache does not hold): they cost
+        ``kv_ms_per_block`` each, and are counted in ``kv_blocks_pulled``."""
         host, port = kv.get("remote_host"), kv.get("remote_port")
         request = PullRequest(
             engine_id=str(kv.get("remote_engine_id")),
@@ -653,12 +693,16 @@ class FakeEngine:
             reply_reason = "incomplete"
             ok = False
         else:
-            if self.config.transfer_delay_s > 0:
-                await trio.sleep(self.config.transfer_delay_s)
+            cfg = self.config
+            delay = cost.pull_seconds(blocks, cfg.transfer_delay_s, cfg.kv_ms_per_block)
+            if delay > 0:
+                await trio.sleep(delay)
             reply = await self.puller.pull(host, port, request)
             ok, reply_reason = reply.ok, reply.reason
         if ok:
             self.counters["kv_pull_ok"] += 1
+            self.counters["kv_blocks_pulled"] += blocks
+            self.counters["kv_transfers"] += int(blocks > 0)
         else:
             self.counters["kv_pull_failed"] += 1
             self.counters[f"kv_pull_failed_{reply_reason}"] += 1
@@ -701,13 +745,15 @@ class FakeEngine:
         ex: Exchange,
         fault: Fault | None,
         entry: dict[str, Any],
-    ) -> None:
+    ) -> bool:
+        """Stream the plan (or the fault); True when the generation ran to ``[DONE]``."""
         kind = fault.kind if fault is not None else None
         if fault is not None and kind == "script":
             await _play(fault.value, ex)
-            return
+            return False
+        interference = self.config.prefill_interference
         if fault is not None and kind == "slow_drip":
-            itl = fault.interval_s
+            itl, interference = fault.interval_s, 0.0  # a scripted pace is kept
         else:
             itl = self.config.itl_s * self.config.slowdown
         await ex.start_stream()
@@ -716,7 +762,7 @@ class FakeEngine:
         if kind == "done_first":
             await ex.write(b"data: [DONE]\n\n")
             await ex.end_stream()
-            return
+            return False
         for frame in plan.head:
             await ex.write(b"data: " + frame + b"\n\n")
         if kind == "metadata_then_silence":
@@ -728,18 +774,24 @@ class FakeEngine:
             frames = itertools.islice(frames, fault.tokens)
         for n, chunk in enumerate(frames):
             if itl > 0 and n:
-                await trio.sleep(itl)
+                # each gap as the engine is now: a prompt that starts computing slows the
+                # next tokens, not the gap already waited
+                gap = (
+                    cost.interfered_itl(itl, interference, self.computing) if interference else itl
+                )
+                await trio.sleep(gap)
             if chunk is not None:  # a token that sends no chunk (a tool call's tail)
                 await ex.write(b"data: " + chunk + b"\n\n")
             self.counters["generation_tokens"] += 1
             entry["tokens"] += 1
         if fault is not None and kind != "slow_drip":
             await self._break_stream(fault, ex)
-            return
+            return False
         if plan.tail is not None:
             await ex.write(b"data: " + plan.tail + b"\n\n")
         await ex.write(b"data: [DONE]\n\n")
         await ex.end_stream()
+        return True
 
     async def _break_stream(self, fault: Fault, ex: Exchange) -> None:
         if fault.kind == "tokens_then_silence":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import h11
 import msgspec
 import pytest
 import trio
@@ -18,89 +17,19 @@ from narwhal.cli import build_parser
 from narwhal.fake_engine import cost
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from tests.support.memory_engine import (
+    MODEL,
+    MS,
+    alone,
+    call,
+    metric,
+    prefill_body,
+    scrape,
+    stream_body,
+    timed,
+    words,
+)
 from tests.support.memory_network import MemoryNetwork
-
-MODEL = "tiny"
-MS = 62.5  # per prompt token: 16 tokens (a block) take exactly one second
-
-
-def _engine(nursery: trio.Nursery, name: str = "e0", **fields: Any) -> tuple[FakeEngine, Any]:
-    net = MemoryNetwork(nursery)
-    engine = FakeEngine(FakeEngineConfig(model=MODEL, **fields), network=net)
-    engine.attach(name)
-    return engine, net
-
-
-async def _call(
-    net: MemoryNetwork, host: str, method: str, path: str, body: Any = None
-) -> tuple[int, bytes]:
-    """One HTTP/1.1 exchange on a fresh in-memory connection."""
-    stream = await net.open_stream(host, 80)
-    try:
-        conn = h11.Connection(h11.CLIENT)
-        data = b"" if body is None else msgspec.json.encode(body)
-        headers = [("host", host), ("content-length", str(len(data))), ("connection", "close")]
-        out = conn.send(h11.Request(method=method, target=path, headers=headers)) or b""
-        if data:
-            out += conn.send(h11.Data(data=data)) or b""
-        out += conn.send(h11.EndOfMessage()) or b""
-        await stream.send_all(out)
-        status, parts = 0, []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(bytes(await stream.receive_some(65536)))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                parts.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                return status, b"".join(parts)
-    finally:
-        await stream.aclose()
-
-
-def _words(tag: str, count: int) -> str:
-    return " ".join(f"{tag}{i}" for i in range(count))
-
-
-def _prefill_body(prompt: str) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {"do_remote_decode": True},
-    }
-
-
-def _stream_body(prompt: str, tokens: int) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": True}
-
-
-async def _timed(net: MemoryNetwork, host: str, body: dict[str, Any]) -> float:
-    start = trio.current_time()
-    status, content = await _call(net, host, "POST", "/v1/completions", body)
-    assert status == 200, content
-    if body.get("stream"):
-        assert content.endswith(b"data: [DONE]\n\n")
-    return trio.current_time() - start
-
-
-async def _metrics(net: MemoryNetwork, host: str) -> dict[str, float]:
-    status, text = await _call(net, host, "GET", "/metrics")
-    assert status == 200
-    out = {}
-    for line in text.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def _m(name: str) -> str:
-    return f'vllm:{name}{{model_name="{MODEL}"}}'
-
 
 # ---- slots and the queue -----------------------------------------------------------------
 
@@ -108,52 +37,52 @@ def _m(name: str) -> str:
 async def test_requests_beyond_the_slots_wait_in_fifo_order_and_show_in_metrics(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    engine, net = _engine(nursery, slots=1, itl_s=1.0)
+    engine, net = alone(nursery, slots=1, itl_s=1.0)
     done: dict[str, float] = {}
 
     async def client(name: str) -> None:
-        await _timed(net, "e0", _stream_body(f"prompt {name}", 5))  # 4 s of tokens
+        await timed(net, "e0", stream_body(f"prompt {name}", 5))  # 4 s of tokens
         done[name] = trio.current_time()
 
     async with trio.open_nursery() as clients:
         for name in "abc":
             clients.start_soon(client, name)
             await trio.sleep(0.25)  # virtual: a, b, c arrive in this order
-        metrics = await _metrics(net, "e0")
-        assert metrics[_m("num_requests_running")] == 1
-        assert metrics[_m("num_requests_waiting")] == 2
+        metrics = await scrape(net, "e0")
+        assert metrics[metric("num_requests_running")] == 1
+        assert metrics[metric("num_requests_waiting")] == 2
         assert engine.stats()["waiting"] == 2
     assert done == {"a": 4.0, "b": 8.0, "c": 12.0}
-    metrics = await _metrics(net, "e0")
-    assert metrics[_m("num_requests_running")] == 0
-    assert metrics[_m("num_requests_waiting")] == 0
+    metrics = await scrape(net, "e0")
+    assert metrics[metric("num_requests_running")] == 0
+    assert metrics[metric("num_requests_waiting")] == 0
 
 
 async def test_a_client_that_leaves_while_queued_leaves_the_queue(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    engine, net = _engine(nursery, slots=1, itl_s=1.0)
+    engine, net = alone(nursery, slots=1, itl_s=1.0)
     async with trio.open_nursery() as clients:
-        clients.start_soon(_timed, net, "e0", _stream_body("first", 5))
+        clients.start_soon(timed, net, "e0", stream_body("first", 5))
         await trio.sleep(0.5)
         with trio.move_on_after(1.0):
-            await _timed(net, "e0", _stream_body("second", 5))
+            await timed(net, "e0", stream_body("second", 5))
         await trio.sleep(0.5)
         assert engine.waiting == 0
-        assert (await _metrics(net, "e0"))[_m("num_requests_running")] == 1
+        assert (await scrape(net, "e0"))[metric("num_requests_running")] == 1
     # the slot went to nobody else: the next request starts at once
-    assert await _timed(net, "e0", _stream_body("third", 2)) == 1.0
+    assert await timed(net, "e0", stream_body("third", 2)) == 1.0
 
 
 async def test_without_slots_nothing_queues(nursery: trio.Nursery, autojump_clock: Any) -> None:
-    engine, net = _engine(nursery, itl_s=1.0)
+    engine, net = alone(nursery, itl_s=1.0)
     async with trio.open_nursery() as clients:
         for name in "abc":
-            clients.start_soon(_timed, net, "e0", _stream_body(name, 3))
+            clients.start_soon(timed, net, "e0", stream_body(name, 3))
         await trio.sleep(0.5)
-        metrics = await _metrics(net, "e0")
-        assert metrics[_m("num_requests_running")] == 3
-        assert metrics[_m("num_requests_waiting")] == 0
+        metrics = await scrape(net, "e0")
+        assert metrics[metric("num_requests_running")] == 3
+        assert metrics[metric("num_requests_waiting")] == 0
     assert trio.current_time() == 2.0
     assert not engine.config.cost_model
 
@@ -161,12 +90,12 @@ async def test_without_slots_nothing_queues(nursery: trio.Nursery, autojump_cloc
 async def test_an_admitted_prompt_holds_kv_blocks_while_it_runs(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    _, net = _engine(nursery, slots=2, itl_s=1.0, kv_blocks=100)
+    _, net = alone(nursery, slots=2, itl_s=1.0, kv_blocks=100)
     async with trio.open_nursery() as clients:
-        clients.start_soon(_timed, net, "e0", _stream_body(_words("w", 40), 3))  # 3 blocks
+        clients.start_soon(timed, net, "e0", stream_body(words("w", 40), 3))  # 3 blocks
         await trio.sleep(0.5)
-        assert (await _metrics(net, "e0"))[_m("kv_cache_usage_perc")] == 0.03
-    assert (await _metrics(net, "e0"))[_m("kv_cache_usage_perc")] == 0.0
+        assert (await scrape(net, "e0"))[metric("kv_cache_usage_perc")] == 0.03
+    assert (await scrape(net, "e0"))[metric("kv_cache_usage_perc")] == 0.0
 
 
 # ---- prefill time and the prefix cache -----------------------------------------------------
@@ -175,49 +104,49 @@ async def test_an_admitted_prompt_holds_kv_blocks_while_it_runs(
 async def test_prefill_time_is_proportional_to_the_prompt(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    _, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS)
-    assert await _timed(net, "e0", _prefill_body(_words("a", 16))) == 1.0
-    assert await _timed(net, "e0", _prefill_body(_words("b", 48))) == 3.0
+    _, net = alone(nursery, role="prefill", prefill_ms_per_token=MS)
+    assert await timed(net, "e0", prefill_body(words("a", 16))) == 1.0
+    assert await timed(net, "e0", prefill_body(words("b", 48))) == 3.0
     # no prefix cache: the same prompt again costs as much
-    assert await _timed(net, "e0", _prefill_body(_words("b", 48))) == 3.0
-    metrics = await _metrics(net, "e0")
-    assert metrics[_m("prefix_cache_queries_total")] == 0
-    assert metrics[_m("prefix_cache_hits_total")] == 0
+    assert await timed(net, "e0", prefill_body(words("b", 48))) == 3.0
+    metrics = await scrape(net, "e0")
+    assert metrics[metric("prefix_cache_queries_total")] == 0
+    assert metrics[metric("prefix_cache_hits_total")] == 0
 
 
 async def test_a_shared_prefix_is_computed_once(nursery: trio.Nursery, autojump_clock: Any) -> None:
-    engine, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
-    prefix = _words("system", 160)  # 10 blocks
-    assert await _timed(net, "e0", _prefill_body(prefix + " " + _words("q", 16))) == 11.0
-    assert await _timed(net, "e0", _prefill_body(prefix + " " + _words("r", 16))) == 1.0
-    metrics = await _metrics(net, "e0")
-    assert metrics[_m("prefix_cache_queries_total")] == 2 * 176
-    assert metrics[_m("prefix_cache_hits_total")] == 160
+    engine, net = alone(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
+    prefix = words("system", 160)  # 10 blocks
+    assert await timed(net, "e0", prefill_body(prefix + " " + words("q", 16))) == 11.0
+    assert await timed(net, "e0", prefill_body(prefix + " " + words("r", 16))) == 1.0
+    metrics = await scrape(net, "e0")
+    assert metrics[metric("prefix_cache_queries_total")] == 2 * 176
+    assert metrics[metric("prefix_cache_hits_total")] == 160
     # another prefix shares nothing
-    assert await _timed(net, "e0", _prefill_body(_words("other", 32))) == 2.0
-    assert (await _metrics(net, "e0"))[_m("prefix_cache_hits_total")] == 160
+    assert await timed(net, "e0", prefill_body(words("other", 32))) == 2.0
+    assert (await scrape(net, "e0"))[metric("prefix_cache_hits_total")] == 160
     assert engine.counters["prompt_tokens_cached"] == 160
 
 
 async def test_a_fully_cached_prompt_still_computes_its_last_token(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    _, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
-    prompt = _words("x", 32)  # two full blocks: the hit stops short of the last token
-    assert await _timed(net, "e0", _prefill_body(prompt)) == 2.0
-    assert await _timed(net, "e0", _prefill_body(prompt)) == 1.0  # block 2 recomputed
-    assert (await _metrics(net, "e0"))[_m("prefix_cache_hits_total")] == 16
+    _, net = alone(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
+    prompt = words("x", 32)  # two full blocks: the hit stops short of the last token
+    assert await timed(net, "e0", prefill_body(prompt)) == 2.0
+    assert await timed(net, "e0", prefill_body(prompt)) == 1.0  # block 2 recomputed
+    assert (await scrape(net, "e0"))[metric("prefix_cache_hits_total")] == 16
 
 
 async def test_the_least_recently_used_prefix_is_evicted(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    engine, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=10)
-    a, b = _words("a", 161), _words("b", 161)  # 10 full blocks each, and one token
-    assert await _timed(net, "e0", _prefill_body(a)) == 161 / 16
-    assert await _timed(net, "e0", _prefill_body(a)) == 1 / 16
-    assert await _timed(net, "e0", _prefill_body(b)) == 161 / 16  # evicts all of a
-    assert await _timed(net, "e0", _prefill_body(a)) == 161 / 16
+    engine, net = alone(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=10)
+    a, b = words("a", 161), words("b", 161)  # 10 full blocks each, and one token
+    assert await timed(net, "e0", prefill_body(a)) == 161 / 16
+    assert await timed(net, "e0", prefill_body(a)) == 1 / 16
+    assert await timed(net, "e0", prefill_body(b)) == 161 / 16  # evicts all of a
+    assert await timed(net, "e0", prefill_body(a)) == 161 / 16
     assert engine.prefix_cache.evictions == 20
     assert engine.stats()["prefix_cache"]["blocks"] == 10
 
@@ -225,8 +154,8 @@ async def test_the_least_recently_used_prefix_is_evicted(
 async def test_a_chat_prompt_is_its_rendered_messages(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    _, net = _engine(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
-    system = {"role": "system", "content": _words("rule", 60)}  # 64 tokens with its header
+    _, net = alone(nursery, role="prefill", prefill_ms_per_token=MS, prefix_cache_blocks=64)
+    system = {"role": "system", "content": words("rule", 60)}  # 64 tokens with its header
 
     def chat(question: str) -> dict[str, Any]:
         messages = [system, {"role": "user", "content": question}]
@@ -238,10 +167,10 @@ async def test_a_chat_prompt_is_its_rendered_messages(
         }
 
     start = trio.current_time()
-    assert (await _call(net, "e0", "POST", "/v1/chat/completions", chat(_words("q", 12))))[0] == 200
+    assert (await call(net, "e0", "POST", "/v1/chat/completions", chat(words("q", 12))))[0] == 200
     assert trio.current_time() - start == 5.0  # 64 + 4 + 12 tokens
     start = trio.current_time()
-    assert (await _call(net, "e0", "POST", "/v1/chat/completions", chat(_words("z", 12))))[0] == 200
+    assert (await call(net, "e0", "POST", "/v1/chat/completions", chat(words("z", 12))))[0] == 200
     assert trio.current_time() - start == 1.0  # the system message's 4 blocks were cached
 
 
@@ -249,10 +178,10 @@ async def test_same_worker_decode_finds_the_prefill_in_the_cache(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
     """A ``both`` engine that prefilled a prompt decodes it without computing it again."""
-    _, net = _engine(nursery, role="both", prefill_ms_per_token=MS, prefix_cache_blocks=64)
-    prompt = _words("p", 80)  # 5 blocks
-    assert await _timed(net, "e0", _prefill_body(prompt)) == 5.0
-    assert await _timed(net, "e0", _stream_body(prompt, 4)) == 1.0  # the last block again
+    _, net = alone(nursery, role="both", prefill_ms_per_token=MS, prefix_cache_blocks=64)
+    prompt = words("p", 80)  # 5 blocks
+    assert await timed(net, "e0", prefill_body(prompt)) == 5.0
+    assert await timed(net, "e0", stream_body(prompt, 4)) == 1.0  # the last block again
 
 
 async def test_a_consumer_caches_the_prompt_it_pulled(
@@ -266,14 +195,14 @@ async def test_a_consumer_caches_the_prompt_it_pulled(
     )
     producer.attach("p")
     consumer.attach("d")
-    prompt = _words("p", 80)
-    status, body = await _call(net, "p", "POST", "/v1/completions", _prefill_body(prompt))
+    prompt = words("p", 80)
+    status, body = await call(net, "p", "POST", "/v1/completions", prefill_body(prompt))
     assert status == 200
-    decode = _stream_body(prompt, 2) | {
+    decode = stream_body(prompt, 2) | {
         "kv_transfer_params": msgspec.json.decode(body)["kv_transfer_params"]
     }
-    assert await _timed(net, "d", decode) == 0.0  # pulled, not computed
-    assert await _timed(net, "d", _stream_body(prompt, 2)) == 1.0  # local: 4 blocks cached
+    assert await timed(net, "d", decode) == 0.0  # pulled, not computed
+    assert await timed(net, "d", stream_body(prompt, 2)) == 1.0  # local: 4 blocks cached
     assert consumer.counters["kv_pull_ok"] == 1
 
 
@@ -284,14 +213,14 @@ async def test_a_slowdown_of_two_doubles_every_modelled_time(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
     fields: dict[str, Any] = {"prefill_ms_per_token": MS, "itl_s": 0.25}
-    _, net = _engine(nursery, "fast", **fields)
-    _, slow_net = _engine(nursery, "slow", slowdown=2.0, **fields)
-    body = _stream_body(_words("w", 16), 5)  # 1 s of prefill, 4 gaps of 0.25 s
-    assert await _timed(net, "fast", body) == 2.0
-    assert await _timed(slow_net, "slow", body) == 4.0
+    _, net = alone(nursery, "fast", **fields)
+    _, slow_net = alone(nursery, "slow", slowdown=2.0, **fields)
+    body = stream_body(words("w", 16), 5)  # 1 s of prefill, 4 gaps of 0.25 s
+    assert await timed(net, "fast", body) == 2.0
+    assert await timed(slow_net, "slow", body) == 4.0
     # the older option, in seconds per token, is scaled too
-    _, old = _engine(nursery, "old", prefill_delay_per_token_s=0.125, slowdown=2.0)
-    assert await _timed(old, "old", _prefill_body(_words("w", 16))) == 4.0
+    _, old = alone(nursery, "old", prefill_delay_per_token_s=0.125, slowdown=2.0)
+    assert await timed(old, "old", prefill_body(words("w", 16))) == 4.0
 
 
 # ---- sans IO: tokens, block hashes, the LRU --------------------------------------------
@@ -399,15 +328,30 @@ def test_the_options_default_to_off() -> None:
 
 def test_the_options_reach_the_config() -> None:
     argv = ["fake-engine", "--port", "0", "--slots", "4", "--prefill-ms-per-token", "0.5"]
-    argv += ["--prefix-cache-blocks", "1024", "--slowdown", "2"]
+    argv += ["--prefix-cache-blocks", "1024", "--slowdown", "2", "--kv-ms-per-block", "0.25"]
+    argv += ["--prefill-interference", "0.5"]
     config = FakeEngineConfig(**cost.config_fields(build_parser().parse_args(argv)))
     assert (config.slots, config.prefill_ms_per_token) == (4, 0.5)
     assert (config.prefix_cache_blocks, config.slowdown) == (1024, 2.0)
+    assert (config.kv_ms_per_block, config.prefill_interference) == (0.25, 0.5)
     assert config.cost_model
 
 
+@pytest.mark.parametrize("option", ["--kv-ms-per-block", "--prefill-interference"])
+def test_either_consumer_cost_alone_turns_the_cost_model_on(option: str) -> None:
+    argv = ["fake-engine", "--port", "0", option, "1"]
+    assert FakeEngineConfig(**cost.config_fields(build_parser().parse_args(argv))).cost_model
+
+
 @pytest.mark.parametrize(
-    "option", [["--slots", "-1"], ["--slowdown", "0"], ["--prefill-ms-per-token", "-2"]]
+    "option",
+    [
+        ["--slots", "-1"],
+        ["--slowdown", "0"],
+        ["--prefill-ms-per-token", "-2"],
+        ["--kv-ms-per-block", "-1"],
+        ["--prefill-interference", "nan"],
+    ],
 )
 def test_negative_costs_are_refused(option: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -1,7 +1,9 @@
-"""Placement policies side by side, in one run, over the same fake fleet (issue item 5).
+"""Placement policies side by side, in one run, over the same fake fleet (issue item 5),
+and conditional disaggregation (decode first, SPEC 4.4) against always disaggregating.
 
     python bench/placement.py [--quick] [--peers-venv .bench-venv] [--out bench/results]
                               [--set KEY=VALUE]...   (a [placement] line for our targets)
+                              [--only PREFIX] [--targets NAME,...] [--thresholds 256,1024]
 
 The fleet, started afresh for every (policy, workload) run so that every prefix cache
 starts cold and every queue empty (``narwhal fake-engine`` with its cost model):
@@ -12,9 +14,16 @@ starts cold and every queue empty (``narwhal fake-engine`` with its cost model):
           mid-sized model), a prefix cache of 480 16-token blocks: five of the eight
           1,500-token system prompts, so a producer can hold its share of them (the ring
           gives p0 three and p1 five) but not all eight. p1 is 2x slower (``--slowdown 2``).
-  d0, d1  consumers: 16 slots, 5 ms between generated tokens; d1 2x slower. They compute no
-          prompt (the KV comes from the producer), so they have no prefix cache and the hit
-          rate is the producers'.
+  d0, d1  consumers: 16 slots, 5 ms between generated tokens; d1 2x slower. In the first
+          three workloads they compute no prompt (the KV comes from the producer), so they
+          have no prefix cache and the hit rate is the producers'. In the two conditional
+          workloads a consumer computes the prompts a router keeps local, so it also has
+          ``--prefix-cache-blocks 2048 --prefill-ms-per-token 0.2`` and pays
+          ``--kv-ms-per-block 0.5`` per pulled 16-token block it does not hold, and its
+          running streams' gaps grow by ``--prefill-interference 0.5`` x the prompts it is
+          computing (the last two from branch fake-cost: a fake engine without them runs
+          without, and the report says so). The first three keep the old consumers, so that
+          their rows stay comparable with earlier runs.
 
 Fair to every router: the same engines, restarted cold for each run; each workload's
 schedule (arrival times and prompts: open loop, Poisson arrivals from a fixed seed) drawn
@@ -23,7 +32,8 @@ between a good and a bad placement (no router pays for anything but its own CPU)
 (8 requests/s) keeps this shared 2-core machine from being the bottleneck; the fleet's
 capacity at that rate is ample unless placement wastes it (cache misses on the slow
 producer, legs behind another tenant's queue). One token is one whitespace-separated word
-(the fake engine's tokenizer); 16 output tokens per request.
+(the fake engine's tokenizer); 16 output tokens per request unless said otherwise. A
+workload's seed is its place in the list below, with ``--only`` too.
 
 Workloads (30 s of arrivals each, 10 s with ``--quick``):
   uniform        unique 200-token prompts
@@ -34,8 +44,22 @@ Workloads (30 s of arrivals each, 10 s with ``--quick``):
                  each) going straight to p0, the fast producer: its four slots busy and
                  eight waiting; a router sees that load only in p0's /metrics (or its own
                  legs there slowing down)
+  multi-turn chat  (conditional) 32 conversations (16 with ``--quick``) of 6 turns on
+                 /v1/chat/completions, streamed; a 1,500-token system prompt per 8
+                 conversations (4 in all), each turn a fresh 50-token user message and a
+                 100-token reply (temperature 0). Closed loop per conversation: turn n+1 is
+                 sent when turn n's reply has arrived and a seeded pause of 0.25-0.75 s has
+                 passed, with the previous messages, the reply exactly as this client read
+                 it (its deltas' content, concatenated) and the new message; conversations
+                 start at seeded Poisson arrivals (1 a second). Every turn after the first
+                 is a long prompt whose uncached part on the consumer that served the last
+                 turn is short: what decode-first placement should keep local.
+  short prompts  (conditional) /v1/completions at 8 requests/s, 64 output tokens (decodes
+                 long enough for local prefills to land on them); unique prompts, 70% of
+                 20-99 tokens and 30% of 2,001-2,600 (nothing to cache): short ones stuck
+                 behind long prefills on the producers, unless kept on the consumer
 
-Targets:
+Targets of the first three workloads:
   round_robin            ours, ``[placement] policy = "round_robin"``, no prefix affinity
   least_loaded           ours, ``policy = "least_loaded"``, no prefix affinity
   least_loaded+affinity  ours, ``least_loaded`` and ``prefix_affinity = true`` (the default)
@@ -48,6 +72,15 @@ Targets:
   narwhal-0.7            narwhal-inference 0.7.0 with its own (profile-priced) placement and
                          the synthetic profiles of bench/narwhal07_config.py
 
+Targets of the conditional workloads:
+  always-P/D             ours with its defaults (least_loaded, prefix affinity, every request
+                         disaggregated: ``local_prefill_tokens`` unset, 0)
+  conditional N          the same with ``[placement] local_prefill_tokens = N``, for each N of
+                         ``--thresholds`` (256 and 1024 by default; LOCAL_THRESHOLDS). A
+                         router that does not know the key refuses its fleet file: the row
+                         says so and the run goes on
+  vllm-router cache_aware, narwhal-0.7   as above
+
 Reported per (workload, target): TTFT p50/p99 (client side: from sending the request to the
 first streamed token), throughput (completed requests over the time from the first arrival
 to the last completion), the producers' prefix-cache hit rate (the change of
@@ -55,13 +88,31 @@ to the last completion), the producers' prefix-cache hit rate (the change of
 summed over p0 and p1 during the measured phase, in prompt tokens, the other tenant's
 included), each producer's share of the prompt tokens this router sent (the tenant's taken
 out), our placement decisions by reason, each engine's peak waiting queue (sampled every
-0.5 s), the slowest requests (TTFT, arrival) and the machine's load average. Nothing is
-asserted: the machine is shared and noisy; the targets of the issue are checked and printed.
+0.5 s), the slowest requests (TTFT, arrival) and the machine's load average.
+
+The conditional workloads' table has its own columns, all over the measured phase: TTFT
+p50/p99 (here the first non-empty token text, not a role chunk), for short prompts the
+short ones' TTFT p50 and the long ones' p99; ITL p99 of running decodes (the client's gaps
+between consecutive reads that carry token text after the first, pooled over requests:
+chunks one read brings together are one arrival); producer legs saved (our
+``narwhal_disaggregation_decisions_total``: ``local_short`` and ``local_busy`` of all
+decisions; "—" for the peers and for a router without the counter); KV transferred (summed
+over d0 and d1: transfers, the change of ``vllm:nixl_xfer_time_seconds_count``, and MiB, of
+``vllm:nixl_bytes_transferred_sum``, "—" where the engines do not export it); the prefix
+cache hit rate of producers and of consumers apart.
+
+Nothing is asserted: the machine is shared and noisy; the issues' targets are checked on
+this run's figures and printed: for the conditional workloads, each ``conditional N``
+against always-P/D: chat TTFT p50 at least 40% lower and p99 no worse; short prompts' TTFT
+p50 at least 30% lower and long prompts' p99 within 1.05x; ITL p99 within 1.10x in both.
+Figures: bench/placement_plot.py draws one panel per workload (TTFT p50 and p99; ITL p99
+too for the conditional ones, and for short prompts the short p50 and the long p99).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -72,7 +123,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +145,7 @@ from peers import (
     serve_narwhal,
     start_fake_fleet,
 )
+from stream_client import Outcome, stream_request
 
 from narwhal.engines.transport import ConnectFailed, Pool, TransportError, tcp_connect
 
@@ -102,6 +154,23 @@ RATE = 8.0  # requests per second: what this shared 2-core machine drives withou
 REQUEST_TIMEOUT_S = 60.0  # a request not done by then is a failure ("timeout")
 PRODUCER = ["--slots", "4", "--prefill-ms-per-token", "0.2", "--prefix-cache-blocks", "480"]
 CONSUMER = ["--slots", "16", "--itl-s", "0.005"]
+# the conditional workloads' consumers compute short prompts themselves: a prefix cache, a
+# prefill cost, a KV pull cost per 16-token block they do not hold, and the slowdown a
+# local prefill inflicts on their running decodes (the last two: branch fake-cost)
+CONSUMER_COST = (
+    ("--prefix-cache-blocks", "2048"),
+    ("--prefill-ms-per-token", "0.2"),
+    ("--kv-ms-per-block", "0.5"),
+    ("--prefill-interference", "0.5"),
+)
+CHAT, SHORT = "multi-turn chat", "short prompts"  # the conditional workloads' names
+LOCAL_THRESHOLDS = (256, 1024)  # [placement] local_prefill_tokens of our conditional targets
+CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_PER_SYSTEM = 32, 6, 8
+CHAT_SYSTEM_WORDS, CHAT_USER_WORDS, CHAT_REPLY_TOKENS = 1500, 50, 100
+CHAT_START_RATE = 1.0  # conversations per second (Poisson): about 6 turns/s at the peak
+THINK_S = (0.25, 0.75)  # a user's pause between a reply and the next turn (uniform)
+SHORT_OUTPUT_TOKENS = 64  # long enough that local prefills land on running decodes
+SHORT_SHARE, SHORT_WORDS, LONG_WORDS = 0.7, (20, 99), (2001, 2600)
 FLEET = [  # (name, role, slowdown)
     ("p0", "prefill", 1.0),
     ("p1", "prefill", 2.0),
@@ -109,12 +178,17 @@ FLEET = [  # (name, role, slowdown)
     ("d1", "decode", 2.0),
 ]
 SYSTEM_PROMPTS, SYSTEM_WORDS, QUESTION_WORDS = 8, 1500, 40
-METRIC = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\})? (\S+)$", re.M)
+SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})? (\S+)$", re.M)  # summed by name
 DECISIONS = re.compile(
     r'^narwhal_placement_decisions_total\{leg="(\w+)",reason="(\w+)"\} (\S+)$', re.M
 )
+# decode first (SPEC 4.4): local_short and local_busy are producer legs saved
+DISAGGREGATION = re.compile(
+    r'^narwhal_disaggregation_decisions_total\{[^}]*decision="(\w+)"[^}]*\} (\S+)$', re.M
+)
 WAITING = re.compile(r"^vllm:num_requests_waiting(?:\{[^}]*\})? (\S+)$", re.M)
-LEGS = re.compile(r"^vllm:prompt_tokens_total(?:\{[^}]*\})? (\S+)$", re.M)
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+PULLS, KV_BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum"
 
 
 # ---- workloads -------------------------------------------------------------------------
@@ -133,26 +207,76 @@ class Tenant:
 
 @dataclass(frozen=True)
 class Workload:
+    """Open loop: requests on /v1/completions at seeded Poisson arrivals."""
+
     name: str
     rate: float  # arrivals per second (Poisson)
     requests: int
     prompt: Callable[[random.Random, int], str]
     tenant: Tenant | None = None
+    max_tokens: int = OUTPUT_TOKENS
+    # the conditional-disaggregation workloads: consumers with a prefill cost and a prefix
+    # cache, the conditional targets, the stream client and the columns that judge them
+    conditional: bool = False
 
-    def schedule(self, seed: int) -> list[tuple[float, bytes]]:
-        """(arrival in seconds from the start, request body), the same for every target."""
+    def schedule(self, seed: int) -> list[tuple[float, bytes, str]]:
+        """(arrival in seconds from the start, request body, its class: "short", "long" or
+        ""), the same for every target."""
         rng = random.Random(seed)
         at, out = 0.0, []
         for i in range(self.requests):
+            prompt = self.prompt(rng, i)
             body = {
                 "model": MODEL,
-                "prompt": self.prompt(rng, i),
-                "max_tokens": OUTPUT_TOKENS,
+                "prompt": prompt,
+                "max_tokens": self.max_tokens,
                 "stream": True,
                 "temperature": 0,
             }
-            out.append((at, msgspec.json.encode(body)))
+            out.append((at, msgspec.json.encode(body), prompt_class(self, prompt)))
             at += rng.expovariate(self.rate)
+        return out
+
+
+def prompt_class(workload: Workload, prompt: str) -> str:
+    """The short-prompts workload reports its short and long prompts apart."""
+    if workload.prompt is not short_or_long_prompt:
+        return ""
+    return "short" if prompt.count(" ") + 1 <= SHORT_WORDS[1] else "long"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    start_s: float  # its first turn's arrival, from the start
+    system: str
+    users: tuple[str, ...]  # each turn's user message
+    thinks: tuple[float, ...]  # the pause after each turn's reply
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """Closed loop per conversation: a turn is sent when the previous reply has arrived
+    (and the user has thought), with that reply in its messages; seeded Poisson starts."""
+
+    name: str
+    conversations: int
+    turns: int
+    start_rate: float
+    conditional: bool = True
+    tenant: Tenant | None = None
+
+    def plan(self, seed: int) -> list[Conversation]:
+        """Every conversation's start, system prompt, user messages and pauses; the
+        replies are the engines' (a function of the prompt's text, the same for every
+        target as long as the router passes the messages through)."""
+        rng = random.Random(seed)
+        at, out = 0.0, []
+        for c in range(self.conversations):
+            users = tuple(words(rng, CHAT_USER_WORDS, f"c{c}u{n}") for n in range(self.turns))
+            thinks = tuple(rng.uniform(*THINK_S) for _ in range(self.turns))
+            system = CHAT_SYSTEM[(c // CHAT_PER_SYSTEM) % len(CHAT_SYSTEM)]
+            out.append(Conversation(at, system, users, thinks))
+            at += rng.expovariate(self.start_rate)
         return out
 
 
@@ -174,9 +298,23 @@ def shared_prompt(rng: random.Random, i: int) -> str:
     return words(rng, 300, f"x{i}")
 
 
-def workloads(quick: bool) -> list[Workload]:
+CHAT_SYSTEM = [
+    " ".join(f"c{k}s{i % 89}" for i in range(CHAT_SYSTEM_WORDS))
+    for k in range(CHAT_CONVERSATIONS // CHAT_PER_SYSTEM)
+]
+
+
+def short_or_long_prompt(rng: random.Random, i: int) -> str:
+    """Unique prompts: 70% of 20-99 tokens, 30% of 2,001-2,600 (nothing cached)."""
+    low, high = SHORT_WORDS if rng.random() < SHORT_SHARE else LONG_WORDS
+    return words(rng, rng.randint(low, high), f"p{i}")
+
+
+def workloads(quick: bool) -> list[Workload | ChatWorkload]:
     scale = 1 / 3 if quick else 1.0
     count = int(RATE * 30 * scale)  # 30 s of arrivals per workload (10 s with --quick)
+    # --quick: half the conversations (two system prompts), every turn
+    chats = CHAT_CONVERSATIONS // 2 if quick else CHAT_CONVERSATIONS
     return [
         Workload("uniform", RATE, count, uniform_prompt),
         Workload("shared-prefix", RATE, count, shared_prompt),
@@ -187,6 +325,16 @@ def workloads(quick: bool) -> list[Workload]:
             uniform_prompt,
             Tenant("p0", 12, 2000, 5 * scale, 25 * scale),
         ),
+        # appended: the three above keep their place, so their seeds and rows stay as before
+        ChatWorkload(CHAT, chats, CHAT_TURNS, CHAT_START_RATE),
+        Workload(
+            SHORT,
+            RATE,
+            count,
+            short_or_long_prompt,
+            max_tokens=SHORT_OUTPUT_TOKENS,
+            conditional=True,
+        ),
     ]
 
 
@@ -195,14 +343,15 @@ def workloads(quick: bool) -> list[Workload]:
 Start = Callable[[list[str], list[str], Path], tuple[Proc, str]]
 
 
-PLACEMENT_KEYS: list[str] = []  # --set: more [placement] lines for our three targets
+PLACEMENT_KEYS: list[str] = []  # --set: more [placement] lines for every target of ours
 
 
-def ours(policy: str, affinity: bool, interval_s: float = 1.0) -> Start:
+def ours(policy: str, affinity: bool, interval_s: float = 1.0, *keys: str) -> Start:
+    """Our router with these [placement] settings (``keys``: more lines of it)."""
+
     def start(prefills: list[str], decodes: list[str], tmp: Path) -> tuple[Proc, str]:
-        extra = "".join(
-            f"{line}\n" for line in [f"metrics_interval_s = {interval_s}", *PLACEMENT_KEYS]
-        )
+        lines = [f"metrics_interval_s = {interval_s}", *keys, *PLACEMENT_KEYS]
+        extra = "".join(f"{line}\n" for line in lines)
         return serve_narwhal(
             f'model = "{MODEL}"\n' + engines_toml(prefills, decodes) + "[serving]\n"
             "max_inflight = 20000\n"
@@ -233,6 +382,22 @@ TARGETS: list[tuple[str, Start]] = [
     ("vllm-router power_of_two", vllm_router("power_of_two")),
     ("narwhal-0.7", launch_narwhal07),
 ]
+ALWAYS_PD = "always-P/D"
+
+
+def conditional_targets(thresholds: tuple[int, ...]) -> list[tuple[str, Start]]:
+    """The conditional workloads' targets: our default (every request disaggregated, as
+    ``local_prefill_tokens = 0`` leaves it, unset so that a router without the key runs),
+    ours deciding by the consumer's uncached tokens at each threshold, and the peers."""
+    return [
+        (ALWAYS_PD, ours("least_loaded", True)),
+        *(
+            (f"conditional {n}", ours("least_loaded", True, 1.0, f"local_prefill_tokens = {n}"))
+            for n in thresholds
+        ),
+        ("vllm-router cache_aware", vllm_router("cache_aware")),
+        ("narwhal-0.7", launch_narwhal07),
+    ]
 
 
 # ---- one run ---------------------------------------------------------------------------
@@ -249,16 +414,42 @@ class Run(Result):
     placements: dict[str, float] = field(default_factory=dict)  # ours: decisions by reason
     peak_waiting: dict[str, float] = field(default_factory=dict)  # each engine's, sampled
     slowest: list[tuple[int, float]] = field(default_factory=list)  # (TTFT ms, arrival s)
-    load_avg: float = 0.0  # the machine's, over the last minute, at the run's end
+    load_avg: float | None = None  # the machine's, over the last minute, at the run's end
+    # the conditional workloads' figures (see the docstring)
+    conditional: bool = False
+    ttft_by: dict[str, list[float]] = field(default_factory=dict)  # by prompt class
+    gaps: list[float] = field(default_factory=list)  # s between token reads, all requests
+    hit_rate_consumers: float | None = None
+    kv_pulls: float | None = None  # the consumers' KV transfers
+    kv_bytes: float | None = None  # None: the engines do not export it
+    disaggregation: dict[str, float] | None = None  # ours: this run's decisions by kind
+
+    def legs_saved(self) -> tuple[float, float] | None:
+        """(producer legs saved, requests decided), from our router's counter."""
+        if not self.disaggregation:
+            return None
+        saved = sum(v for k, v in self.disaggregation.items() if k.startswith("local"))
+        return saved, sum(self.disaggregation.values())
 
     def summary(self) -> dict[str, Any]:
+        saved = self.legs_saved()
         return {
             "workload": self.scenario,
             "target": self.target,
             "ttft_p50_ms": _ms(pct(self.ttft, 0.5)),
             "ttft_p99_ms": _ms(pct(self.ttft, 0.99)),
             "req_per_s": round(self.ok / self.wall_s, 2) if self.wall_s else None,
-            "hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
+            "hit_rate": _rate(self.hit_rate),
+            "conditional": self.conditional,
+            "ttft_short_p50_ms": _ms(pct(self.ttft_by.get("short", []), 0.5)),
+            "ttft_long_p99_ms": _ms(pct(self.ttft_by.get("long", []), 0.99)),
+            "itl_p99_ms": _ms(pct(self.gaps, 0.99)),
+            "hit_rate_consumers": _rate(self.hit_rate_consumers),
+            "kv_pulls": self.kv_pulls,
+            "kv_mib": None if self.kv_bytes is None else round(self.kv_bytes / 2**20, 2),
+            "legs_saved": None if saved is None else saved[0],
+            "legs_decided": None if saved is None else saved[1],
+            "disaggregation": self.disaggregation,
             "prefill_share": self.prefill_share,
             "ok": self.ok,
             "failed": self.failed,
@@ -276,20 +467,37 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 1)
 
 
+def _rate(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 def get(url: str, path: str) -> str:
     with urllib.request.urlopen(url + path, timeout=10) as resp:
         return str(resp.read().decode())
 
 
 def counters(urls: dict[str, str]) -> dict[str, dict[str, float]]:
-    """Each producer's prefix cache counters and prompt tokens, from its /metrics."""
+    """Each engine's /metrics, every sample of a name summed (a counter's label sets)."""
     out = {}
     for name, url in urls.items():
-        text = get(url, "/metrics")
-        found = {m.group(1): float(m.group(2)) for m in METRIC.finditer(text)}
-        found["prompt_tokens"] = sum(float(m.group(1)) for m in LEGS.finditer(text))
+        found: dict[str, float] = {}
+        for m in SAMPLE.finditer(get(url, "/metrics")):
+            found[m[1]] = found.get(m[1], 0.0) + float(m[2])
         out[name] = found
     return out
+
+
+def disaggregation(url: str) -> dict[str, float] | None:
+    """Our router's decode-first decisions by kind; None from a router without them (the
+    peers, or ours before conditional disaggregation)."""
+    try:
+        text = get(url, "/metrics")
+    except OSError:
+        return None
+    found: dict[str, float] = {}
+    for m in DISAGGREGATION.finditer(text):
+        found[m[1]] = found.get(m[1], 0.0) + float(m[2])
+    return found or None
 
 
 def placements(url: str) -> dict[str, float]:
@@ -340,34 +548,61 @@ async def sample_queues(engines: dict[str, str], run: Run) -> None:
         await trio.sleep(0.5)
 
 
+Request = Callable[[Pool, bytes], Awaitable[Outcome]]
+
+
+async def plain(pool: Pool, body: bytes) -> Outcome:
+    """The first three workloads' request: only the first ``data: {`` is timed, as before."""
+    failure, first, _ = await one_request(pool, body)
+    return Outcome(failure, first)
+
+
+async def streamed(pool: Pool, body: bytes) -> Outcome:
+    """The short-prompts workload's request: token reads timed (ITL), text kept."""
+    return await stream_request(pool, b"/v1/completions", body)
+
+
+async def attempt(request: Request, pool: Pool, body: bytes) -> Outcome:
+    """One request bounded by REQUEST_TIMEOUT_S; a transport failure is its outcome."""
+    with trio.move_on_after(REQUEST_TIMEOUT_S):
+        try:
+            return await request(pool, body)
+        except (ConnectFailed, TransportError) as exc:
+            return Outcome(failure=type(exc).__name__)
+    return Outcome(failure="timeout")
+
+
+def record(run: Run, outcome: Outcome, at: float, kind: str) -> None:
+    """Count one request's outcome; ``at``: when it was sent; ``kind``: its prompt class."""
+    if outcome.failure is not None:
+        run.failed += 1
+        run.errors[outcome.failure] = run.errors.get(outcome.failure, 0) + 1
+        return
+    run.ok += 1
+    run.gaps += outcome.gaps
+    if outcome.ttft is None:
+        return
+    run.ttft.append(outcome.ttft)
+    if kind:
+        run.ttft_by.setdefault(kind, []).append(outcome.ttft)
+    run.slowest = sorted([*run.slowest, (round(outcome.ttft * 1000), round(at, 2))])[-8:]
+
+
 async def replay(
-    schedule: list[tuple[float, bytes]],
+    schedule: list[tuple[float, bytes, str]],
     url: str,
     run: Run,
     tenant: tuple[Tenant, str] | None,
     engines: dict[str, str],
+    request: Request = plain,
 ) -> None:
     """Send every request at its time (open loop), each bounded by REQUEST_TIMEOUT_S."""
     pool = pool_for(url)
     last_done = 0.0
 
-    async def send(at: float, body: bytes) -> None:
+    async def send(at: float, body: bytes, kind: str) -> None:
         nonlocal last_done
-        failure: str | None = "timeout"
-        first = None
-        with trio.move_on_after(REQUEST_TIMEOUT_S):
-            try:
-                failure, first, _ = await one_request(pool, body)
-            except (ConnectFailed, TransportError) as exc:
-                failure = type(exc).__name__
-        if failure is None:
-            run.ok += 1
-            if first is not None:
-                run.ttft.append(first)
-                run.slowest = sorted([*run.slowest, (round(first * 1000), round(at, 2))])[-8:]
-        else:
-            run.failed += 1
-            run.errors[failure] = run.errors.get(failure, 0) + 1
+        record(run, await attempt(request, pool, body), at, kind)
         last_done = trio.current_time()
 
     t0 = trio.current_time()
@@ -378,10 +613,69 @@ async def replay(
             async with trio.open_nursery() as nursery:
                 if tenant is not None:
                     nursery.start_soon(tenant_loop, tenant[0], tenant[1], run, t0, len(schedule))
-                for at, body in schedule:
+                for at, body, kind in schedule:
                     await trio.sleep_until(t0 + at)
-                    nursery.start_soon(send, at, body)
+                    nursery.start_soon(send, at, body, kind)
             outer.cancel_scope.cancel()
+    run.wall_s = last_done - t0
+
+
+def chat_body(messages: list[dict[str, str]]) -> bytes:
+    return msgspec.json.encode(
+        {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": CHAT_REPLY_TOKENS,
+            "stream": True,
+            "temperature": 0,
+        }
+    )
+
+
+async def chat_request(pool: Pool, body: bytes) -> Outcome:
+    return await stream_request(pool, b"/v1/chat/completions", body)
+
+
+async def converse(plan: list[Conversation], url: str, run: Run, engines: dict[str, str]) -> None:
+    """Every conversation from its start, each turn after the last one's reply (closed
+    loop); the whole run bounded by its turns' timeouts and pauses."""
+    pool = pool_for(url)
+    t0 = trio.current_time()
+    last_done = t0
+
+    async def talk(conv: Conversation) -> None:
+        nonlocal last_done
+        await trio.sleep_until(t0 + conv.start_s)
+        messages = [{"role": "system", "content": conv.system}]
+        for n, (user, think) in enumerate(zip(conv.users, conv.thinks, strict=True)):
+            messages.append({"role": "user", "content": user})
+            sent = trio.current_time() - t0
+            outcome = await attempt(chat_request, pool, chat_body(messages))
+            record(run, outcome, sent, "")
+            last_done = trio.current_time()
+            if outcome.failure is not None:  # no reply to carry on with
+                left = len(conv.users) - n - 1
+                if left:
+                    why = "not sent: an earlier turn failed"
+                    run.failed += left
+                    run.errors[why] = run.errors.get(why, 0) + left
+                return
+            # the next turn carries the reply exactly as this client received it
+            messages.append({"role": "assistant", "content": outcome.text})
+            if n + 1 < len(conv.users):
+                await trio.sleep(think)
+
+    turns = max(len(c.users) for c in plan)
+    limit = plan[-1].start_s + turns * (REQUEST_TIMEOUT_S + THINK_S[1]) + 30
+    with trio.move_on_after(limit) as scope:
+        async with trio.open_nursery() as outer:
+            outer.start_soon(sample_queues, engines, run)
+            async with trio.open_nursery() as nursery:
+                for conv in plan:
+                    nursery.start_soon(talk, conv)
+            outer.cancel_scope.cancel()
+    if scope.cancelled_caught:
+        run.note = f"cut at {limit:.0f} s"
     run.wall_s = last_done - t0
 
 
@@ -400,96 +694,212 @@ def warm_up(url: str) -> None:
     time.sleep(1.5)  # a scrape of every engine has landed (our metrics_interval_s is 1 s)
 
 
-def start_fleet(tmp: Path) -> tuple[list[Proc], dict[str, str]]:
+@functools.cache
+def fake_engine_help() -> str:
+    """``narwhal fake-engine --help`` of this tree: which cost options its engine has."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "narwhal", "fake-engine", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return proc.stdout
+
+
+def consumer_cost() -> tuple[list[str], list[str]]:
+    """CONSUMER_COST's arguments this fake engine takes, and the options it lacks (until
+    branch fake-cost lands): the consumers run without those, and the report says so."""
+    text = fake_engine_help()
+    args: list[str] = []
+    missing: list[str] = []
+    for option, value in CONSUMER_COST:
+        if re.search(re.escape(option) + r"(?![\w-])", text):
+            args += [option, value]
+        else:
+            missing.append(option)
+    return args, missing
+
+
+def start_fleet(tmp: Path, conditional: bool = False) -> tuple[list[Proc], dict[str, str]]:
+    # the first three workloads keep the old consumers, so their rows stay comparable
+    consumer = [*CONSUMER, *consumer_cost()[0]] if conditional else CONSUMER
     return start_fake_fleet(
         [
-            (name, role, [*(PRODUCER if role == "prefill" else CONSUMER), "--slowdown", str(slow)])
+            (name, role, [*(PRODUCER if role == "prefill" else consumer), "--slowdown", str(slow)])
             for name, role, slow in FLEET
         ],
         tmp,
     )
 
 
-def measure(workload: Workload, target: str, start: Start, tmp: Path, seed: int) -> Run:
-    run = Run(target, workload.name)
-    engines, urls = start_fleet(tmp)
+def of_role(role: str) -> list[str]:
+    return [n for n, r, _ in FLEET if r == role]
+
+
+def not_measured(exc: BaseException) -> str:
+    """A row's note for a target that did not start: the line that says why when there is
+    one (a fleet file's unknown [placement] key: a router without that feature yet)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = next((line for line in lines if "unknown key" in line), " ".join(lines))
+    return f"not measured: {why}"[:200]
+
+
+def play(
+    workload: Workload | ChatWorkload, seed: int, url: str, run: Run, urls: dict[str, str]
+) -> None:
+    """The workload's measured phase through the target at ``url``."""
+    if isinstance(workload, ChatWorkload):
+        trio.run(converse, workload.plan(seed), url, run, urls)
+        return
+    tenant = None if workload.tenant is None else (workload.tenant, urls[workload.tenant.engine])
+    request = streamed if workload.conditional else plain
+    trio.run(replay, workload.schedule(seed), url, run, tenant, urls, request)
+
+
+def measure(
+    workload: Workload | ChatWorkload, target: str, start: Start, tmp: Path, seed: int
+) -> Run:
+    run = Run(target, workload.name, conditional=workload.conditional)
+    engines, urls = start_fleet(tmp, workload.conditional)
     try:
-        prefills = [urls[n] for n, role, _ in FLEET if role == "prefill"]
-        decodes = [urls[n] for n, role, _ in FLEET if role == "decode"]
         try:
-            proc, url = start(prefills, decodes, tmp)
+            proc, url = start(
+                [urls[n] for n in of_role("prefill")], [urls[n] for n in of_role("decode")], tmp
+            )
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            run.note = f"not measured: {exc}"[:200]
+            run.note = not_measured(exc)
             return run
         try:
             warm_up(url)
-            producers = {n: urls[n] for n, role, _ in FLEET if role == "prefill"}
-            before = counters(producers)
-            tenant = workload.tenant
-            trio.run(
-                replay,
-                workload.schedule(seed),
-                url,
-                run,
-                None if tenant is None else (tenant, urls[tenant.engine]),
-                urls,
-            )
-            after = counters(producers)
+            before, decided = counters(urls), disaggregation(url)
+            play(workload, seed, url, run, urls)
+            after = counters(urls)
             run.placements = placements(url)
+            run.disaggregation = since(decided, disaggregation(url))
         finally:
             proc.stop()
     finally:
         for engine in engines:
             engine.stop()
-    delta = {n: {k: after[n].get(k, 0.0) - before[n].get(k, 0.0) for k in after[n]} for n in after}
-    queries = sum(d.get("vllm:prefix_cache_queries_total", 0.0) for d in delta.values())
-    hits = sum(d.get("vllm:prefix_cache_hits_total", 0.0) for d in delta.values())
-    run.hit_rate = hits / queries if queries else None
-    routed = {n: d["prompt_tokens"] for n, d in delta.items()}
-    if workload.tenant is not None:  # what this router sent: the tenant's prefills out
-        name = workload.tenant.engine
-        routed[name] = max(0.0, routed[name] - run.tenant_done * workload.tenant.words)
-    total = sum(routed.values()) or 1.0
-    run.prefill_share = {n: round(t / total, 3) for n, t in routed.items()}
+    tally(run, workload.tenant, before, after)
     run.load_avg = round(os.getloadavg()[0], 1)
     return run
+
+
+def since(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, float] | None:
+    """The decisions of the measured phase (the warm-up's taken out)."""
+    if after is None:
+        return None
+    return {k: v - (before or {}).get(k, 0.0) for k, v in after.items()}
+
+
+def hit_rate(delta: dict[str, dict[str, float]], names: list[str]) -> float | None:
+    """Prefix-cache hits over queries (prompt tokens) summed over these engines; None
+    where none of them has a cache."""
+    queries = sum(delta[n].get(QUERIES, 0.0) for n in names)
+    return sum(delta[n].get(HITS, 0.0) for n in names) / queries if queries else None
+
+
+def tally(
+    run: Run,
+    tenant: Tenant | None,
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+) -> None:
+    """The engines' side of a run: what their counters moved by during the measured phase."""
+    delta = {n: {k: after[n].get(k, 0.0) - before[n].get(k, 0.0) for k in after[n]} for n in after}
+    producers, consumers = of_role("prefill"), of_role("decode")
+    run.hit_rate = hit_rate(delta, producers)
+    run.hit_rate_consumers = hit_rate(delta, consumers)
+    run.kv_pulls = sum(delta[n].get(PULLS, 0.0) for n in consumers)
+    if all(KV_BYTES in after[n] for n in consumers):  # exported by fake-cost's engine
+        run.kv_bytes = sum(delta[n][KV_BYTES] for n in consumers)
+    routed = {n: delta[n].get("vllm:prompt_tokens_total", 0.0) for n in producers}
+    if tenant is not None:  # what this router sent: the tenant's prefills out
+        name = tenant.engine
+        routed[name] = max(0.0, routed[name] - run.tenant_done * tenant.words)
+    total = sum(routed.values()) or 1.0
+    run.prefill_share = {n: round(t / total, 3) for n, t in routed.items()}
 
 
 # ---- report ----------------------------------------------------------------------------
 
 
+HEADER = (
+    "| policy | TTFT p50 ms | TTFT p99 ms | req/s | prefix-cache hit rate "
+    "| prompt tokens p0/p1 | ok/failed | load avg | note |"
+)
+CD_HEADER = (
+    "| target | TTFT p50 ms | TTFT p99 ms | short TTFT p50 ms | long TTFT p99 ms | ITL p99 ms "
+    "| producer legs saved | KV transfers | KV MiB | hit rate producers | hit rate consumers "
+    "| ok/failed | load avg | note |"
+)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        lines += [
-            f"\n### {workload}\n",
-            "| policy | TTFT p50 ms | TTFT p99 ms | req/s | prefix-cache hit rate "
-            "| prompt tokens p0/p1 | ok/failed | load avg | note |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        lines += ["| " + " | ".join(cells(r)) + " |" for r in rows if r["workload"] == workload]
+        mine = [r for r in rows if r["workload"] == workload]
+        header, row = (CD_HEADER, cd_cells) if mine[0].get("conditional") else (HEADER, cells)
+        lines += [f"\n### {workload}\n", header, "|---" * (header.count("|") - 1) + "|"]
+        lines += ["| " + " | ".join(row(r)) + " |" for r in mine]
     return "\n".join(lines)
 
 
-def cells(r: dict[str, Any]) -> list[str]:
-    """One row of the table: a run's figures, and in its note what went wrong and how
-    often our affinity spilled."""
+def row_notes(r: dict[str, Any]) -> str:
+    """What went wrong in a run and how often, and how often our affinity spilled."""
     notes = [r["note"], *(f"{why} x{n}" for why, n in sorted(r["errors"].items()))]
     decisions = r["placements"]
     homed = decisions.get("prefill/spill", 0) + decisions.get("prefill/affinity", 0)
     if homed:
         notes.append(f"spilled {decisions.get('prefill/spill', 0) / homed:.0%} of prefills")
-    hit = r["hit_rate"]
+    return " ".join(n for n in notes if n).replace("|", "/")  # a cell of a Markdown table
+
+
+def percent(rate: float | None) -> str:
+    return "—" if rate is None else f"{rate:.1%}"
+
+
+def cells(r: dict[str, Any]) -> list[str]:
+    """One row of the first three workloads' table (its columns as before)."""
     return [
         r["target"],
         fmt(r["ttft_p50_ms"], 1, 1),
         fmt(r["ttft_p99_ms"], 1, 1),
         fmt(r["req_per_s"], 1, 1),
-        "—" if hit is None else f"{hit:.1%}",
+        percent(r["hit_rate"]),
         "/".join(f"{r['prefill_share'].get(n, 0):.0%}" for n in ("p0", "p1")),
         f"{r['ok']}/{r['failed']}",
-        str(r["load_avg"]),
-        " ".join(n for n in notes if n),
+        fmt(r["load_avg"], 1, 1),
+        row_notes(r),
+    ]
+
+
+def cd_cells(r: dict[str, Any]) -> list[str]:
+    """One row of a conditional workload's table: "—" where a figure does not apply (legs
+    saved: the peers, and ours before conditional disaggregation; KV MiB: engines that do
+    not export the bytes)."""
+    saved, decided = r["legs_saved"], r["legs_decided"]
+    # no decisions: our router placed nothing decode first (local_prefill_tokens = 0)
+    legs = "—" if saved is None else f"{saved:.0f} of {decided:.0f}" if decided else "0"
+    return [
+        r["target"],
+        fmt(r["ttft_p50_ms"], 1, 1),
+        fmt(r["ttft_p99_ms"], 1, 1),
+        fmt(r["ttft_short_p50_ms"], 1, 1),
+        fmt(r["ttft_long_p99_ms"], 1, 1),
+        fmt(r["itl_p99_ms"], 1, 1),
+        legs,
+        fmt(r["kv_pulls"], 1, 0),
+        fmt(r["kv_mib"], 1, 1),
+        percent(r["hit_rate"]),
+        percent(r["hit_rate_consumers"]),
+        f"{r['ok']}/{r['failed']}",
+        fmt(r["load_avg"], 1, 1),
+        row_notes(r),
     ]
 
 
@@ -530,10 +940,49 @@ def targets_met(rows: list[dict[str, Any]]) -> str:
             f"- burst, {ours_name}: TTFT p99 {p99:.1f} ms vs round_robin {rr99:.1f} ms "
             f"({rr99 / p99:.2f}x better; target 2x: {'met' if rr99 >= 2 * p99 else 'NOT met'})"
         )
-    return "\n".join(lines)
+    return "\n".join(lines) if len(lines) > 1 else ""
 
 
-def main() -> int:
+# (workload, figure, what it is, the most ours may be as a multiple of always-P/D's, target)
+CD_CHECKS = (
+    (CHAT, "ttft_p50_ms", "TTFT p50", 0.60, "at least 40% lower"),
+    (CHAT, "ttft_p99_ms", "TTFT p99", 1.0, "no worse"),
+    (CHAT, "itl_p99_ms", "ITL p99", 1.10, "within 1.10x"),
+    (SHORT, "ttft_short_p50_ms", "short prompts' TTFT p50", 0.70, "at least 30% lower"),
+    (SHORT, "ttft_long_p99_ms", "long prompts' TTFT p99", 1.05, "within 1.05x"),
+    (SHORT, "itl_p99_ms", "ITL p99", 1.10, "within 1.10x"),
+)
+
+
+def conditional_met(rows: list[dict[str, Any]]) -> str:
+    """Conditional disaggregation's targets: each of our thresholds against always-P/D,
+    within this run."""
+    by = {(r["workload"], r["target"]): r for r in rows}
+    ours_names = [t for t in dict.fromkeys(r["target"] for r in rows) if t.startswith("condit")]
+    lines = []
+    for name in ours_names:
+        met = checked = 0
+        for workload, key, label, most, target in CD_CHECKS:
+            if (workload, name) not in by:  # the workload did not run (--only)
+                continue
+            base = by.get((workload, ALWAYS_PD), {}).get(key)
+            value = by[workload, name].get(key)
+            if not base or value is None:
+                lines.append(f"- {workload}, {name}: {label}: not measured (target {target})")
+                continue
+            ok = value <= most * base
+            met, checked = met + ok, checked + 1
+            lines.append(
+                f"- {workload}, {name}: {label} {value:.1f} ms vs {ALWAYS_PD} {base:.1f} ms "
+                f"({value / base:.2f}x; target {target}: {'met' if ok else 'NOT met'})"
+            )
+        lines.append(f"- **{name}: {met} of {checked} checked targets met**")
+    if not lines:
+        return ""
+    return "\n### Targets (conditional disaggregation, ours vs always-P/D)\n\n" + "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="shorter workloads (smoke)")
     parser.add_argument("--out", default="bench/results")
@@ -549,30 +998,83 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="a [placement] line for our targets (TOML), e.g. affinity_load_factor=2.0",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--thresholds",
+        default=",".join(map(str, LOCAL_THRESHOLDS)),
+        help="local_prefill_tokens of our conditional targets, comma-separated",
+    )
+    return parser.parse_args()
+
+
+def progress(run: Run) -> str:
+    """One line on stderr per run, while the bench goes on."""
+    r = run.summary()
+    line = (
+        f"{run.scenario:16} {run.target:28} p50={fmt(r['ttft_p50_ms'], 1, 1)} "
+        f"p99={fmt(r['ttft_p99_ms'], 1, 1)} hit={r['hit_rate']} "
+    )
+    if run.conditional:
+        line += (
+            f"short p50={fmt(r['ttft_short_p50_ms'], 1, 1)} "
+            f"long p99={fmt(r['ttft_long_p99_ms'], 1, 1)} itl p99={fmt(r['itl_p99_ms'], 1, 1)} "
+            f"consumer hit={r['hit_rate_consumers']} kv={r['kv_pulls']}/{r['kv_mib']} MiB "
+            f"decisions={run.disaggregation} "
+        )
+    else:
+        line += f"share={run.prefill_share} {run.placements} "
+    return line + (
+        f"queue={run.peak_waiting} slowest={run.slowest} ok={run.ok} failed={run.failed} {run.note}"
+    )
+
+
+def run_all(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """Every chosen workload through every chosen target, one fresh fleet each."""
+    thresholds = tuple(int(n) for n in args.thresholds.split(",") if n.strip())
+    wanted = None if not args.targets else args.targets.split(",")
+    rows = []
+    # a workload's seed is its place in the whole list: --only replays the full run's arrivals
+    for w_index, workload in enumerate(workloads(args.quick)):
+        if args.only and not workload.name.startswith(args.only):
+            continue
+        targets = conditional_targets(thresholds) if workload.conditional else TARGETS
+        for name, start in targets:
+            if wanted is not None and name not in wanted:
+                continue
+            run = measure(workload, name, start, tmp, args.seed * 100 + w_index)
+            rows.append(run.summary())
+            print(progress(run), file=sys.stderr, flush=True)
+    return rows
+
+
+def fleet_text(rows: list[dict[str, Any]]) -> str:
+    text = (
+        "Fleet: p0, p1 producers (4 slots, 0.2 ms per uncached prompt token, prefix cache of "
+        "480 blocks; p1 2x slower), d0, d1 consumers (16 slots, 5 ms ITL; d1 2x slower), "
+        "fresh for every run; see the docstring of bench/placement.py.\n"
+    )
+    if not any(r["conditional"] for r in rows):
+        return text
+    args, missing = consumer_cost()
+    text += (
+        f"Conditional workloads ({CHAT}, {SHORT}): the consumers also run with `{' '.join(args)}`."
+    )
+    if missing:
+        text += (
+            f" Left out, as this tree's fake engine lacks them (branch fake-cost not merged): "
+            f"`{' '.join(missing)}`: no KV pull cost or decode interference is modelled."
+        )
+    return text + "\n"
+
+
+def main() -> int:
+    args = parse_args()
     PLACEMENT_KEYS.extend(args.set)
     os.environ["PEERS_VENV"] = args.peers_venv
-    chosen = [t for t in TARGETS if not args.targets or t[0] in args.targets.split(",")]
-    loads = [w for w in workloads(args.quick) if not args.only or w.name.startswith(args.only)]
-    rows: list[dict[str, Any]] = []
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="narwhal-placement-") as tmpdir:
         tmp = Path(args.logs or tmpdir)
         tmp.mkdir(parents=True, exist_ok=True)
-        for w_index, workload in enumerate(loads):
-            for name, start in chosen:
-                run = measure(workload, name, start, tmp, args.seed * 100 + w_index)
-                rows.append(run.summary())
-                print(
-                    f"{workload.name:14} {name:26} p50={fmt(rows[-1]['ttft_p50_ms'], 1, 1)} "
-                    f"p99={fmt(rows[-1]['ttft_p99_ms'], 1, 1)} hit={rows[-1]['hit_rate']} "
-                    f"share={run.prefill_share} {run.placements} queue={run.peak_waiting} "
-                    f"slowest={run.slowest} "
-                    f"ok={run.ok} failed={run.failed} "
-                    f"{run.note}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        rows = run_all(args, tmp)
     stamp = time.strftime("%Y-%m-%d")
     host = f"{platform.node()}, {os.cpu_count()} cores"
     command = "python bench/placement.py " + " ".join(sys.argv[1:])
@@ -580,12 +1082,10 @@ def main() -> int:
         f"# Placement benchmark, {stamp}\n\n"
         f"Command: `{command}`. Machine: {host}. "
         f"Mode: {'quick' if args.quick else 'full'}; {time.monotonic() - began:.0f} s in all.\n"
-        "Fleet: p0, p1 producers (4 slots, 0.2 ms per uncached prompt token, prefix cache of "
-        "480 blocks; p1 2x slower), d0, d1 consumers (16 slots, 5 ms ITL; d1 2x slower), "
-        "fresh for every run; see the docstring of bench/placement.py.\n"
-        + table(rows)
-        + "\n"
-        + targets_met(rows)
+        + fleet_text(rows)
+        + "\n".join(
+            part for part in (table(rows), targets_met(rows), conditional_met(rows)) if part
+        )
     )
     print(report)
     out = Path(args.out)

@@ -161,6 +161,9 @@ CONSUMER_COST = (
     ("--prefix-cache-blocks", "2048"),
     ("--prefill-ms-per-token", "0.2"),
     ("--kv-ms-per-block", "0.5"),
+    # a remote prefill's KV is loaded asynchronously and the request is scheduled at the
+    # consumer's next step: about one decode step (5 ms) more than a local prefill
+    ("--kv-pull-ms", "5"),
     ("--prefill-interference", "0.5"),
 )
 CHAT, SHORT = "multi-turn chat", "short prompts"  # the conditional workloads' names

@@ -9,8 +9,8 @@ Two routers of this module's own over the session's pair, both with
   the journal's attempt says ``local``, and its greedy text equals the same request
   disaggregated by the session's router (whose handoff does move the transfer count).
 * ``turns``: p0 also listed as a consumer (role ``both``), so a turn has two consumers to
-  choose from. Three conversations, each with a system prompt of its own (about 300
-  tokens: the first turn is disaggregated), then a second turn (the history, the reply,
+  choose from. Three conversations, each with a system prompt of its own (about 680
+  bytes: the first turn is disaggregated), then a second turn (the history, the reply,
   a short question): it goes to the consumer that served the first turn, locally, and that
   engine's ``vllm:prefix_cache_hits_total`` grows during it by at least the first turn's
   full prompt blocks (the CPU backend's block is 128 tokens).
@@ -159,7 +159,10 @@ def test_the_next_turn_goes_to_the_consumer_that_served_the_first(
     engines = {"p0": fleet.producer, "d0": fleet.consumer}
     rows = []
     for n in range(CONVERSATIONS):
-        system = f"Conversation {n}. " + " ".join(SENTENCES * 3)
+        # over 4 x THRESHOLD bytes (the router's estimate: disaggregated), under the model's
+        # 512-token context with the second turn (this tokenizer: about 2.6 bytes a token)
+        system = f"Conversation {n}. " + " ".join([*SENTENCES, *SENTENCES[:3]])
+        assert len(system.encode()) > 4 * THRESHOLD
         messages = [
             {"role": "system", "content": system},
             {"role": "user", "content": "When does the press run?"},

@@ -115,10 +115,12 @@ def longest_match(
 ) -> EngineState | None:
     """The engine under the load bound believed to hold the longest leading part of
     ``prompt`` (None: no such engine holds a block of it). Equal matches go by ``order``
-    (the ring's, so a shared prefix stays on one producer while it may), then by load."""
+    (the ring's, so a shared prefix stays on one producer while it may), then to the one
+    that recorded them last (a consumer that served the last turn holds its reply's
+    partial block too), then by load."""
     limit = bound(list(costs.values()), load_factor)
     rank = {engine_id: i for i, engine_id in enumerate(order)}
-    best: tuple[int, int, float] | None = None
+    best: tuple[int, int, float, float] | None = None
     chosen = None
     for engine in pool:
         if costs[engine.id] + 1 > limit:
@@ -126,7 +128,8 @@ def longest_match(
         held = index.match(engine.id, prompt.blocks, now)
         if not held:
             continue
-        score = (-held, rank.get(engine.id, len(rank)), costs[engine.id])
+        at = index.recorded_at(engine.id, prompt.blocks, held)
+        score = (-held, rank.get(engine.id, len(rank)), -at, costs[engine.id])
         if best is None or score < best:
             best, chosen = score, engine
     return chosen

@@ -20,6 +20,7 @@ its own belief). Memory: ``bench/prefix_index_memory.py``, figures in ``bench/re
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -145,6 +146,14 @@ class PrefixIndex:
             else:
                 hi = mid - 1
         return lo
+
+    def recorded_at(self, engine_id: str, blocks: Sequence[int], held: int) -> float:
+        """When the last of the ``held`` leading blocks was recorded for ``engine_id``: of
+        two engines holding as much, the one that served the text last holds more of it
+        (what it generated beyond the last full block, a turn's reply)."""
+        lru = self._engines.get(engine_id)
+        at = lru.get(blocks[held - 1]) if lru and held else None
+        return -math.inf if at is None else at
 
     def forget(self, engine_id: str) -> None:
         """The engine left, or restarted: whatever it cached is gone."""

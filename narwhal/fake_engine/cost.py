@@ -228,6 +228,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "hold, in ms (the link's speed: not scaled by --slowdown)",
     )
     parser.add_argument(
+        "--kv-pull-ms",
+        type=_non_negative,
+        default=0.0,
+        help="the fixed cost of every KV pull, in ms: vLLM's consumer waits for the load "
+        "in WAITING_FOR_REMOTE_KVS and schedules the request at its next step, so a remote "
+        "prefill costs the consumer about one step more than a local one",
+    )
+    parser.add_argument(
         "--prefill-interference",
         type=_non_negative,
         default=0.0,
@@ -249,6 +257,7 @@ def config_fields(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_ms_per_token": args.prefill_ms_per_token,
         "prefix_cache_blocks": args.prefix_cache_blocks,
         "kv_ms_per_block": args.kv_ms_per_block,
+        "transfer_delay_s": args.kv_pull_ms / 1000,
         "prefill_interference": args.prefill_interference,
         "slowdown": args.slowdown,
     }

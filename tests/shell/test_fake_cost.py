@@ -329,8 +329,9 @@ def test_the_options_default_to_off() -> None:
 def test_the_options_reach_the_config() -> None:
     argv = ["fake-engine", "--port", "0", "--slots", "4", "--prefill-ms-per-token", "0.5"]
     argv += ["--prefix-cache-blocks", "1024", "--slowdown", "2", "--kv-ms-per-block", "0.25"]
-    argv += ["--prefill-interference", "0.5"]
+    argv += ["--prefill-interference", "0.5", "--kv-pull-ms", "5"]
     config = FakeEngineConfig(**cost.config_fields(build_parser().parse_args(argv)))
+    assert config.transfer_delay_s == 0.005
     assert (config.slots, config.prefill_ms_per_token) == (4, 0.5)
     assert (config.prefix_cache_blocks, config.slowdown) == (1024, 2.0)
     assert (config.kv_ms_per_block, config.prefill_interference) == (0.25, 0.5)

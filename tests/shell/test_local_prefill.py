@@ -181,6 +181,7 @@ async def test_busy_producers_hold_back_a_long_prompt_not_a_short_one(
     assert trio.current_time() == 0.0  # it did not wait
     assert short.events[-1][1] == "end"
     line = fleet.router.journal.lines[-1]
-    assert line.queued_s == 0.0 and line.attempts[0].local
+    assert line.queued_s == 0.0
+    assert line.attempts[0].local
     waited = await fleet.request(LONG)
     assert waited.error[1] == 429  # the producer stayed saturated past max_queue_wait_s

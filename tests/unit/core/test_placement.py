@@ -247,3 +247,13 @@ def test_equal_matches_keep_the_ring_order_for_producers() -> None:
     assert _indexed(fleet, "prefill", text + " a question") == Choice(
         fleet.by_id[home], "prefix_match"
     )
+
+
+def test_equal_matches_go_to_the_consumer_that_recorded_them_last() -> None:
+    fleet = _fleet("both", "decode")
+    text = "a conversation so far " * 30
+    blocks = prompt_of({"prompt": text}, chat=False).blocks
+    fleet.prefixes.record("e1", blocks, 0.5)  # the last turn's decode, after ...
+    fleet.prefixes.record("e0", blocks, 0.2)  # ... its prefill on the other engine
+    fleet.by_id["e1"].inflight["decode"] = 2  # a little busier: still under the bound
+    assert _indexed(fleet, "decode", text + " next") == Choice(fleet.by_id["e1"], "prefix_match")

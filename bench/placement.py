@@ -76,7 +76,7 @@ Targets of the conditional workloads:
   always-P/D             ours with its defaults (least_loaded, prefix affinity, every request
                          disaggregated: ``local_prefill_tokens`` unset, 0)
   conditional N          the same with ``[placement] local_prefill_tokens = N``, for each N of
-                         ``--thresholds`` (256 and 1024 by default; LOCAL_THRESHOLDS). A
+                         ``--thresholds`` (64, 256 and 1024 by default; LOCAL_THRESHOLDS). A
                          router that does not know the key refuses its fleet file: the row
                          says so and the run goes on
   vllm-router cache_aware, narwhal-0.7   as above
@@ -167,7 +167,7 @@ CONSUMER_COST = (
     ("--prefill-interference", "0.5"),
 )
 CHAT, SHORT = "multi-turn chat", "short prompts"  # the conditional workloads' names
-LOCAL_THRESHOLDS = (256, 1024)  # [placement] local_prefill_tokens of our conditional targets
+LOCAL_THRESHOLDS = (64, 256, 1024)  # [placement] local_prefill_tokens of our conditional targets
 CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_PER_SYSTEM = 32, 6, 8
 CHAT_SYSTEM_WORDS, CHAT_USER_WORDS, CHAT_REPLY_TOKENS = 1500, 50, 100
 CHAT_START_RATE = 1.0  # conversations per second (Poisson): about 6 turns/s at the peak

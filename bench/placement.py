@@ -21,9 +21,9 @@ starts cold and every queue empty (``narwhal fake-engine`` with its cost model):
           ``--prefix-cache-blocks 2048 --prefill-ms-per-token 0.2`` and pays
           ``--kv-ms-per-block 0.5`` per pulled 16-token block it does not hold, and its
           running streams' gaps grow by ``--prefill-interference 0.5`` x the prompts it is
-          computing (the last two from branch fake-cost: a fake engine without them runs
-          without, and the report says so). The first three keep the old consumers, so that
-          their rows stay comparable with earlier runs.
+          computing, and a pull costs ``--kv-pull-ms 5`` (the step a vLLM consumer waits for
+          a remote KV load before it schedules the request). The first three keep the old
+          consumers, so that their rows stay comparable with earlier runs.
 
 Fair to every router: the same engines, restarted cold for each run; each workload's
 schedule (arrival times and prompts: open loop, Poisson arrivals from a fixed seed) drawn
@@ -112,7 +112,6 @@ too for the conditional ones, and for short prompts the short p50 and the long p
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -156,7 +155,7 @@ PRODUCER = ["--slots", "4", "--prefill-ms-per-token", "0.2", "--prefix-cache-blo
 CONSUMER = ["--slots", "16", "--itl-s", "0.005"]
 # the conditional workloads' consumers compute short prompts themselves: a prefix cache, a
 # prefill cost, a KV pull cost per 16-token block they do not hold, and the slowdown a
-# local prefill inflicts on their running decodes (the last two: branch fake-cost)
+# local prefill inflicts on their running decodes
 CONSUMER_COST = (
     ("--prefix-cache-blocks", "2048"),
     ("--prefill-ms-per-token", "0.2"),
@@ -697,36 +696,14 @@ def warm_up(url: str) -> None:
     time.sleep(1.5)  # a scrape of every engine has landed (our metrics_interval_s is 1 s)
 
 
-@functools.cache
-def fake_engine_help() -> str:
-    """``narwhal fake-engine --help`` of this tree: which cost options its engine has."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "narwhal", "fake-engine", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return proc.stdout
-
-
-def consumer_cost() -> tuple[list[str], list[str]]:
-    """CONSUMER_COST's arguments this fake engine takes, and the options it lacks (until
-    branch fake-cost lands): the consumers run without those, and the report says so."""
-    text = fake_engine_help()
-    args: list[str] = []
-    missing: list[str] = []
-    for option, value in CONSUMER_COST:
-        if re.search(re.escape(option) + r"(?![\w-])", text):
-            args += [option, value]
-        else:
-            missing.append(option)
-    return args, missing
+def consumer_cost() -> list[str]:
+    """CONSUMER_COST as command-line arguments."""
+    return [arg for pair in CONSUMER_COST for arg in pair]
 
 
 def start_fleet(tmp: Path, conditional: bool = False) -> tuple[list[Proc], dict[str, str]]:
     # the first three workloads keep the old consumers, so their rows stay comparable
-    consumer = [*CONSUMER, *consumer_cost()[0]] if conditional else CONSUMER
+    consumer = [*CONSUMER, *consumer_cost()] if conditional else CONSUMER
     return start_fake_fleet(
         [
             (name, role, [*(PRODUCER if role == "prefill" else consumer), "--slowdown", str(slow)])
@@ -818,7 +795,7 @@ def tally(
     run.hit_rate = hit_rate(delta, producers)
     run.hit_rate_consumers = hit_rate(delta, consumers)
     run.kv_pulls = sum(delta[n].get(PULLS, 0.0) for n in consumers)
-    if all(KV_BYTES in after[n] for n in consumers):  # exported by fake-cost's engine
+    if all(KV_BYTES in after[n] for n in consumers):  # a baseline tree's engine lacks it
         run.kv_bytes = sum(delta[n][KV_BYTES] for n in consumers)
     routed = {n: delta[n].get("vllm:prompt_tokens_total", 0.0) for n in producers}
     if tenant is not None:  # what this router sent: the tenant's prefills out
@@ -1057,15 +1034,10 @@ def fleet_text(rows: list[dict[str, Any]]) -> str:
     )
     if not any(r["conditional"] for r in rows):
         return text
-    args, missing = consumer_cost()
     text += (
-        f"Conditional workloads ({CHAT}, {SHORT}): the consumers also run with `{' '.join(args)}`."
+        f"Conditional workloads ({CHAT}, {SHORT}): the consumers also run with "
+        f"`{' '.join(consumer_cost())}`."
     )
-    if missing:
-        text += (
-            f" Left out, as this tree's fake engine lacks them (branch fake-cost not merged): "
-            f"`{' '.join(missing)}`: no KV pull cost or decode interference is modelled."
-        )
     return text + "\n"
 
 

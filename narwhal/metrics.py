@@ -193,7 +193,8 @@ class Metrics:
         )
         self.prompt_tokens = counter(
             "narwhal_prompt_tokens",
-            "Prompt tokens the producers computed (their own count).",
+            "Prompt tokens computed for requests: by producers, or by a consumer serving "
+            "a request alone (the engines' own count).",
             ("model",),
         )
         self.reloads = counter(

@@ -364,8 +364,8 @@ class Fleet:
         leg takes a consumer's room already (``DecodeClaim``: its decode follows within
         moments, and a decode sent to a full consumer waits in its queue). None: a role
         has no placeable engine at all, which is not saturation: the request goes on and
-        is answered 503 at once. ``consumers_only``: every request may be served by its
-        consumer alone when the producers are saturated (``local_prefill_when_busy``)."""
+        is answered 503 at once. ``consumers_only``: for a request its consumer may serve
+        alone (conditional disaggregation), whose dispatch needs no producer's room."""
         rooms = []
         for leg in ("decode",) if consumers_only else LEGS:
             engines, _ = self.placeable(leg, now)

@@ -80,6 +80,8 @@ class Entry(Struct, frozen=True):
     key: str  # its fairness key (tenant)
     arrival: float
     deadline: float  # absolute
+    # its consumer may serve it alone (decode first): a consumer's room is enough for it
+    local: bool = False
 
     def __post_init__(self) -> None:
         # a NaN would compare false with everything and never leave the expiry heap
@@ -205,6 +207,14 @@ class FlowQueue:
                 entry = band.pop_next()
                 self._forget(entry.id)
                 return entry
+        return None
+
+    def peek(self) -> Entry | None:
+        """The request ``next`` would dispatch, left in the queue."""
+        for cls in BY_RANK:
+            band = self._bands[cls]
+            if band.order:
+                return next(iter(next(iter(band.by_key.values())).values()))
         return None
 
     def expire(self, now: float) -> list[tuple[Entry, Exit]]:

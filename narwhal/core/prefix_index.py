@@ -6,8 +6,13 @@ generated output's (vLLM caches both). Text is cut into ``BLOCK_BYTES`` of UTF-8
 vLLM's 16-token block at 4 bytes a token), token-id prompts into ``BLOCK_TOKENS`` ids. A
 block's hash chains the hash of the block before it, so a block matches only under the
 same whole prefix, as in vLLM's prefix caching. Chat is a canonical serialization of the
-messages in order (``chat_text``): the next turn of a conversation (its messages, the
-assistant's reply, a new message) starts with the previous turn's text and its reply.
+messages in order (``chat_text``), after the tools the request offers (a chat template
+renders them first) and with every part of a message a template renders (text, tool
+calls, images and audio as their JSON: their bytes weigh in the estimate): the next turn
+of a conversation (its messages, the assistant's reply, a new message) starts with the
+previous turn's text and its reply. Only the first ``MAX_PROMPT_BLOCKS`` of a prompt are
+hashed: beyond a model's context nothing is cached, and a 4 MiB body would cost the event
+loop tens of milliseconds; the estimate still counts the whole prompt.
 
 Nothing here is exact, it is the router's belief: entries expire after ``ttl_s``, and each
 engine's index is an LRU of at most ``max_blocks`` blocks (the oldest first, and within one
@@ -26,49 +31,84 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 BLOCK_BYTES = 64  # a text block: about vLLM's 16-token block
 BLOCK_TOKENS = 16  # a token-id block: vLLM's default block size
 BYTES_PER_TOKEN = 4  # the estimate of a text's tokens (SPEC 4.4)
 MAX_BLOCKS = 65536  # per engine: 4 MiB of text, about a million tokens of KV
+MAX_PROMPT_BLOCKS = 8192  # per prompt: 512 KiB of text, about 128k tokens
 _TEXT_ROOT = 0x5BD1E995  # the parent of a text's first block
 _TOKEN_ROOT = 0x27D4EB2F  # ... of a token-id prompt's: never equal to a text's chain
+_encode = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """What the index knows of one request's prompt: its blocks and its estimated tokens."""
+    """What the index knows of one request's prompt: its blocks and its estimated tokens,
+    and for a text what ``followed_by`` needs to go on hashing after it."""
 
     blocks: tuple[int, ...]
     tokens: int  # token-id prompts exactly; text as UTF-8 bytes / 4
+    tail: bytes | None = None  # a text's bytes after its last full block (None: ids)
 
     def uncached(self, matched_blocks: int) -> int:
         """The tokens left to compute when an engine holds ``matched_blocks`` of it."""
         return max(0, self.tokens - matched_blocks * BLOCK_TOKENS)
 
+    def followed_by(self, text: str) -> Prompt:
+        """This text with ``text`` after it (a reply), hashing only the new blocks."""
+        if self.tail is None or len(self.blocks) >= MAX_PROMPT_BLOCKS:
+            return self
+        parent = self.blocks[-1] if self.blocks else _TEXT_ROOT
+        added = text.encode("utf-8", "surrogatepass")
+        blocks, tail = _chain(self.tail + added, parent, MAX_PROMPT_BLOCKS - len(self.blocks))
+        tokens = self.tokens + -(-len(added) // BYTES_PER_TOKEN)
+        return Prompt(self.blocks + blocks, tokens, tail)
+
+
+def _chain(data: bytes, parent: int, limit: int) -> tuple[tuple[int, ...], bytes]:
+    """The chained hashes of the full blocks of ``data`` after ``parent`` (at most
+    ``limit``), and the bytes left after the last full block."""
+    full = min(len(data) // BLOCK_BYTES, limit)
+    out = []
+    for start in range(0, full * BLOCK_BYTES, BLOCK_BYTES):
+        parent = hash((parent, data[start : start + BLOCK_BYTES]))
+        out.append(parent)
+    return tuple(out), data[full * BLOCK_BYTES :]
+
 
 def text_blocks(data: bytes) -> tuple[int, ...]:
     """The chained hashes of the full ``BLOCK_BYTES`` blocks of ``data``."""
-    out = []
-    parent = _TEXT_ROOT
-    for start in range(0, len(data) - len(data) % BLOCK_BYTES, BLOCK_BYTES):
-        parent = hash((parent, data[start : start + BLOCK_BYTES]))
-        out.append(parent)
-    return tuple(out)
+    return _chain(data, _TEXT_ROOT, MAX_PROMPT_BLOCKS)[0]
 
 
 def token_blocks(ids: Sequence[int]) -> tuple[int, ...]:
     """The chained hashes of the full ``BLOCK_TOKENS`` blocks of a token-id prompt."""
     out = []
     parent = _TOKEN_ROOT
-    for start in range(0, len(ids) - len(ids) % BLOCK_TOKENS, BLOCK_TOKENS):
+    full = min(len(ids) // BLOCK_TOKENS, MAX_PROMPT_BLOCKS)
+    for start in range(0, full * BLOCK_TOKENS, BLOCK_TOKENS):
         parent = hash((parent, *ids[start : start + BLOCK_TOKENS]))
         out.append(parent)
     return tuple(out)
 
 
+def _json(value: Any) -> str:
+    try:
+        return _encode(value).decode("utf-8", "surrogatepass")
+    except (TypeError, ValueError, OverflowError):  # not JSON: its text, for the estimate
+        return str(value)
+
+
 def _content(content: Any) -> str:
-    if isinstance(content, list):  # content parts: their text, in order
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    """What a template renders of a message's content: text as it is, other parts (an
+    image, audio) as their JSON, whose bytes the estimate counts."""
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text", "")) if isinstance(p, dict) and p.get("type") == "text" else _json(p)
+            for p in content
+        )
     return "" if content is None else str(content)
 
 
@@ -77,37 +117,42 @@ def _message(role: str, content: str) -> str:
     return f"\x1e{role}\x1f{content}"
 
 
-def chat_text(messages: Iterable[Any], reply: str | None = None) -> str:
-    """The canonical serialization of chat messages, and of the assistant's ``reply`` when
-    given: a conversation's next turn starts with exactly this text."""
-    parts = [
-        _message(str(m.get("role", "")), _content(m.get("content")))
-        for m in messages
-        if isinstance(m, dict)
-    ]
-    if reply is not None:
-        parts.append(_message("assistant", reply))
-    return "".join(parts)
+def _rendered(message: dict[str, Any]) -> str:
+    text = _message(str(message.get("role", "")), _content(message.get("content")))
+    calls = message.get("tool_calls")
+    return text if calls is None else text + _json(calls)
 
 
-def prompt_of(body: Mapping[str, Any], *, chat: bool, reply: str | None = None) -> Prompt:
-    """A request's prompt as the index sees it; with ``reply``, the prompt followed by the
-    output generated for it (what a consumer holds afterwards). A token-id prompt's output
-    is not known as ids: its blocks are the prompt's alone."""
+def chat_text(messages: Iterable[Any], tools: Any = None) -> str:
+    """The canonical serialization of a chat request: its tools, then its messages; a
+    conversation's next turn starts with this text and its reply (``reply_text``)."""
+    head = "" if tools is None else "\x1etools\x1f" + _json(tools)
+    return head + "".join(_rendered(m) for m in messages if isinstance(m, dict))
+
+
+def reply_text(reply: str, *, chat: bool) -> str:
+    """What follows a prompt's text once ``reply`` was generated for it."""
+    return _message("assistant", reply) if chat else reply
+
+
+def prompt_of(body: Mapping[str, Any], *, chat: bool) -> Prompt:
+    """A request's prompt as the index sees it."""
     if chat:
         messages = body.get("messages")
-        return _text(chat_text(messages if isinstance(messages, list) else (), reply))
+        listed = messages if isinstance(messages, list) else ()
+        return _text(chat_text(listed, body.get("tools")))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return Prompt(token_blocks(prompt), len(prompt))
     if isinstance(prompt, list):  # several prompts (a fan-out's parent): the first keys it
         prompt = prompt[0] if prompt else ""
-    return _text(str(prompt or "") + (reply or ""))
+    return _text(str(prompt or ""))
 
 
 def _text(text: str) -> Prompt:
     data = text.encode("utf-8", "surrogatepass")
-    return Prompt(text_blocks(data), -(-len(data) // BYTES_PER_TOKEN))
+    blocks, tail = _chain(data, _TEXT_ROOT, MAX_PROMPT_BLOCKS)
+    return Prompt(blocks, -(-len(data) // BYTES_PER_TOKEN), tail)
 
 
 class PrefixIndex:

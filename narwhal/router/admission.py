@@ -143,13 +143,13 @@ class Admission:
         raise ``NotDispatched`` (429, or 503 on SIGTERM) when it leaves the queue another
         way. A dispatched request calls ``done`` when it ends. The caller's cancellation
         (its client left, its deadline) takes it out of the queue at once. ``local``: its
-        consumer will serve it alone, so busy producers do not hold it back; once queued
-        it waits in the queue's order like any other (strict priority keeps its meaning)."""
+        consumer may serve it alone, so busy producers do not hold it back (in the queue
+        too, where it keeps its place in the queue's order)."""
         if not self._flow.queue or (not self._tickets and self._room(local)):
             self._went(cls, 0.0)
             return 0.0
         self._seq += 1
-        entry = Entry(self._seq, cls, tenant, arrival, deadline)
+        entry = Entry(self._seq, cls, tenant, arrival, deadline, local)
         now = trio.current_time()
         self._queue.max_queued = self.queue_limit()  # the worker count is known by now
         verdict = self._queue.offer(entry, now)
@@ -180,7 +180,7 @@ class Admission:
         now = trio.current_time()
         for entry, exit in self._queue.expire(now):
             self._let_go(entry, exit)
-        while len(self._queue) and self._room():
+        while (head := self._queue.peek()) is not None and self._room(head.local):
             taken = self._queue.next(now)
             assert taken is not None
             self.dispatched += 1

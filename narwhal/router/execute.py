@@ -44,7 +44,7 @@ from narwhal.core.handoff import Fate, Handoff, too_old
 from narwhal.core.lifecycle import Input, Lifecycle, State
 from narwhal.core.placement import choose
 from narwhal.core.policies import prefix_key
-from narwhal.core.prefix_index import Prompt, prompt_of
+from narwhal.core.prefix_index import Prompt, prompt_of, reply_text
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget, RetryDecision, decide
 from narwhal.engines.client import DecodeStream, EngineClient
@@ -205,12 +205,12 @@ class RunRecord:
         raise NotImplementedError
 
     def prompt_tokens(self) -> int | None:
-        """The prompt tokens the producers computed for this request (None: not known)."""
+        """The prompt tokens an engine computed for this request (None: not known)."""
         return None
 
-    def surely_local(self) -> bool:
-        """Whether its consumer will serve it alone whatever it caches (SPEC 4.5: it then
-        needs a consumer's room only)."""
+    def local_possible(self) -> bool:
+        """Whether its consumer may serve it alone (SPEC 4.5: a consumer's room is then
+        enough to dispatch it)."""
         return False
 
     def journal_line(self) -> JournalLine:
@@ -272,12 +272,15 @@ class RequestRun(RunRecord):
         # the prefix index is kept when placement reads it
         self._indexing = placement.prefix_affinity or decode_first(placement)
         self._reply: list[str] | None = None  # the generated text, for the index
+        self._local_prompt_tokens: int | None = None
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
 
     def prompt_tokens(self) -> int | None:
-        return None if self.prefill_result is None else self.prefill_result.prompt_tokens
+        if self.prefill_result is None:  # a local attempt: its consumer's usage counts them
+            return self._local_prompt_tokens
+        return self.prefill_result.prompt_tokens
 
     async def execute(self) -> None:
         """Run attempts until one succeeds or a fault may not be retried (then it is raised)."""
@@ -399,14 +402,16 @@ class RequestRun(RunRecord):
             self._prefix = prefix_key(self.req.body, chat=self.req.chat)
         return self._prefix
 
-    def surely_local(self) -> bool:
-        """The whole prompt is under ``local_prefill_tokens``: local on any consumer."""
+    def local_possible(self) -> bool:
+        """Local on any consumer (the whole prompt is under ``local_prefill_tokens``), or
+        wherever the producers are busy (``local_prefill_when_busy``); never a request
+        whose answer needs the producer's prompt side."""
         placement = self.config.placement
-        return (
-            placement.local_prefill_tokens > 0
-            and not wants_prompt_side(self.req.body)
-            and self._prompt_blocks().tokens < placement.local_prefill_tokens
-        )
+        if wants_prompt_side(self.req.body):
+            return False
+        threshold = placement.local_prefill_tokens
+        short = threshold > 0 and self._prompt_blocks().tokens < threshold
+        return short or placement.local_prefill_when_busy
 
     def _prompt_blocks(self) -> Prompt:
         if self._prompt is None:  # once per request: every attempt sees the same blocks
@@ -589,7 +594,8 @@ class RequestRun(RunRecord):
     def _consumer_holds(self) -> Prompt | None:
         if not self._indexing or self._reply is None:
             return None
-        return prompt_of(self.req.body, chat=self.req.chat, reply="".join(self._reply))
+        reply = reply_text("".join(self._reply), chat=self.req.chat)
+        return self._prompt_blocks().followed_by(reply)
 
     def _remember(self, engine: EngineState, prompt: Prompt | None) -> None:
         if prompt is not None:
@@ -664,6 +670,7 @@ class RequestRun(RunRecord):
             end = await path.relay_all(stream)
         finally:
             self.tokens = path.tokens
+            self._local_prompt_tokens = relay.prompt_tokens
             if path.first_token_at is not None:
                 self.first_byte_s = path.first_token_at - self.arrival
         await self.finish(end)

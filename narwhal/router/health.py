@@ -169,6 +169,8 @@ class Health:
         self.router.metrics.up.labels(engine.id).set(int(engine.up))
         if change is not None:
             self.router.events.record(change, engine.id, failures=engine.health_failures)
+            if change == "left":  # it may come back restarted: nothing it cached counts
+                self.router.fleet.prefixes.forget(engine.id)
             self.router.fleet.on_change()  # joined: room for the queue; left: maybe none
 
     async def _readmission_loop(self, engine: EngineState) -> None:

@@ -75,7 +75,7 @@ class JournalLine(msgspec.Struct):
     first_byte_s: float | None
     tokens: int
     duration_s: float
-    prompt_tokens: int | None = None  # as the producers counted them (None: not known)
+    prompt_tokens: int | None = None  # as the engine that computed them counted (None: not known)
     at: float = 0.0  # wall clock (Unix seconds) of the request's arrival
     client: str | None = None
     key: str | None = None

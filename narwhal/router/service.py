@@ -134,8 +134,7 @@ class Router:
             self.config.placement.metrics_interval_s,
             flow.engine_waiting_limit,
             flow.kv_usage_limit,
-            # busy producers send an attempt to its consumer alone: they hold nothing back
-            consumers_only=local or self.config.placement.local_prefill_when_busy,
+            consumers_only=local,
         )
 
     def engines_view(self) -> bytes:
@@ -256,7 +255,7 @@ class Router:
                     run.flow.tenant,
                     run.arrival,
                     self._dispatch_by(run),
-                    local=run.surely_local(),
+                    local=run.local_possible(),
                 )
                 dispatched = True
                 await run.execute()

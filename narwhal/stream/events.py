@@ -101,7 +101,8 @@ def classify(chunk: Chunk | None) -> Kind:
     return Kind.METADATA
 
 
-def completion_tokens(usage: dict[str, Any]) -> int | None:
-    """A usage object's ``completion_tokens`` (None: absent or not a count)."""
-    count = usage.get("completion_tokens")
+def completion_tokens(usage: dict[str, Any], field: str = "completion_tokens") -> int | None:
+    """A usage object's ``completion_tokens`` (or another count; None: absent or not a
+    count)."""
+    count = usage.get(field)
     return count if type(count) is int and count >= 0 else None

@@ -84,6 +84,7 @@ class StreamRelay:
         "_strip_usage",
         "generated",
         "output_started",
+        "prompt_tokens",
         "reply",
         "tokens",
     )
@@ -104,6 +105,7 @@ class StreamRelay:
         self._held: list[bytes] = []  # framed metadata waiting for the first token
         self.tokens = 0  # chunks with output
         self.generated: int | None = None  # tokens, as the engine's usage counts them
+        self.prompt_tokens: int | None = None  # and the prompt's (a local leg computed it)
         # the first output was given (a Commit): later output is Send. Not the commit point
         # itself, which is the request's (a JSON answer commits only at the end)
         self.output_started = False
@@ -126,6 +128,7 @@ class StreamRelay:
                         _keep_text(chunk, self.reply)
                 elif chunk.usage is not None and not chunk.choices:  # the usage chunk
                     self.generated = completion_tokens(chunk.usage)
+                    self.prompt_tokens = completion_tokens(chunk.usage, "prompt_tokens")
                     if self._strip_usage:
                         continue
                 if self._collector is not None:

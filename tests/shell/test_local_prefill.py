@@ -14,6 +14,7 @@ from narwhal.core.config import (
     PlacementConfig,
     ServingConfig,
 )
+from narwhal.core.prefix_index import prompt_of
 from narwhal.fake_engine.faults import Fault
 from narwhal.stream.sse import SSEParser
 from tests.support.fleet import MODEL
@@ -53,6 +54,7 @@ async def test_a_short_prompt_is_served_by_its_consumer_alone(
     line = fleet.router.journal.lines[-1]
     assert line.outcome == "completed"
     assert line.ttft_s is None
+    assert line.prompt_tokens == 4  # the consumer's own count, from its usage
     assert line.attempts[0].local
     assert line.attempts[0].producer is None
     assert _decisions(fleet)["local_short"] == 1
@@ -185,3 +187,34 @@ async def test_busy_producers_hold_back_a_long_prompt_not_a_short_one(
     assert line.attempts[0].local
     waited = await fleet.request(LONG)
     assert waited.error[1] == 429  # the producer stayed saturated past max_queue_wait_s
+
+
+async def test_busy_producers_hold_back_what_needs_them_even_when_busy_may_go_local(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    busy = PlacementConfig(local_prefill_when_busy=True, metrics_interval_s=0.0)
+    fleet = await memory_fleet(  # a consumer's room is held for the hung request's decode
+        nursery,
+        consumers=2,
+        placement=busy,
+        admission=AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=5.0),
+    )
+    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
+    nursery.start_soon(fleet.request, LONG)  # holds the only producer: it is saturated
+    await fleet.producer.wait_logged(1)
+    echo = await fleet.request({**LONG, "echo": True, "stream": False})
+    assert echo.error[1] == 429  # it needs the producer's prompt side: it waited for room
+    assert len(fleet.producer.log) == 1  # and never reached the saturated producer
+
+
+async def test_an_engine_that_stops_answering_health_checks_is_believed_cold(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    fleet = await memory_fleet(nursery, placement=LOCAL)
+    await fleet.request(LONG)
+    index, blocks = fleet.router.fleet.prefixes, prompt_of(LONG, chat=False).blocks
+    assert index.match("d0", blocks, trio.current_time()) == len(blocks)
+    fleet.consumer.stop()  # its next health checks fail: it leaves (virtual time)
+    await trio.sleep(3 * fleet.router.config.engine.health_interval_s)
+    assert not fleet.router.fleet.by_id["d0"].up
+    assert index.match("d0", blocks, trio.current_time()) == 0

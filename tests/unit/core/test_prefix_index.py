@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 from narwhal.core.prefix_index import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
+    MAX_PROMPT_BLOCKS,
     PrefixIndex,
     prompt_of,
+    reply_text,
     text_blocks,
     token_blocks,
 )
@@ -66,7 +68,7 @@ def test_the_next_chat_turn_matches_the_turn_and_its_reply() -> None:
         {"role": "user", "content": "Tell me about whales. " * 10},
     ]
     reply = "Whales are large marine mammals. " * 8
-    held = prompt_of({"messages": turn}, chat=True, reply=reply)
+    held = prompt_of({"messages": turn}, chat=True).followed_by(reply_text(reply, chat=True))
     index = PrefixIndex(ttl_s=60.0)
     index.record("d0", held.blocks, 0.0)
     nxt = [*turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "More"}]
@@ -94,3 +96,33 @@ def test_an_engine_forgotten_or_removed_holds_nothing() -> None:
     index.forget("a")
     index.keep_only(["a", "c"])
     assert [index.match(e, blocks, 0.0) for e in "abc"] == [0, 0, 10]
+
+
+@given(texts, texts)
+def test_a_text_followed_by_more_hashes_as_the_whole(head: str, more: str) -> None:
+    whole = prompt_of({"prompt": head + more}, chat=False)
+    followed = prompt_of({"prompt": head}, chat=False).followed_by(more)
+    assert followed.blocks == whole.blocks
+
+
+def test_what_a_template_renders_weighs_in_the_estimate() -> None:
+    user = {"role": "user", "content": "hi"}
+    bare = prompt_of({"messages": [user]}, chat=True).tokens
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 20_000}}]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 30_000}}
+    calls = [{"id": "c", "type": "function", "function": {"arguments": "x" * 30_000}}]
+    heavy = [
+        {"messages": [user], "tools": tools},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]},
+        {"messages": [user, {"role": "assistant", "content": None, "tool_calls": calls}]},
+    ]
+    for body in heavy:
+        assert prompt_of(body, chat=True).tokens > bare + 4_000
+
+
+def test_a_huge_prompt_is_hashed_only_so_far_but_counted_whole() -> None:
+    data = "z" * (BLOCK_BYTES * (MAX_PROMPT_BLOCKS + 100))
+    prompt = prompt_of({"prompt": data}, chat=False)
+    assert len(prompt.blocks) == MAX_PROMPT_BLOCKS
+    assert prompt.tokens == len(data) // 4
+    assert prompt.followed_by("more text").blocks == prompt.blocks

@@ -151,16 +151,28 @@ def _contents(sink: RecordingSink) -> list[str]:
     return out
 
 
+BUSY = PlacementConfig(local_prefill_when_busy=True, metrics_interval_s=0.0)
+
+
+async def _saturated_producer(nursery: trio.Nursery, placement: PlacementConfig) -> MemoryFleet:
+    """Two consumers and one producer, which a hung prefill holds saturated (a waiting
+    limit of 1); the hung request holds a consumer's room for its decode too."""
+    fleet = await memory_fleet(
+        nursery,
+        consumers=2,
+        placement=placement,
+        admission=AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=5.0),
+    )
+    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
+    nursery.start_soon(fleet.request, LONG)
+    await fleet.producer.wait_logged(1)
+    return fleet
+
+
 async def test_busy_producers_send_a_long_prompt_to_a_consumer_with_room(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    busy = PlacementConfig(local_prefill_when_busy=True, metrics_interval_s=0.0)
-    fleet = await memory_fleet(  # a consumer's room is held for the hung request's decode
-        nursery, consumers=2, placement=busy, admission=AdmissionConfig(engine_waiting_limit=1)
-    )
-    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
-    nursery.start_soon(fleet.request, LONG)  # holds the only producer: it is saturated
-    await fleet.producer.wait_logged(1)
+    fleet = await _saturated_producer(nursery, BUSY)
     sink = await fleet.request(LONG)
     assert sink.events[-1][1] == "end", sink.events
     assert fleet.router.journal.lines[-1].attempts[0].local
@@ -170,15 +182,7 @@ async def test_busy_producers_send_a_long_prompt_to_a_consumer_with_room(
 async def test_busy_producers_hold_back_a_long_prompt_not_a_short_one(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    fleet = await memory_fleet(  # a consumer's room is held for the hung request's decode
-        nursery,
-        consumers=2,
-        placement=LOCAL,
-        admission=AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=5.0),
-    )
-    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
-    nursery.start_soon(fleet.request, LONG)  # holds the only producer: it is saturated
-    await fleet.producer.wait_logged(1)
+    fleet = await _saturated_producer(nursery, LOCAL)
     short = await fleet.request(SHORT)
     assert trio.current_time() == 0.0  # it did not wait
     assert short.events[-1][1] == "end"
@@ -192,16 +196,7 @@ async def test_busy_producers_hold_back_a_long_prompt_not_a_short_one(
 async def test_busy_producers_hold_back_what_needs_them_even_when_busy_may_go_local(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
-    busy = PlacementConfig(local_prefill_when_busy=True, metrics_interval_s=0.0)
-    fleet = await memory_fleet(  # a consumer's room is held for the hung request's decode
-        nursery,
-        consumers=2,
-        placement=busy,
-        admission=AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=5.0),
-    )
-    fleet.producer.faults.push(Fault(kind="hang", leg="prefill"))
-    nursery.start_soon(fleet.request, LONG)  # holds the only producer: it is saturated
-    await fleet.producer.wait_logged(1)
+    fleet = await _saturated_producer(nursery, BUSY)
     echo = await fleet.request({**LONG, "echo": True, "stream": False})
     assert echo.error[1] == 429  # it needs the producer's prompt side: it waited for room
     assert len(fleet.producer.log) == 1  # and never reached the saturated producer

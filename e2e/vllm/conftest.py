@@ -168,6 +168,20 @@ def warm_pair(producer: Engine, consumer: Engine) -> None:
     pytest.fail(f"no handoff {producer.name} -> {consumer.name} succeeded: {raw[:300]!r}")
 
 
+def fleet_toml(engines: list[tuple[str, str, str]], **sections: dict[str, Any]) -> str:
+    """A fleet file for a router of a test's own: its engines as (id, url, role), then one
+    TOML table per keyword (``serving={...}``, ``placement={...}``)."""
+    lines = [f"model = {json.dumps(MODEL)}", ""]
+    for engine_id, url, role in engines:
+        lines += ["[[engines]]", f"id = {json.dumps(engine_id)}", f"url = {json.dumps(url)}"]
+        lines += [f"role = {json.dumps(role)}", ""]
+    for table, keys in sections.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def serve_router(fleet: Fleet, name: str, fleet_text: str, extra: tuple[str, ...] = ()) -> Process:
     """A router of its own on a fleet file of this text (and ``extra`` arguments to
     ``narwhal serve``), ready; its ``url`` set."""

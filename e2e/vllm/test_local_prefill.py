@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import KV_LEASE_S, MODEL, Fleet, Process, http, serve_router
+from .conftest import KV_LEASE_S, MODEL, Fleet, Process, fleet_toml, http, serve_router
 
 pytestmark = pytest.mark.vllm
 
@@ -39,34 +39,6 @@ XFERS = "vllm:nixl_xfer_time_seconds_count"
 SUCCESSES = "vllm:request_success_total"
 HITS = "vllm:prefix_cache_hits_total"
 
-ROUTER = """\
-model = "{model}"
-
-[[engines]]
-id = "p0"
-url = "{producer}"
-role = "{producer_role}"
-
-[[engines]]
-id = "d0"
-url = "{consumer}"
-role = "decode"
-
-[serving]
-request_timeout_s = 300.0
-prefill_timeout_s = 120.0
-max_attempts = 1
-
-[engine]
-kv_lease_s = {lease}
-first_token_timeout_s = 120.0
-decode_read_timeout_s = 60.0
-health_timeout_s = 10.0
-
-[placement]
-metrics_interval_s = 1.0
-local_prefill_tokens = {threshold}
-"""
 
 SENTENCES = [
     "The orchard sells apples by the crate from the barn at the end of the lane.",
@@ -80,13 +52,16 @@ SENTENCES = [
 
 def _router(fleet: Fleet, name: str, producer_role: str) -> Iterator[tuple[Process, Path]]:
     journal = fleet.logs / f"{name}.jsonl"
-    text = ROUTER.format(
-        model=MODEL,
-        producer=fleet.producer.url,
-        consumer=fleet.consumer.url,
-        producer_role=producer_role,
-        lease=KV_LEASE_S,
-        threshold=THRESHOLD,
+    text = fleet_toml(
+        [("p0", fleet.producer.url, producer_role), ("d0", fleet.consumer.url, "decode")],
+        serving={"request_timeout_s": 300.0, "prefill_timeout_s": 120.0, "max_attempts": 1},
+        engine={
+            "kv_lease_s": KV_LEASE_S,
+            "first_token_timeout_s": 120.0,
+            "decode_read_timeout_s": 60.0,
+            "health_timeout_s": 10.0,
+        },
+        placement={"metrics_interval_s": 1.0, "local_prefill_tokens": THRESHOLD},
     )
     router = serve_router(fleet, name, text, ("--journal", str(journal)))
     try:

@@ -31,6 +31,7 @@ from .conftest import (
     Process,
     _engine,
     _vllm_dir,
+    fleet_toml,
     http,
     serve_router,
     warm_pair,
@@ -41,36 +42,6 @@ pytestmark = pytest.mark.vllm
 CLIENTS = 8
 TOKENS = 120
 SAMPLE_S = 0.2
-
-ROUTER = """\
-model = "{model}"
-
-[[engines]]
-id = "p0"
-url = "{producer}"
-role = "prefill"
-
-[[engines]]
-id = "d-small"
-url = "{consumer}"
-role = "decode"
-
-[serving]
-request_timeout_s = 600.0
-prefill_timeout_s = 120.0
-
-[engine]
-kv_lease_s = {lease}
-first_token_timeout_s = 300.0
-decode_read_timeout_s = 60.0
-
-[placement]
-metrics_interval_s = 0.5
-
-[admission]
-engine_waiting_limit = 1
-max_queue_wait_s = 500.0
-"""
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +70,16 @@ def _scalar(text: str, series: str) -> float:
 def test_what_the_consumer_has_no_room_for_waits_in_the_router(
     fleet: Fleet, small_consumer: Engine
 ) -> None:
-    text = ROUTER.format(
-        model=MODEL, producer=fleet.producer.url, consumer=small_consumer.url, lease=KV_LEASE_S
+    text = fleet_toml(
+        [("p0", fleet.producer.url, "prefill"), ("d-small", small_consumer.url, "decode")],
+        serving={"request_timeout_s": 600.0, "prefill_timeout_s": 120.0},
+        engine={
+            "kv_lease_s": KV_LEASE_S,
+            "first_token_timeout_s": 300.0,
+            "decode_read_timeout_s": 60.0,
+        },
+        placement={"metrics_interval_s": 0.5},
+        admission={"engine_waiting_limit": 1, "max_queue_wait_s": 500.0},
     )
     router: Process = serve_router(fleet, "router-flow", text)
     url = router.url  # type: ignore[attr-defined]

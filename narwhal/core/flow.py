@@ -1,7 +1,7 @@
 """Flow control at the router, pure (SPEC 4.5): which queued request goes next, which
 ones leave, and why. The shell holds the clock and the sockets: it offers a request the
 fleet cannot take now, sheds what ``expire(now)`` returns (on the timer ``next_expiry()``
-sets, and before dispatching), asks ``next(now)`` while ``saturated`` says the fleet has
+sets, and before dispatching), asks ``next(now)`` while ``room_left`` says the fleet has
 room, removes a request whose client left, and drains the queue on SIGTERM.
 
 Rules the queue keeps:
@@ -315,23 +315,3 @@ def room_left(
     if consumer and kv_usage is not None and kv_usage >= kv_limit:
         return 0, "kv_usage"
     return waiting_limit - waiting, None
-
-
-def saturated(
-    waiting_scraped: float | None,
-    sent_since_scrape: int,
-    kv_usage: float | None,
-    *,
-    waiting_limit: int,
-    kv_limit: float,
-    consumer: bool,
-) -> Saturation | None:
-    """Why an engine can take no more now, or None (see ``room_left``)."""
-    return room_left(
-        waiting_scraped,
-        sent_since_scrape,
-        kv_usage,
-        waiting_limit=waiting_limit,
-        kv_limit=kv_limit,
-        consumer=consumer,
-    )[1]

@@ -80,8 +80,10 @@ def choose(
     consumer = leg == "decode"
     costs = {e.id: load_of(e, now, config.metrics_interval_s).cost(consumer=consumer) for e in pool}
     if config.prefix_affinity and prompt is not None and index is not None:
-        order = ring.order(key) if ring is not None and key is not None and not consumer else []
-        held = longest_match(pool, costs, config.affinity_load_factor, prompt, index, now, order)
+        ranked = ring if not consumer else None  # producers' equal matches: the ring's order
+        held = longest_match(
+            pool, costs, config.affinity_load_factor, prompt, index, now, ranked, key
+        )
         if held is not None:
             return Choice(held, "prefix_match")
     if not consumer and config.prefix_affinity and key is not None and ring is not None:
@@ -111,25 +113,29 @@ def longest_match(
     prompt: Prompt,
     index: PrefixIndex,
     now: float,
-    order: Sequence[str] = (),
+    ring: PrefixRing | None = None,
+    key: str | None = None,
 ) -> EngineState | None:
     """The engine under the load bound believed to hold the longest leading part of
-    ``prompt`` (None: no such engine holds a block of it). Equal matches go by ``order``
-    (the ring's, so a shared prefix stays on one producer while it may), then to the one
-    that recorded them last (a consumer that served the last turn holds its reply's
+    ``prompt`` (None: no such engine holds a block of it). Equal matches go by ``ring``'s
+    order from ``key`` (so a shared prefix stays on one producer while it may), then to the
+    one that recorded them last (a consumer that served the last turn holds its reply's
     partial block too), then by load."""
     limit = bound(list(costs.values()), load_factor)
-    rank = {engine_id: i for i, engine_id in enumerate(order)}
-    best: tuple[int, int, float, float] | None = None
-    chosen = None
+    found = []
     for engine in pool:
         if costs[engine.id] + 1 > limit:
             continue
         held = index.match(engine.id, prompt.blocks, now)
-        if not held:
-            continue
-        at = index.recorded_at(engine.id, prompt.blocks, held)
-        score = (-held, rank.get(engine.id, len(rank)), -at, costs[engine.id])
-        if best is None or score < best:
-            best, chosen = score, engine
-    return chosen
+        if held:
+            found.append((engine, held, index.recorded_at(engine.id, prompt.blocks, held)))
+    if len(found) <= 1:  # none, or no tie to break: the ring's order is not worked out
+        return found[0][0] if found else None
+    order = ring.order(key) if ring is not None and key is not None else []
+    rank = {engine_id: i for i, engine_id in enumerate(order)}
+
+    def score(item: tuple[EngineState, int, float]) -> tuple[int, int, float, float]:
+        engine, held, at = item
+        return (-held, rank.get(engine.id, len(rank)), -at, costs[engine.id])
+
+    return min(found, key=score)[0]

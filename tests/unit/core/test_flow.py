@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 from itertools import count
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -29,7 +30,8 @@ from narwhal.core.flow import (
     Offered,
     Priority,
     Refused,
-    saturated,
+    Saturation,
+    room_left,
 )
 
 HI, D, B = Priority.INTERACTIVE, Priority.DEFAULT, Priority.BATCH
@@ -178,6 +180,13 @@ def test_priority_names_and_ranks() -> None:
     assert Priority("batch") is B
     with pytest.raises(ValueError, match="urgent"):
         Priority("urgent")
+
+
+def saturated(
+    waiting: float | None, sent: int, kv_usage: float | None, **limits: Any
+) -> Saturation | None:
+    """Why an engine takes no more legs (``room_left``'s second half)."""
+    return room_left(waiting, sent, kv_usage, **limits)[1]
 
 
 def test_saturation() -> None:

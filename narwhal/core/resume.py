@@ -1,0 +1,108 @@
+"""Stream resume (SPEC 6.4), pure: which streams may continue on another consumer after a
+failure past the commit point, and the request that continues one.
+
+A continuation is a fresh prefill and decode over ``/v1/completions`` of the prompt's token
+ids followed by every token id the client already received, asking for what is left of
+``max_tokens`` and ``min_tokens`` with the same sampling fields. With greedy sampling the
+engine then generates exactly what the failed consumer would have; a seeded sample is not
+promised to (the seed restarts at the continuation).
+
+What cannot continue that way keeps the terminal event: a tool call or a forced tool
+choice (the parser's state is lost with the stream), guided decoding and
+``response_format`` (the grammar's state too: Dynamo refuses those after corrupted JSON),
+``logprobs`` (the continuation's would describe another prompt), ``echo`` (its prompt side
+was already sent), and a reasoning delta already sent (the reasoning parser's state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# sampling fields a continuation keeps as the client sent them; anything else (messages,
+# tools, stream options, the prompt's own shape) belongs to the original request only
+SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "bad_words",
+    "allowed_token_ids",
+    "logit_bias",
+    "priority",
+)
+# guided decoding in its every spelling (vLLM 0.32 and the older ``guided_*`` fields)
+_GUIDED = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
+
+
+def refusal(body: Mapping[str, Any], *, chat: bool) -> str | None:
+    """Why a stream of this request may not be resumed (None: it may be)."""
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        return "tool calls"
+    for field in _GUIDED:
+        if body.get(field) is not None:
+            return "guided decoding"
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs"):
+        return "logprobs"
+    if not chat and body.get("echo"):
+        return "echo"
+    return None  # a fan-out's children are asked one by one: each resumes on its own
+
+
+def limit(body: Mapping[str, Any], *, chat: bool) -> int | None:
+    """The output limit the client asked for (None: the engine's own)."""
+    value = body.get("max_completion_tokens") if chat else None
+    value = body.get("max_tokens") if value is None else value
+    return value if type(value) is int else None
+
+
+def continuation(
+    body: Mapping[str, Any],
+    *,
+    chat: bool,
+    prompt_ids: Sequence[int],
+    sent_ids: Sequence[int],
+) -> dict[str, Any]:
+    """The ``/v1/completions`` body that continues a stream after ``sent_ids``: the prompt's
+    ids and the sent ones as the prompt, what is left of the output limits, the same
+    sampling fields. Raises ValueError when nothing is left to generate."""
+    out: dict[str, Any] = {k: body[k] for k in SAMPLING if k in body}
+    out["model"] = body.get("model")
+    out["prompt"] = [*prompt_ids, *sent_ids]
+    asked = limit(body, chat=chat)
+    if asked is not None:
+        left = asked - len(sent_ids)
+        if left < 1:
+            raise ValueError(f"the output limit ({asked}) was reached: nothing to resume")
+        out["max_tokens"] = left
+    min_tokens = body.get("min_tokens")
+    if type(min_tokens) is int and min_tokens > len(sent_ids):
+        out["min_tokens"] = min_tokens - len(sent_ids)
+    out["stream"] = True
+    out["return_token_ids"] = True
+    return out
+
+
+def within_deadline(remaining_s: float, first_token_budget_s: float) -> bool:
+    """Whether a continuation can still reach its first token before the deadline: its
+    prefill and first token both have to fit (a resume that cannot is not tried)."""
+    return remaining_s > first_token_budget_s

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,132 @@ def _engine(vllm: Path, logs: Path, name: str, role: str) -> Engine:
     argv += ["--num-gpu-blocks-override", str(KV_BLOCKS)]
     env = {"NARWHAL_KV_LEASE_S": str(int(KV_LEASE_S))}
     return Engine(name=name, argv=argv, log=logs / f"{name}.log", env=env, port=port)
+
+
+def start_engine(fleet: Fleet, name: str, role: str, extra: tuple[str, ...] = ()) -> Engine:
+    """One more engine beside the session's pair (``extra``: arguments for ``vllm serve``,
+    the last of a repeated one wins), healthy; on a port clash once more on fresh ports.
+    The caller stops it."""
+    vllm = _vllm_dir()
+    for attempt in (1, 2):
+        suffix = "" if attempt == 1 else f"-{attempt}"
+        engine = _engine(vllm, fleet.logs, name + suffix, role)
+        engine.argv += extra
+        engine.start()
+        try:
+            engine.wait_until(engine.url + "/health", START_S)
+            return engine
+        except PortClash as clash:
+            engine.stop()
+            if attempt == 2:
+                pytest.fail(str(clash))
+            print(f"\n{clash}\nstarting {name} again on fresh ports")
+        except BaseException:
+            engine.stop()
+            raise
+    raise AssertionError("unreachable")
+
+
+def restart(engine: Engine) -> None:
+    """An engine that was killed (or stopped) up again at its URL, healthy, logging to a
+    log of its own (``<name>-restart<n>.log``: ``clashed`` reads the whole log). Its NIXL
+    side-channel port may still be held for a moment after a SIGKILL: on a clash, once
+    more on a fresh side-channel port (the URL stays, so the routers' fleet files do)."""
+    for attempt in (1, 2):
+        engine.stop()
+        n = 1
+        while (engine.log.parent / f"{engine.name}-restart{n}.log").exists():
+            n += 1  # bounded: one log per restart
+        engine.log = engine.log.parent / f"{engine.name}-restart{n}.log"
+        engine.start()
+        try:
+            engine.wait_until(engine.url + "/health", START_S)
+            return
+        except PortClash as clash:
+            if attempt == 2:
+                engine.stop()
+                pytest.fail(str(clash))
+            print(f"\n{clash}\nstarting {engine.name} again on a fresh side-channel port")
+            engine.argv[4] = str(free_port())  # serve_nixl.sh DIR PORT SIDE ROLE ...
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Event:
+    """One ``data:`` payload of a stream as the client read it, with its arrival time
+    (``time.monotonic()``)."""
+
+    at: float
+    data: str
+
+    def json(self) -> dict[str, Any] | None:
+        """The payload decoded, or None for ``[DONE]``."""
+        if self.data == "[DONE]":
+            return None
+        value: dict[str, Any] = json.loads(self.data)
+        return value
+
+
+class SSE:
+    """A streamed POST read event by event, as a client reads it (``events()``); every read
+    bounded by ``timeout`` and the stream by ``MAX_EVENTS``. ``cut`` says how the body
+    ended when it did not end cleanly (a reset, an incomplete chunked body)."""
+
+    MAX_EVENTS = 10_000
+
+    def __init__(
+        self,
+        url: str,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str] | None = None,
+        timeout: float = HANDOFF_S,
+    ) -> None:
+        host, port = url.split("//", 1)[1].split(":")
+        self.conn = HTTPConnection(host, int(port), timeout=timeout)
+        self.conn.request(
+            "POST",
+            path,
+            json.dumps(body),
+            {"Content-Type": "application/json", **(headers or {})},
+        )
+        self.response = self.conn.getresponse()
+        self.cut: str | None = None
+
+    def events(self) -> Iterator[Event]:
+        # read1, not readline: http.client's readline takes a chunked body that stops
+        # without its last chunk for a clean end, read1 raises IncompleteRead
+        buffered, count = b"", 0
+        try:
+            while count < self.MAX_EVENTS:
+                data = self.response.read1(65536)
+                if not data:
+                    return
+                buffered += data
+                *lines, buffered = buffered.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data: "):
+                        count += 1
+                        yield Event(time.monotonic(), line[6:].decode().strip())
+        except (HTTPException, OSError) as e:
+            self.cut = f"{type(e).__name__}: {e!r}"
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def journal_line(journal: Path, request_id: str, budget_s: float = 10.0) -> dict[str, Any]:
+    """The journal's line for one request (its writer thread may lag a little)."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        if journal.exists():
+            for raw in journal.read_text().splitlines():
+                line: dict[str, Any] = json.loads(raw)
+                if line.get("request_id") == request_id:
+                    return line
+        if time.monotonic() > deadline:
+            pytest.fail(f"no journal line for {request_id} in {journal} within {budget_s:.0f}s")
+        time.sleep(0.1)  # bounded by budget_s
 
 
 def _start_engines(vllm: Path, logs: Path, started: list[Process]) -> tuple[Engine, Engine]:

@@ -41,15 +41,12 @@ import pytest
 from .conftest import (
     KV_LEASE_S,
     MODEL,
-    START_S,
     Engine,
     Fleet,
-    PortClash,
     Process,
-    _engine,
-    _vllm_dir,
     http,
     serve_router,
+    start_engine,
     warm_pair,
 )
 
@@ -130,32 +127,13 @@ class Producers:
 @pytest.fixture(scope="module")
 def producers(fleet: Fleet) -> Iterator[Producers]:
     """The session's producer and consumer and a second producer, started here."""
-    vllm = _vllm_dir()
-    started: list[Engine] = []
+    second = start_engine(fleet, "producer-b", "kv_producer")
     try:
-        second: Engine | None = None
-        for attempt in (1, 2):
-            suffix = "" if attempt == 1 else f"-{attempt}"
-            engine = _engine(vllm, fleet.logs, "producer-b" + suffix, "kv_producer")
-            engine.start()
-            started.append(engine)
-            try:
-                engine.wait_until(engine.url + "/health", START_S)
-            except PortClash as clash:
-                if attempt == 2:
-                    pytest.fail(str(clash))
-                print(f"\n{clash}\nstarting the second producer again on fresh ports")
-                engine.stop()
-                continue
-            second = engine
-            break
-        assert second is not None
         for producer in (fleet.producer, second):
             warm_pair(producer, fleet.consumer)
         yield Producers(fleet.producer, second, fleet.consumer)
     finally:
-        for engine in started:
-            engine.stop()
+        second.stop()
 
 
 def tokens(engine: Engine, text: str) -> int:

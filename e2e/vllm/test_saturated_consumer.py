@@ -7,8 +7,8 @@ than the consumer's room, so the router holds them (``narwhal_queue_depth`` on i
 ``/metrics``), the consumer's own waiting queue stays at or below the limit, and every
 request completes with all its tokens.
 
-Runs last (file order): its second consumer pairs with the session's producer, and the
-suites before it never meet a consumer that has come and gone.
+Runs last but for test_stream_resume (file order): its second consumer pairs with the
+session's producer, and the suites before it never meet a consumer that has come and gone.
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ answers are built as dicts and encoded with msgspec. A plain stream keeps the pr
 bytes of ``generation.Shapes``.
 
 Determinism, as vLLM at temperature 0 or with a seed: a sample is a pure function of its
-prompt text and of its key (``Ask.key``): none when greedy, ``seed + j`` for the ``j``-th
-of ``n`` seeded samples (what the router's fan-out asks of its ``j``-th sub-request), ``j``
-for unseeded sampling. So a prompt decoded after a KV handoff yields what it yields
-locally, and sample ``j`` of ``n`` is the single sample seeded ``seed + j``.
+prompt's token ids (``Prompt.ids``) and of its key (``Ask.key``): none when greedy,
+``seed + j`` for the ``j``-th of ``n`` seeded samples (what the router's fan-out asks of its
+``j``-th sub-request), ``j`` for unseeded sampling. So a prompt decoded after a KV handoff
+yields what it yields locally, sample ``j`` of ``n`` is the single sample seeded
+``seed + j``, and a continuation (``generation.script``) goes on with the same key.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import re
 import secrets
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ class Token:
 
 def vocab_token(index: int) -> Token:
     """A generated word; its id is what ``Shapes.token_chunk`` reports as ``token_ids``."""
-    return Token(index + 100, gen.VOCAB[index])
+    return Token(index + gen.GENERATED_ID, gen.VOCAB[index])
 
 
 def piece_token(text: str) -> Token:
@@ -57,20 +58,24 @@ def pieces(text: str) -> list[str]:
 class Prompt:
     text: str
     count: int  # its tokens, as usage counts them
+    # its token ids as ``prompt_token_ids`` reports them, what its samples are a function of
+    ids: tuple[int, ...]
 
 
 def prompts_of(body: dict[str, Any], chat: bool) -> list[Prompt]:
     """The request's prompts: one, or each of a completions list of prompts (strings or
     token-id lists), each read as the router's fan-out sends it alone."""
     prompt = body.get("prompt")
-    if (
-        not chat
-        and isinstance(prompt, list)
-        and len(prompt) > 1
-        and not all(type(p) is int for p in prompt)
-    ):
-        return [Prompt(*gen.prompt_of({"prompt": p}, False)) for p in prompt]
-    return [Prompt(*gen.prompt_of(body, chat))]
+    if not chat and isinstance(prompt, list) and len(prompt) > 1 and gen.id_list(prompt) is None:
+        return [_prompt({"prompt": p}, False) for p in prompt]
+    return [_prompt(body, chat)]
+
+
+def _prompt(body: dict[str, Any], chat: bool) -> Prompt:
+    """One prompt; its ids are computed here, once a request (a long prompt's cost)."""
+    text, count = gen.prompt_of(body, chat)
+    given = None if chat else gen.id_list(body.get("prompt"))
+    return Prompt(text, count, tuple(gen.prompt_ids(text) if given is None else given))
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +233,10 @@ def samples(ask: Ask) -> list[Sample]:
     return out
 
 
-def _words(prompt: str, key: int | None) -> Iterator[str]:
+def _words(prompt: Prompt, key: int | None) -> Iterator[str]:
+    script = gen.script(prompt.ids, key)
     while True:  # an endless supply, deterministic
-        yield from (gen.VOCAB[i].strip() for i in gen.token_ids(prompt, 8, key))
-        key = (key or 0) + 1_000_003
+        yield from (gen.VOCAB[i].strip() for i in script.take(8))
 
 
 def fill(schema: Any, words: Iterator[str]) -> Any:
@@ -262,11 +267,11 @@ def sample(ask: Ask, prompt: Prompt, key: int | None, index: int) -> Sample:
     if ask.tool is not None:
         return _tool_sample(ask, ask.tool, prompt, key, index)
     if ask.schema is not None:
-        text = json.dumps(fill(ask.schema, _words(prompt.text, key)))
+        text = json.dumps(fill(ask.schema, _words(prompt, key)))
         tokens = [piece_token(p) for p in pieces(text)]
         ended = len(tokens) <= ask.max_tokens  # the JSON is whole: the model stops (EOS)
         return _text_sample(ask, prompt, tokens[: ask.max_tokens], index, ended)
-    ids = gen.token_ids(prompt.text, ask.max_tokens, key)
+    ids = gen.token_ids(prompt.ids, ask.max_tokens, key)
     return _text_sample(ask, prompt, [vocab_token(i) for i in ids], index, False)
 
 
@@ -299,7 +304,7 @@ def _tool_sample(ask: Ask, tool: Tool, prompt: Prompt, key: int | None, index: i
     streamed, the call's name in the first token's chunk, then its arguments piece by
     piece, then nothing until the last token; not streamed, the model's raw hermes text
     (``<tool_call>`` blocks, cut where the tokens end) as the content."""
-    arguments = fill(tool.parameters, _words(prompt.text, key))
+    arguments = fill(tool.parameters, _words(prompt, key))
     call = "<tool_call>\n" + json.dumps({"name": tool.name, "arguments": arguments})
     raw = pieces(call + "\n</tool_call>")
     count = ask.max_tokens
@@ -438,7 +443,7 @@ def full(
             prompt_logprobs=None
             if prompt_logprobs is None
             else gen.prompt_logprobs(first.text, prompt_logprobs),
-            prompt_token_ids=gen.prompt_ids(first.text) if ask.return_token_ids else None,
+            prompt_token_ids=first.ids if ask.return_token_ids else None,
             prompt_text=None,
         )
     out.update(kv_transfer_params=kv_transfer_params, ec_transfer_params=None, metrics=None)
@@ -489,7 +494,7 @@ def _full_choice(ask: Ask, s: Sample, prompt_logprobs: int | None) -> dict[str, 
         "prompt_logprobs": None
         if prompt_logprobs is None
         else gen.prompt_logprobs(s.prompt.text, prompt_logprobs),
-        "prompt_token_ids": gen.prompt_ids(s.prompt.text) if ask.return_token_ids else None,
+        "prompt_token_ids": s.prompt.ids if ask.return_token_ids else None,
         "routed_experts": None,
     }
 
@@ -519,24 +524,38 @@ def plain_plan(
     (``grouped_frames``); empty, one each."""
     last = len(ids) - 1 if finished else -1
     with_ids = ask.return_token_ids
+    # vLLM sends the prompt's ids once: with chat's role, with a completion's first chunk
+    prompt_ids = ask.prompts[0].ids if with_ids else None
+    head = [shapes.role_chunk(prompt_ids)] if shapes.chat else []
+    first = None if shapes.chat else prompt_ids
     frames: Iterable[bytes | None]
     if chunk_tokens:
-        frames = grouped_frames(shapes, ids, last, with_ids, chunk_tokens)
+        frames = grouped_frames(shapes, ids, last, with_ids, chunk_tokens, first)
     else:
-        frames = (shapes.token_chunk(index, n == last, with_ids) for n, index in enumerate(ids))
+        frames = (
+            shapes.token_chunk(index, n == last, with_ids, None if n else first)
+            for n, index in enumerate(ids)
+        )
     tail = shapes.usage_chunk(prompt_tokens, len(ids)) if ask.include_usage else None
-    return StreamPlan([shapes.role_chunk()] if shapes.chat else [], frames, tail)
+    return StreamPlan(head, frames, tail)
 
 
 def grouped_frames(
-    shapes: gen.Shapes, ids: list[int], last: int, with_ids: bool, pattern: tuple[int, ...]
+    shapes: gen.Shapes,
+    ids: list[int],
+    last: int,
+    with_ids: bool,
+    pattern: tuple[int, ...],
+    prompt_ids: Sequence[int] | None = None,
 ) -> Iterator[bytes | None]:
     """One item per token, as ``StreamPlan.tokens``: a chunk, or None for a token that
     goes out with a later chunk. vLLM's stream is not one token per chunk: under load one
     chunk carries the tokens of several engine steps (``k`` in ``pattern``, taken in turn),
     and a token whose text the detokenizer holds back (``0``: an incomplete character)
-    goes out in a completions chunk with empty text (chat sends none), its text with the
-    next chunk. The text of the whole stream is the same as one token per chunk."""
+    goes out in a completions chunk with empty text (chat sends none unless it was asked
+    for ``return_token_ids``: vLLM then sends every token's ids), its text with the next
+    chunk. The text of the whole stream is the same as one token per chunk.
+    ``prompt_ids``: a completion's, on its first chunk (even one whose text is held)."""
     held: list[int] = []
     start, turn = 0, 0
     while start < len(ids):
@@ -548,10 +567,12 @@ def grouped_frames(
         yield from itertools.repeat(None, len(group) - 1)
         if k == 0 and start < len(ids):
             held += group
-            yield None if shapes.chat else shapes.group_chunk([], group, False, with_ids)
+            silent = shapes.chat and not with_ids
+            yield None if silent else shapes.group_chunk([], group, False, with_ids, prompt_ids)
         else:
-            yield shapes.group_chunk(held + group, group, final, with_ids)
+            yield shapes.group_chunk(held + group, group, final, with_ids, prompt_ids)
             held = []
+        prompt_ids = None  # chat's go with its role, never here
 
 
 def stream_plan(ask: Ask, shapes: gen.Shapes, choices: list[Sample]) -> StreamPlan:
@@ -579,7 +600,9 @@ def stream_plan(ask: Ask, shapes: gen.Shapes, choices: list[Sample]) -> StreamPl
             }
             if ask.continuous_usage:
                 chunk["usage"] = _running_usage(ask, s, 0)
-            chunk.update(prompt_token_ids=None, prompt_text=None)
+            # vLLM sends the prompt's ids with each choice's role
+            prompt_ids = s.prompt.ids if ask.return_token_ids else None
+            chunk.update(prompt_token_ids=prompt_ids, prompt_text=None)
             head.append(_encode(chunk))
     writers = [_ChoiceStream(ask, s, head_of) for s in choices]
     frames: list[bytes | None] = []
@@ -648,8 +671,10 @@ class _ChoiceStream:
             choice["token_ids"] = token_ids
         else:
             text, prompt_ids = part, None
-            if ask.echo and position == 0:  # the prompt goes out with the first token
-                text, prompt_ids = s.prompt.text + text, gen.prompt_ids(s.prompt.text)
+            if position == 0 and (ask.echo or ask.return_token_ids):
+                prompt_ids = s.prompt.ids  # the prompt's ids go out with the first token
+            if ask.echo and position == 0:  # and so does an echoed prompt
+                text = s.prompt.text + text
             logprobs = None
             if ask.logprobs is not None:
                 self.lists.add_token(token, position, ask.logprobs)

@@ -555,7 +555,7 @@ class FakeEngine:
         entry: dict[str, Any],
     ) -> None:
         cfg = self.config
-        prompt, prompt_tokens = gen.prompt_of(body, chat)
+        _, prompt_tokens = gen.prompt_of(body, chat)
         resp_id = ("chatcmpl-" if chat else "cmpl-") + (backend_id or secrets.token_hex(8))
         shapes = gen.Shapes(resp_id, cfg.model, chat)
         stream = body.get("stream") is True
@@ -573,7 +573,7 @@ class FakeEngine:
         remember = leg == "decode" and self.prefix_cache.enabled
         if stream:
             finished = fault is None or fault.kind == "slow_drip"
-            plan, replies = self._stream_plan(ask, shapes, prompt, prompt_tokens, finished)
+            plan, replies = self._stream_plan(ask, shapes, prompt_tokens, finished)
             if await self._stream(shapes, plan, prompt_tokens, ex, fault, entry) and remember:
                 self._remember_replies(body, chat, replies)
             return
@@ -596,14 +596,15 @@ class FakeEngine:
             self._remember_replies(body, chat, [(c.prompt.text, c.text) for c in choices])
 
     def _stream_plan(
-        self, ask: answers.Ask, shapes: gen.Shapes, prompt: str, prompt_tokens: int, finished: bool
+        self, ask: answers.Ask, shapes: gen.Shapes, prompt_tokens: int, finished: bool
     ) -> tuple[answers.StreamPlan, list[tuple[str, str]]]:
         """The stream's frames, and each choice's (prompt text, reply) as the client reads it."""
         if not ask.plain:
             choices = answers.samples(ask)
             replies = [(c.prompt.text, c.text) for c in choices]
             return answers.stream_plan(ask, shapes, choices), replies
-        ids = gen.token_ids(prompt, ask.max_tokens, ask.key(0))
+        [prompt] = ask.prompts
+        ids = gen.token_ids(prompt.ids, ask.max_tokens, ask.key(0))
         plan = answers.plain_plan(
             ask,
             shapes,
@@ -612,7 +613,7 @@ class FakeEngine:
             prompt_tokens=prompt_tokens,
             chunk_tokens=self.config.chunk_tokens,
         )
-        return plan, [(prompt, "".join(gen.VOCAB[i] for i in ids))]
+        return plan, [(prompt.text, "".join(gen.VOCAB[i] for i in ids))]
 
     def _remember_replies(
         self, body: dict[str, Any], chat: bool, replies: list[tuple[str, str]]

@@ -12,12 +12,15 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal.core import resume
 from narwhal.fake_engine import answers
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.faults import Fault
 from narwhal.fake_engine.kv_channel import KVStore, PullRequest
 from narwhal.stream.sse import SSEParser
 from tests.support.paths import CAPTURES
+from tests.support.token_streams import read_sse
 
 MODEL = "tiny"
 
@@ -302,6 +305,34 @@ async def test_tokenize_and_token_ids_like_vllm(engines: tuple[Engine, Engine]) 
     assert all(isinstance(c["choices"][0]["token_ids"], list) for c in chunks)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_continuation_streams_the_rest_and_meets_faults_as_any_request(
+    engines: tuple[Engine, Engine], chat: bool
+) -> None:
+    """What the router sends to resume a broken stream (the prompt's ids and the ids the
+    client has, over /v1/completions) streams the rest of it; a fault scripted for that
+    leg breaks it as it breaks any other."""
+    _, consumer = engines
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 10, "temperature": 0, "stream": True}
+    body.update(return_token_ids=True, stream_options={"include_usage": True})
+    if chat:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        body["prompt"] = PROMPT
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    whole = read_sse((await consumer.call("POST", path, body))[1])
+    assert whole.prompt_ids == gen.prompt_ids(PROMPT)
+    sent = whole.ids[:4]
+    asked = resume.continuation(body, chat=chat, prompt_ids=whole.prompt_ids, sent_ids=sent)
+    consumer.engine.faults.push(Fault(kind="stream_error", tokens=2))
+    broken = read_sse((await consumer.call("POST", "/v1/completions", asked))[1])
+    assert (broken.ids, broken.error is not None) == (whole.ids[4:6], True)
+    rest = read_sse((await consumer.call("POST", "/v1/completions", asked))[1])
+    assert rest.ids == whole.ids[4:]
+    assert "".join(gen.VOCAB[i - gen.GENERATED_ID] for i in sent) + rest.text == whole.text
+    assert rest.prompt_ids == whole.prompt_ids + sent
+
+
 # ---- the richer shapes (tests/loopback/test_fake_differential.py: against the captures) ----
 
 
@@ -346,8 +377,10 @@ def test_sample_j_of_n_is_the_single_sample_seeded_seed_plus_j() -> None:
 
 
 def test_a_stop_string_across_tokens_cuts_the_text_and_the_stream_holds_it_back() -> None:
-    text = gen.generate(PROMPT, 8)  # " quick foxward the time ..."
-    stop = text[text.index("ward") + 2 : text.index(" the") + 3]  # "rd th", over two tokens
+    words = [gen.VOCAB[i] for i in gen.token_ids(PROMPT, 8)]
+    text = "".join(words)
+    stop = words[2][-2:] + words[3][:2]  # over the third and fourth tokens
+    assert text.index(stop) == len("".join(words[:3])) - 2  # found there first
     [sample] = answers.samples(_ask({"prompt": PROMPT, "max_tokens": 8, "stop": ["zzz", stop]}))
     assert sample.text == text[: text.index(stop)]
     assert (sample.finish_reason, sample.stop_reason) == ("stop", stop)

@@ -38,6 +38,7 @@ from narwhal.core.fleet import LEGS
 from narwhal.core.flow import SATURATIONS, Exit, Priority
 from narwhal.core.handoff import DROP_REASONS, FATES
 from narwhal.core.placement import REASONS
+from narwhal.core.resume import OUTCOMES as RESUME_OUTCOMES
 from narwhal.core.retry import Denial
 
 # Buckets for LLM serving: handoffs are milliseconds to tens of seconds (KV stalls of
@@ -306,6 +307,20 @@ class Metrics:
             "was saturated), disaggregated.",
             ("decision",),
         )
+        # stream resume (SPEC 6.4)
+        self.resumes = counter(
+            "narwhal_stream_resumes",
+            "Streams that failed after output with resume on, by what followed: resumed (a "
+            "continuation started), refused (the terminal event: its reason in the "
+            "journal), completed and failed (how a resumed stream ended).",
+            ("outcome",),
+        )
+        self.resume_gap = histogram(
+            "narwhal_stream_resume_gap_seconds",
+            "What a resumed stream's client waited between the last token before the "
+            "failure and the first token of the continuation.",
+            DURATION_BUCKETS,
+        )
         self.engine_requests = gauge(
             "narwhal_engine_requests",
             "The engine's own queue from its last scrape: running and waiting requests.",
@@ -410,6 +425,7 @@ class Metrics:
         self.disconnects_of = Children(self.disconnects)
         self.placements_of = Children(self.placements)
         self.disaggregation_of = Children(self.disaggregation)
+        self.resumes_of = Children(self.resumes)
         self.queue_dispatched_of = Children(self.queue_dispatched)
         self.queue_wait_of = Children(self.queue_wait)
         self.queue_depth_of = Children(self.queue_depth)
@@ -439,6 +455,8 @@ class Metrics:
                 self.placements.labels(leg, why)
         for decision in DECISIONS:
             self.disaggregation.labels(decision)
+        for outcome in RESUME_OUTCOMES:
+            self.resumes.labels(outcome)
         for cls in CLASSES:
             self.queue_depth.labels(cls).set(0)
             self.queue_wait.labels(cls)

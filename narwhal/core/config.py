@@ -104,6 +104,9 @@ class RecoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
     failure_quarantine_s: NonNegativeFloat = 0.0
     readmit_interval_s: PositiveFloat = 10.0
     restart_policy: RestartPolicy = "individual"
+    # > 0: a stream that fails after output continues on another consumer (SPEC 6.4), at
+    # most this many times per request
+    resume_streams: NonNegativeInt = 0
 
 
 class EngineContract(Struct, frozen=True, forbid_unknown_fields=True):

@@ -19,6 +19,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from narwhal.core.faults import RequestFault
+from narwhal.core.retry import RetryBudget
+
+ENDPOINT = "/v1/completions"  # a continuation's: its prompt is token ids
+# what follows a stream's failure after output, with resume on (the metrics' labels)
+OUTCOMES = ("resumed", "refused", "completed", "failed")
 # sampling fields a continuation keeps as the client sent them; anything else (messages,
 # tools, stream options, the prompt's own shape) belongs to the original request only
 SAMPLING = (
@@ -61,7 +67,8 @@ def refusal(body: Mapping[str, Any], *, chat: bool) -> str | None:
     for field in _GUIDED:
         if body.get(field) is not None:
             return "guided decoding"
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs"):
+    logprobs = body.get("logprobs")
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs"):
         return "logprobs"
     if not chat and body.get("echo"):
         return "echo"
@@ -102,7 +109,25 @@ def continuation(
     return out
 
 
-def within_deadline(remaining_s: float, first_token_budget_s: float) -> bool:
-    """Whether a continuation can still reach its first token before the deadline: its
-    prefill and first token both have to fit (a resume that cannot is not tried)."""
-    return remaining_s > first_token_budget_s
+def after(
+    fault: RequestFault,
+    *,
+    resumes: int,
+    allowed: int,
+    remaining_s: float,
+    needed_s: float,
+    budget: RetryBudget,
+) -> str | None:
+    """Whether a stream that failed after output with ``fault`` continues: None, it does
+    (a credit of the retry budget is spent), else why not. ``needed_s``: what the request
+    took to its first output, which a continuation needs again (its prefill is longer by
+    the tokens already sent); a deadline closer than that is too close to try."""
+    if not fault.transient:  # the client's own error, the deadline, the drain
+        return "not an engine fault"
+    if resumes >= allowed:
+        return "resumes spent"
+    if remaining_s <= needed_s:
+        return "deadline"
+    if not budget.spend():
+        return "budget"
+    return None

@@ -106,6 +106,9 @@ class FakeEngine:
         self._queued = trio.Event()  # set as each request joins the queue
         self._began = trio.Event()  # set as each completion begins to be answered
         self._logged = trio.Event()  # set as each request joins the log
+        # set when a stream has sent ``_streamed_goal`` tokens (``wait_streamed``)
+        self._streamed: trio.Event | None = None
+        self._streamed_goal = 0
         self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
         self.prefix_cache = cost.PrefixCache(cfg.prefix_cache_blocks)
         self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
@@ -207,6 +210,11 @@ class FakeEngine:
         """Return once ``n`` completions are being answered (tests: a leg has begun)."""
         while self.running < n:
             await self._began.wait()
+
+    async def wait_streamed(self, tokens: int) -> None:
+        """Return once a stream has sent ``tokens`` tokens (tests: it is under way)."""
+        self._streamed_goal, self._streamed = tokens, trio.Event()
+        await self._streamed.wait()
 
     async def wait_logged(self, n: int) -> None:
         """Return once ``n`` requests are in the log (tests: a request has arrived)."""
@@ -785,6 +793,8 @@ class FakeEngine:
                 await ex.write(b"data: " + chunk + b"\n\n")
             self.counters["generation_tokens"] += 1
             entry["tokens"] += 1
+            if entry["tokens"] == self._streamed_goal and self._streamed is not None:
+                self._streamed.set()
         if fault is not None and kind != "slow_drip":
             await self._break_stream(fault, ex)
             return False

@@ -20,6 +20,7 @@ import trio
 from opentelemetry.trace import Span, SpanKind
 
 from narwhal import tracing
+from narwhal.core import resume
 from narwhal.core.classify import Flow
 from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
@@ -55,7 +56,8 @@ from narwhal.router.reclaim import Reclaimer
 from narwhal.router.stream_reactor import StreamReactor
 from narwhal.router.token_path import ClientStream, DirectWrite, TokenPath
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo
-from narwhal.stream.rules import StreamRelay
+from narwhal.stream.continuation import Kept, Reframer, without_ids
+from narwhal.stream.rules import Rewrite, StreamRelay
 from narwhal.stream.sse import frame
 
 PHASE_OF = {
@@ -273,6 +275,17 @@ class RequestRun(RunRecord):
         self._indexing = placement.prefix_affinity or decode_first(placement)
         self._reply: list[str] | None = None  # the generated text, for the index
         self._local_prompt_tokens: int | None = None
+        # stream resume (SPEC 6.4): what the stream keeps to continue, why it may not
+        self._kept: Kept | None = None
+        self._refused: str | None = None
+        if config.recovery.resume_streams > 0:
+            self._refused = resume.refusal(req.body, chat=req.chat)
+            self._kept = Kept()
+        self._continuation: dict[str, Any] | None = None  # a resume's /v1/completions body
+        self._resumes = 0
+        self._collector: Assembler | None = None  # a JSON answer, across a resume
+        self._path: TokenPath | None = None  # the running decode leg's
+        self._last_output_at: float | None = None  # the client's last token, so far
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
         return self.attempts, self.ttft_s, self.first_byte_s, self.tokens
@@ -290,15 +303,70 @@ class RequestRun(RunRecord):
             span = self._attempt_span = self._start_attempt_span()
             with tracing.ended(span, self._attempt_figures) as ending:
                 try:
-                    await self._attempt()
+                    await (self._attempt() if self._continuation is None else self._resume())
+                    self._resumed_stream_ended("completed")
                     return
                 except RequestFault as fault:
                     ending.fail(fault.message)
+                    if self._resumes_after(fault):
+                        continue
+                    self._resumed_stream_ended("failed")
                     decision = self._told(fault)
                     if not decision.retry:
                         raise
             self.lifecycle.advance(Input.RETRY)
             await trio.sleep(decision.delay_s)
+
+    def _resumes_after(self, fault: RequestFault) -> bool:
+        """Whether a stream that failed after output goes on in a continuation (SPEC 6.4);
+        the attempt's record says which, or why not."""
+        kept = self._kept
+        if kept is None or not self.lifecycle.output_seen or self.lifecycle.finished:
+            return False
+        record = self.attempts[-1]
+        if record.consumer is not None:  # the continuation decodes elsewhere
+            self.failed_engines.add(record.consumer)
+        reason = self._refused or kept.refusal() or self._resume_refusal(fault, kept)
+        self.router.metrics.resumes_of("refused" if reason else "resumed").inc()
+        record.resume = reason or "resumed"
+        if reason is not None:
+            return False
+        record.error, record.phase = fault.message, fault.phase
+        self._resumes += 1
+        return True
+
+    def _resume_refusal(self, fault: RequestFault, kept: Kept) -> str | None:
+        allowed = self.config.recovery.resume_streams
+        if self._resumes >= allowed:
+            return "resumes spent"
+        try:
+            assert kept.prompt_ids is not None  # kept.refusal() says so
+            body = resume.continuation(
+                self.req.body, chat=self.req.chat, prompt_ids=kept.prompt_ids, sent_ids=kept.ids
+            )
+        except ValueError:
+            return "output limit reached"
+        if not self._other_consumer():
+            return "no other consumer"
+        reason = resume.after(
+            fault,
+            resumes=self._resumes,
+            allowed=allowed,
+            remaining_s=self.deadline - trio.current_time(),
+            needed_s=self.first_byte_s or 0.0,
+            budget=self.router.retry_budget,
+        )
+        if reason is None:
+            self._continuation = body
+        return reason
+
+    def _other_consumer(self) -> bool:
+        candidates, _ = self.router.fleet.placeable("decode", trio.current_time())
+        return any(engine.id not in self.failed_engines for engine in candidates)
+
+    def _resumed_stream_ended(self, outcome: str) -> None:
+        if self._resumes:
+            self.router.metrics.resumes_of(outcome).inc()
 
     def _told(self, fault: RequestFault) -> RetryDecision:
         """A failed attempt's record and counters, and whether it is retried."""
@@ -443,6 +511,23 @@ class RequestRun(RunRecord):
         with self.router.fleet.claim_decode() as self._claim:
             await self._legs(producer, attempt, consumer)
 
+    async def _resume(self) -> None:
+        """A continuation (SPEC 6.4): the prompt's ids and the ids already sent, prefilled
+        on a producer and decoded on a consumer that has not failed this request."""
+        assert self._kept is not None
+        sent = len(self._kept.ids)
+        attempt = AttemptLine(number=len(self.attempts) + 1, choice=self.choice)
+        attempt.resumed_at_token = sent
+        self.attempts.append(attempt)
+        consumer = self._place("decode")
+        if consumer.id in self.failed_engines:
+            raise NoCapacity("no placeable consumer engine but the failed", phase=Phase.STREAM)
+        producer = self._place("prefill", prefer_not=consumer.id)
+        self.router.fleet.turn += 1
+        attempt.producer = producer.id
+        with self.router.fleet.claim_decode() as self._claim:
+            await self._legs(producer, attempt, consumer)
+
     def _disaggregation(self, consumer: EngineState) -> Decision:
         """Whether this attempt skips the remote prefill (SPEC 4.4, conditional
         disaggregation). A request whose answer needs the prompt side the producer
@@ -495,16 +580,19 @@ class RequestRun(RunRecord):
             health.failure(producer, fault, "prefill", None)
             raise
         health.success(producer)
-        self._remember(producer, self._prompt_blocks() if self._indexing else None)
-        self.prefill_result = result  # its prompt side is served with the answer (SPEC 3)
-        self.ttft_s = self.elapsed
-        self.lifecycle.advance(Input.DESCRIPTOR)
+        resuming = self._continuation is not None  # the client's own stream is committed
+        if not resuming:
+            self._remember(producer, self._prompt_blocks() if self._indexing else None)
+            self.prefill_result = result  # its prompt side is served with the answer (SPEC 3)
+            self.ttft_s = self.elapsed
+            self.lifecycle.advance(Input.DESCRIPTOR)
         handoff = Handoff(self.rid, attempt.number, producer.id, result, handoff_start)
         try:
             consumer = consumer or self._place("decode", prefer_not=producer.id)
             attempt.consumer = consumer.id
             self._check_handoff_age(handoff)
-            self.lifecycle.advance(Input.DISPATCH)
+            if not resuming:
+                self.lifecycle.advance(Input.DISPATCH)
             crossed = consumer is not producer
             try:
                 await self._decode(
@@ -557,10 +645,11 @@ class RequestRun(RunRecord):
             with trio.move_on_after(budget) as prefill_clock:
                 async with router.fleet.reserve(producer, "prefill"):
                     with faults_of(producer.id, producer.url):
+                        endpoint, body = self._leg_request(decode=False)
                         return await router.client.prefill(
                             producer.url,
-                            self.req.endpoint,
-                            self.req.body,
+                            endpoint,
+                            body,
                             request_id=backend_id,
                             trace=self._leg_trace(span),
                         )
@@ -611,10 +700,12 @@ class RequestRun(RunRecord):
         first_token_s: float,
     ) -> None:
         router = self.router
+        endpoint, body = self._leg_request(decode=True)
+        self._path = None
         stream = router.client.decode(
             consumer.url,
-            self.req.endpoint,
-            self.req.body,
+            endpoint,
+            body,
             result,
             request_id=backend_id,
             trace=self._leg_trace(span),
@@ -628,10 +719,10 @@ class RequestRun(RunRecord):
                     handoff.fate = Fate.DECODED  # blocks is its job now
                 await self._relay(stream, decode_clock, reservation.started)
                 return
-        if not self.lifecycle.output_seen:
+        if not self._leg_output():
             raise FirstTokenTimeout(
                 f"no first token within {first_token_s:g}s from engine {consumer.id}",
-                phase=Phase.DECODE,
+                phase=Phase.STREAM if self.lifecycle.output_seen else Phase.DECODE,
                 engine_id=consumer.id,
             )
         raise SilenceTimeout(
@@ -641,15 +732,61 @@ class RequestRun(RunRecord):
             engine_id=consumer.id,
         )
 
+    def _leg_output(self) -> bool:
+        """The running decode leg relayed a token (a continuation's first is its own)."""
+        path = self._path
+        return path is not None and path.first_token_at is not None
+
+    def _leg_request(self, *, decode: bool) -> tuple[str, dict[str, Any]]:
+        """A leg's endpoint and body: the client's, or a resume's continuation. With resume
+        on, a decode leg reports its token ids (the client sees only what it asked for)."""
+        if self._continuation is not None:
+            return resume.ENDPOINT, self._continuation
+        body = self.req.body
+        if decode and self._kept is not None and self._refused is None:
+            body = {**body, "return_token_ids": True}
+        return self.req.endpoint, body
+
+    def _new_collector(self) -> Assembler | None:
+        """A non-streaming client's assembler: new for each attempt, but a continuation
+        goes on with the answer its failed stream began."""
+        if self._continuation is None:
+            self._collector = None
+            if not self.req.stream:
+                self._collector = Assembler(chat=self.req.chat, model=self.config.model)
+        return self._collector
+
+    def _continuity(self) -> tuple[Kept | None, Rewrite | None, int | None]:
+        """What the relay keeps for a resume, how it writes each chunk for the client, and
+        where a continuation takes over (SPEC 6.4)."""
+        kept = self._kept
+        if kept is None or self._refused is not None:
+            return None, None, None
+        asked = self.req.body.get("return_token_ids") is True
+        if self._continuation is None:
+            return kept, None if asked else without_ids, None
+        assert kept.prompt_ids is not None
+        sent = len(kept.ids)
+        frames = Reframer(
+            kept,
+            chat=self.req.chat,
+            with_ids=asked,
+            prompt_tokens=self.prompt_tokens() or len(kept.prompt_ids),
+            before=sent,
+        )
+        return kept, frames, sent
+
     async def _relay(
         self, stream: DecodeStream, clock: trio.CancelScope, started: Callable[[], None]
     ) -> None:
         """Move the engine's stream to the client until ``[DONE]`` (``TokenPath``), then
         write the end."""
-        collector = None
+        resuming = self._continuation is not None
+        collector = self._new_collector()
         prefill = self.prefill_result
-        if not self.req.stream:
-            collector = Assembler(chat=self.req.chat, model=self.config.model)
+        if resuming:
+            pass  # the prompt side went out with the stream's start
+        elif collector is not None:
             if prefill is not None:
                 collector.prompt_side(prefill, self.req.body)
         elif prefill is not None:
@@ -661,20 +798,39 @@ class RequestRun(RunRecord):
         reactor = self.router.reactor if direct is not None or collector is not None else None
         silence = self.config.engine.decode_read_timeout_s
         gaps = RequestBuckets(self.router.metrics.token_gap)
+        kept, rewrite, resumed_at = self._continuity()
         relay = StreamRelay(
-            collector, strip_usage=not self.req.include_usage, keep_reply=self._indexing
+            collector,
+            strip_usage=not self.req.include_usage,
+            keep_reply=self._indexing,
+            kept=kept,
+            rewrite=rewrite,
+            resumed_at=resumed_at,
         )
+        if resuming and self._reply is not None:
+            relay.reply = self._reply  # the reply goes on
         self._reply = relay.reply
-        path = TokenPath(client, relay, clock, silence, gaps, reactor, started)
+        path = self._path = TokenPath(client, relay, clock, silence, gaps, reactor, started)
+        last_before = path.last_output_at = self._last_output_at if resuming else None
         try:
             end = await path.relay_all(stream)
         finally:
-            self.tokens = path.tokens
-            self._local_prompt_tokens = relay.prompt_tokens
-            if path.first_token_at is not None:
-                self.first_byte_s = path.first_token_at - self.arrival
+            self._relayed(path, relay, last_before)
         await self.finish(end)
         await stream.drain()
+
+    def _relayed(self, path: TokenPath, relay: StreamRelay, last_before: float | None) -> None:
+        """A decode leg's figures, once it ended (cancellation included: nothing awaits)."""
+        self.tokens = path.tokens
+        first = path.first_token_at
+        if self._continuation is None:
+            self._local_prompt_tokens = relay.prompt_tokens
+        elif first is not None and last_before is not None:
+            self.router.metrics.resume_gap.observe(first - last_before)
+        if first is not None and self.first_byte_s is None:
+            self.first_byte_s = first - self.arrival
+        if path.last_output_at is not None:
+            self._last_output_at = path.last_output_at
 
     async def finish(self, data: bytes) -> None:
         self.outcome, self.status = "completed", 200

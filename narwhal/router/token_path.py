@@ -136,6 +136,7 @@ class TokenPath:
         # the engine runs it now: its leg no longer counts as waiting there (SPEC 4.5)
         self.on_first_token = on_first_token
         self.relay = relay
+        self.base = relay.tokens  # a continuation's relay counts the output sent before it
         self.clock = clock
         self.reactor = reactor
         self.silence = silence  # decode_read_timeout_s; 0: none
@@ -208,9 +209,10 @@ class TokenPath:
         tokens_before = relay.tokens
         action = relay.feed(data)
         tokens = relay.tokens
-        if tokens and not tokens_before:
+        if tokens_before == self.base and tokens != tokens_before:
             self.first_token_at = trio.current_time()
-            self.client.lifecycle.advance(Input.FIRST_TOKEN)
+            if not self.base:  # a continuation's request has had its first token
+                self.client.lifecycle.advance(Input.FIRST_TOKEN)
             if self.on_first_token is not None:
                 self.on_first_token()
         match action:

@@ -38,6 +38,10 @@ class Choice(msgspec.Struct):
     delta: Delta | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # vLLM's ``return_token_ids``: this chunk's generated ids, and (a completion's first
+    # chunk) the prompt's; read only to continue a failed stream (``stream.continuation``)
+    token_ids: Any = None
+    prompt_token_ids: Any = None
 
     def is_output(self) -> bool:
         if self.text or self.finish_reason is not None:
@@ -61,6 +65,8 @@ class Chunk(msgspec.Struct):
     choices: list[Choice] = []
     usage: dict[str, Any] | None = None
     error: ErrorObject | None = None
+    prompt_token_ids: Any = None  # a chat stream's first chunk, with ``return_token_ids``
+    system_fingerprint: Any = None  # vLLM's, on the usage chunk (a continuation keeps it)
 
 
 _decode_chunk = msgspec.json.Decoder(Chunk).decode

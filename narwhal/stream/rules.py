@@ -32,6 +32,7 @@ from typing import Protocol
 from msgspec import Struct
 
 from narwhal.core.faults import Phase, RequestFault, StreamBroken
+from narwhal.stream.continuation import Kept
 from narwhal.stream.events import Chunk, Kind, classify, completion_tokens, parse_payload
 from narwhal.stream.sse import DONE_FRAME, SSEError, SSEParser, frame
 
@@ -67,6 +68,12 @@ HOLD = Hold()
 Action = Hold | Commit | Send | Finish | Fault
 
 
+class Rewrite(Protocol):
+    """A chunk as the client gets it (``narwhal.stream.continuation``); None: nothing."""
+
+    def __call__(self, payload: bytes, chunk: Chunk, /) -> bytes | None: ...
+
+
 class Collector(Protocol):
     """What assembles a non-streaming client's JSON (``narwhal.stream.assemble``)."""
 
@@ -78,11 +85,14 @@ class StreamRelay:
     """One decode stream's rules. ``collector`` None: the client streams (SSE relayed)."""
 
     __slots__ = (
+        "_before",
         "_collector",
         "_held",
         "_parser",
+        "_rewrite",
         "_strip_usage",
         "generated",
+        "kept",
         "output_started",
         "prompt_tokens",
         "reply",
@@ -95,8 +105,15 @@ class StreamRelay:
         *,
         strip_usage: bool = False,
         keep_reply: bool = False,
+        kept: Kept | None = None,
+        rewrite: Rewrite | None = None,
+        resumed_at: int | None = None,
     ) -> None:
         self._collector = collector
+        # stream resume (SPEC 6.4): the ids and head the stream keeps, and how each chunk
+        # is written for the client (its ids put back to null, or a continuation reframed)
+        self.kept = kept
+        self._rewrite = rewrite
         # the first choice's generated text, kept for the prefix index (a consumer caches
         # what it generated: the next turn of a conversation starts with it)
         self.reply: list[str] | None = [] if keep_reply else None
@@ -105,10 +122,15 @@ class StreamRelay:
         self._held: list[bytes] = []  # framed metadata waiting for the first token
         self.tokens = 0  # chunks with output
         self.generated: int | None = None  # tokens, as the engine's usage counts them
+        self._before = 0
         self.prompt_tokens: int | None = None  # and the prompt's (a local leg computed it)
         # the first output was given (a Commit): later output is Send. Not the commit point
         # itself, which is the request's (a JSON answer commits only at the end)
         self.output_started = False
+        if resumed_at is not None:
+            # a continuation: its client has output already, which counts as its own
+            self.tokens = self._before = resumed_at
+            self.output_started = True
 
     def feed(self, data: bytes) -> Action:
         out = self._held
@@ -122,15 +144,23 @@ class StreamRelay:
                             phase=Phase.DECODE,
                         )
                     return self._finish(out)
+                if self.kept is not None:
+                    self.kept.observe(chunk)
                 if classify(chunk) is Kind.TOKEN:
                     self.tokens += 1
                     if self.reply is not None:
                         _keep_text(chunk, self.reply)
                 elif chunk.usage is not None and not chunk.choices:  # the usage chunk
-                    self.generated = completion_tokens(chunk.usage)
+                    generated = completion_tokens(chunk.usage)
+                    self.generated = None if generated is None else self._before + generated
                     self.prompt_tokens = completion_tokens(chunk.usage, "prompt_tokens")
                     if self._strip_usage:
                         continue
+                if self._rewrite is not None:
+                    rewritten = self._rewrite(payload, chunk)
+                    if rewritten is None:
+                        continue
+                    payload = rewritten
                 if self._collector is not None:
                     self._collector.add(payload)
                 else:

@@ -111,6 +111,26 @@ class Scenario:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # its flow control
     placement: PlacementConfig = PLACEMENT
     long_every: int = 0  # every Nth request's prompt is long (about 250 tokens), else ~15
+    # stream resume (SPEC 6.4): at most this many per request, and every client must get a
+    # whole answer; ``kill``: d0 dies (its open streams dropped) once streams on it are
+    # under way
+    resume: int = 0
+    kill: bool = False
+    serving: ServingConfig = SERVING
+    recovery: RecoveryConfig = RECOVERY
+
+
+# stream resume: d0 is never ejected, so that a third of the streams break on it, and
+# each resume (a retry credit) has one
+RESUME_SERVING = msgspec.structs.replace(SERVING, retry_budget=1000.0)
+RESUME_RECOVERY = msgspec.structs.replace(RECOVERY, eject_after=100_000, resume_streams=1)
+# a consumer that dies with streams open: tokens spaced so that some are mid-stream
+DYING = {"itl_s": 0.01}
+
+
+def _resumed(name: str, **kw: Any) -> Scenario:
+    settings = {"serving": RESUME_SERVING, "recovery": RESUME_RECOVERY, **kw}
+    return Scenario(f"resume: {name}", resume=1, max_tokens=16, expect="resumed", **settings)
 
 
 # decode first: the short prompts are served by their consumers alone, the long ones by
@@ -191,6 +211,24 @@ SCENARIOS: list[Scenario] = [
         disconnect_after_tokens=2,
         engine_config={"itl_s": 0.02},
         max_tokens=32,
+    ),
+    _resumed(
+        "consumer closes at token k", armed=_on("d0", _always(kind="tokens_then_close", tokens=5))
+    ),
+    _resumed(
+        "consumer goes silent at token k",
+        armed=_on("d0", _always(kind="tokens_then_silence", tokens=5)),
+    ),
+    _resumed(
+        "consumer in-stream 5xx at token k",
+        armed=_on("d0", _always(kind="stream_error", code=500, tokens=5)),
+    ),
+    _resumed(
+        "consumer killed with streams open",
+        kill=True,
+        engine_config=DYING,
+        # a dead engine is ejected as it would be: its refused connections are retried
+        recovery=msgspec.structs.replace(RECOVERY, resume_streams=1),
     ),
     Scenario("slow reader", read_pause_s=0.01, max_tokens=64),
     Scenario("stalled reader past the deadline", stall_every=4, expect="stalled cut"),
@@ -513,9 +551,9 @@ async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
             ROLES,
             engine_config={"log_size": requests * 8 + 100, **sc.engine_config},
             journal=journal,
-            serving=SERVING,
+            serving=sc.serving,
             engine=ENGINE,
-            recovery=RECOVERY,
+            recovery=sc.recovery,
             admission=sc.admission,
             placement=sc.placement,
         )
@@ -586,7 +624,18 @@ async def _load(
     async with pool, trio.open_nursery() as workers:
         for _ in range(concurrency):
             workers.start_soon(worker)
+        if sc.kill:
+            workers.start_soon(_kill_mid_stream, h.engines["d0"])
     return results
+
+
+async def _kill_mid_stream(engine: Any) -> None:
+    """Stop ``engine`` as a SIGKILL would (connections dropped, new ones refused) once two
+    of its streams are under way and one has sent tokens (or the load is about to end)."""
+    with trio.move_on_after(CLIENT_LIMIT_S):
+        await engine.wait_running(2)
+        await engine.wait_streamed(2)
+    engine.stop()
 
 
 def _awaits_ejection(h: Harness, sc: Scenario) -> bool:
@@ -643,9 +692,10 @@ async def _reconcile(h: Harness, sc: Scenario, results: list[ClientResult]) -> R
     # producers saw them: the engines can never have seen more than the router sent
     attempts = sum(len(line.attempts) for line in lines)
     reached = len({leg["request_id"].rsplit("-", 1)[0] for leg in legs if leg["prefill"]})
-    if attempts > 1.2 * len(results) + 3 or reached > attempts:
+    resumed = _resume_attempts(lines)  # continuations are counted by their own rule
+    if attempts - len(resumed) > 1.2 * len(results) + 3 or reached > attempts:
         problems.append(f"{attempts} attempts ({reached} reached a producer) for {len(results)}")
-    after_output = _retries_after_output(legs)
+    after_output = _retries_after_output(legs, resumed)
     misuse = _descriptor_misuse(h.engines.values(), legs)
     lag = _cancel_lag(results, legs)
     if lag is not None and lag > CANCEL_LAG_S:
@@ -764,10 +814,23 @@ def _legs(engines: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _retries_after_output(legs: list[dict[str, Any]]) -> int:
-    """Requests with more than one decode leg that sent the client tokens."""
+def _resume_attempts(lines: list[Any]) -> set[str]:
+    """The attempts (``<request id>-a<N>``) that continued a stream (SPEC 6.4)."""
+    return {
+        f"{line.request_id}-a{a.number}"
+        for line in lines
+        for a in line.attempts
+        if a.resumed_at_token is not None
+    }
+
+
+def _retries_after_output(legs: list[dict[str, Any]], resumed: set[str]) -> int:
+    """Requests with more than one decode leg that sent the client tokens, continuations
+    of a stream resume (SPEC 6.4, the one exception) aside."""
     speaking: Counter[str] = Counter()
     for leg in legs:
+        if leg["request_id"].removesuffix("-decode") in resumed:
+            continue
         if not leg["prefill"] and leg["tokens"] > 0:
             speaking[leg["request_id"].split("-a", 1)[0]] += 1
     return sum(1 for n in speaking.values() if n > 1)
@@ -848,6 +911,8 @@ def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
     saturated fleet queued requests and kept invariant 11."""
     if sc.expect == "queued":
         return _queue_kept(h, sc, problems)
+    if sc.expect == "resumed":
+        return _resumes_kept(h, sc, problems)
     mixed = _mixed(h, sc, problems)
     if not sc.expect.endswith("ejected"):
         return mixed
@@ -860,6 +925,31 @@ def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
         f"{sc.expect}: {'yes' if ok else 'NO'} ({breaker}, {state.breaker.ejections} ejections)"
     )
     return f"{ejected}; {mixed}" if mixed else ejected
+
+
+def _resumes_kept(h: Harness, sc: Scenario, problems: list[str]) -> str:
+    """Stream resume: streams broke after output, and each went on to its end (every
+    client's answer was checked whole against the engine's script: no error event, no
+    token repeated or missing), with the tokens asked for; none was refused."""
+    value = h.router.metrics.registry.get_sample_value
+
+    def count(outcome: str) -> int:
+        return int(value("narwhal_stream_resumes_total", {"outcome": outcome}) or 0)
+
+    resumed, completed = count("resumed"), count("completed")
+    refused, failed = count("refused"), count("failed")
+    lines = h.router.journal.lines
+    ended = Counter(line.outcome for line in lines if line.outcome != "completed")
+    if ended:
+        problems.append(f"requests not completed: {dict(ended)}")
+    short = [line.request_id for line in lines if line.tokens != sc.max_tokens]
+    if not resumed or completed != resumed or refused or failed:
+        problems.append(
+            f"resumes: {resumed} resumed, {completed} completed, {failed} failed, {refused} refused"
+        )
+    if short:
+        problems.append(f"{len(short)} completed with other than {sc.max_tokens} tokens")
+    return f"resumed {resumed}, completed {completed}"
 
 
 def _mixed(h: Harness, sc: Scenario, problems: list[str]) -> str:

@@ -66,6 +66,7 @@ def test_every_default() -> None:
         "failure_quarantine_s": 0.0,
         "readmit_interval_s": 10.0,
         "restart_policy": "individual",
+        "resume_streams": 0,
     }
     assert msgspec.structs.asdict(fleet.placement) == {
         "policy": "least_loaded",

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.core.resume import SAMPLING, continuation, refusal
+from narwhal.core.faults import (
+    DeadlineExpired,
+    InStreamError,
+    Phase,
+    RequestFault,
+    SilenceTimeout,
+    StreamBroken,
+)
+from narwhal.core.resume import SAMPLING, after, continuation, refusal
+from narwhal.core.retry import RetryBudget
 
 ids = st.lists(st.integers(min_value=0, max_value=2**20), max_size=50)
 
@@ -64,3 +75,32 @@ def test_a_continuation_asks_for_exactly_what_is_left(
     kept = set(out) - {"model", "prompt", "max_tokens", "min_tokens", "stream"}
     assert kept - {"return_token_ids"} <= set(SAMPLING)
     assert (out["temperature"], out["stop"]) == (0, ["\n"])
+
+
+def _after(fault: RequestFault, **kw: Any) -> str | None:
+    args: dict[str, Any] = {
+        "resumes": 0,
+        "allowed": 1,
+        "remaining_s": 10.0,
+        "needed_s": 1.0,
+        "budget": RetryBudget(3.0, 0.1),
+    }
+    return after(fault, **{**args, **kw})
+
+
+def test_when_a_failed_stream_continues() -> None:
+    broken = StreamBroken("stream ended before [DONE]", phase=Phase.STREAM)
+    assert _after(broken) is None
+    assert _after(SilenceTimeout("quiet", phase=Phase.STREAM)) is None
+    assert _after(InStreamError(503, "oom", "engine_error", phase=Phase.DECODE)) is None
+    # the client's own error is not the engine's to mend
+    assert _after(InStreamError(400, "bad", "invalid", phase=Phase.DECODE)) == (
+        "not an engine fault"
+    )
+    assert _after(DeadlineExpired(5.0, phase=Phase.STREAM)) == "not an engine fault"
+    assert _after(broken, resumes=1) == "resumes spent"
+    assert _after(broken, remaining_s=0.9) == "deadline"  # less than its first token took
+    empty = RetryBudget(3.0, 0.1)
+    for _ in range(3):
+        assert empty.spend()
+    assert _after(broken, budget=empty) == "budget"

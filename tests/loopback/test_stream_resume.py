@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import trio
 
-from narwhal.core.config import EngineConfig, RecoveryConfig, ServingConfig
+from narwhal.core.config import EngineConfig, PlacementConfig, RecoveryConfig, ServingConfig
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.faults import Fault
 from tests.support.fleet import MODEL, Harness, RawReply, finish, post_raw, start_fleet
@@ -240,4 +240,27 @@ async def test_resume_off_is_the_terminal_event(nursery: trio.Nursery) -> None:
     assert all(b'"token_ids":null' in e for e in events[:-1])
     assert "return_token_ids" not in h.engines[FIRST].log[-1]["body"]
     assert [a.resume for a in (await _line(h)).attempts] == [None]
+    await finish(h)
+
+
+async def test_a_stream_its_consumer_served_alone_goes_on_in_a_disaggregated_continuation(
+    nursery: trio.Nursery,
+) -> None:
+    """Decode first: a short prompt is served by its consumer alone (no prefill leg, its
+    prompt ids from its own stream); its continuation has a producer and a handoff."""
+    h = await start_fleet(
+        nursery,
+        ROLES,
+        serving=ServingConfig(graceful_timeout_s=0.5, request_timeout_s=20.0),
+        recovery=RecoveryConfig(resume_streams=1),
+        placement=PlacementConfig(local_prefill_tokens=128, metrics_interval_s=0.0),
+    )
+    h.engines["d0"].faults.push(BREAKS["closed"])  # decode first: d0 takes a fresh fleet's first
+    path, body = _body(True)
+    text, _ = _read(await post_raw(h, path, body), chat=True)
+    assert text == _expected(body, True)
+    first, second = (await _line(h)).attempts
+    assert (first.local, first.producer, first.resume) == (True, None, "resumed")
+    assert (second.local, second.producer, second.resumed_at_token) == (False, "p0", 5)
+    assert (first.consumer, second.consumer) == ("d0", "d1")
     await finish(h)

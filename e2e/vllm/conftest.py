@@ -32,6 +32,14 @@ START_S = 400.0  # an engine is ready in 40-130 s on the 2-core machine; slack f
 HANDOFF_S = 120.0  # handoffs sometimes stall 15-30 s (NIXL's lease); never assert latency
 KV_LEASE_S = 60.0  # the producer's kv_lease_duration (vLLM 0.32's default is 30 s)
 KV_BLOCKS = 400
+# a router's budgets for these engines: CPU prefills and handoffs are slow, never a failure
+PATIENT_SERVING = {"request_timeout_s": 300.0, "prefill_timeout_s": 120.0, "max_attempts": 1}
+PATIENT_ENGINE = {
+    "kv_lease_s": KV_LEASE_S,
+    "first_token_timeout_s": 120.0,
+    "decode_read_timeout_s": 60.0,
+    "health_timeout_s": 10.0,
+}
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -34,7 +34,6 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -42,7 +41,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ports import free_port, http  # e2e/vllm/ports.py, beside this script (stdlib only)
+from ports import http  # e2e/vllm/ports.py, beside this script (stdlib only)
+from probe_engine import ProbeEngine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -91,83 +91,18 @@ def check_bodies_match_router() -> str:
 # --------------------------------------------------------------------------- processes
 
 
-class Engine:
+class Engine(ProbeEngine):
     def __init__(self, name: str, role: str, vllm_dir: Path, logs: Path, lease: int) -> None:
-        self.name, self.role = name, role
-        self.port, self.side = free_port(), free_port()
-        self.log = logs / f"{name}.log"
         kvt = {
             "kv_connector": "NixlConnector",
             "kv_role": role,
             "kv_buffer_device": "cpu",
             "kv_connector_extra_config": {"kv_lease_duration": lease},
         }
-        self.argv = [
-            "bash",
-            str(HERE / "serve_nixl.sh"),
-            str(vllm_dir),
-            str(self.port),
-            str(self.side),
-            role,
-            "--kv-transfer-config",
-            json.dumps(kvt),  # replaces serve_nixl.sh's (last wins)
-            "--num-gpu-blocks-override",
-            str(NUM_BLOCKS),
-        ]
-        self.env = {"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(lease)}  # read by older vLLMs only
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **self.env},
-                cwd=ROOT,
-            )
-
-    def log_text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def wait_ready(self, deadline: float) -> str:
-        """'' when ready, 'clash' on a taken port, else an error."""
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if "Address already in use" in self.log_text():
-                return "clash"
-            if self.proc.poll() is not None:
-                return f"{self.name} exited with {self.proc.returncode}"
-            with contextlib.suppress(OSError):
-                if http("GET", self.url + "/health", timeout=5)[0] == 200:
-                    return ""
-            time.sleep(1.0)
-        return f"{self.name} not ready"
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        pid = self.proc.pid
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)  # our own child's group, by its id
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)  # stragglers (the engine core) in the group
-        self.proc = None
+        extra = ["--kv-transfer-config", json.dumps(kvt)]  # replaces serve_nixl.sh's
+        extra += ["--num-gpu-blocks-override", str(NUM_BLOCKS)]
+        env = {"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(lease)}  # read by older vLLMs only
+        super().__init__(name, role, vllm_dir, logs, extra, env)
 
     def metrics(self) -> dict[str, float]:
         status, body = http("GET", self.url + "/metrics", timeout=10)

@@ -31,19 +31,17 @@ on every exit path. About 5-7 minutes on the 2-core machine.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client as httpclient
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from ports import free_port, http  # e2e/vllm/ports.py, beside this script (stdlib only)
+from ports import http  # e2e/vllm/ports.py, beside this script (stdlib only)
+from probe_engine import ProbeEngine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -57,66 +55,13 @@ MESSAGES = [{"role": "user", "content": "Tell me a story about a lazy dog and a 
 EXTRA_CUTS = (1, 7, 64, 127)
 
 
-class Engine:
+class Engine(ProbeEngine):
     """One engine as e2e/vllm/conftest.py starts it (``_engine``)."""
 
     def __init__(self, name: str, role: str, vllm_dir: Path, logs: Path) -> None:
-        self.name, self.role = name, role
-        self.port, self.side = free_port(), free_port()
-        self.log = logs / f"{name}.log"
-        self.argv = ["bash", str(HERE / "serve_nixl.sh"), str(vllm_dir)]
-        self.argv += [str(self.port), str(self.side), role]
-        self.argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-        self.argv += ["--num-gpu-blocks-override", str(KV_BLOCKS)]
-        self.env = {"NARWHAL_KV_LEASE_S": str(KV_LEASE_S)}
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **self.env},
-                cwd=ROOT,
-            )
-
-    def wait_ready(self, deadline: float) -> str:
-        """'' when ready, 'clash' on a taken port, else an error."""
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            with contextlib.suppress(OSError):
-                if "Address already in use" in self.log.read_text(errors="replace"):
-                    return "clash"
-            if self.proc.poll() is not None:
-                return f"{self.name} exited with {self.proc.returncode}"
-            with contextlib.suppress(OSError):
-                if http("GET", self.url + "/health", timeout=5)[0] == 200:
-                    return ""
-            time.sleep(1.0)  # bounded by deadline
-        return f"{self.name} not ready"
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        pid = self.proc.pid
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)  # our own child's group, by its id
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)  # stragglers (the engine core) in the group
-        self.proc = None
+        extra = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        extra += ["--num-gpu-blocks-override", str(KV_BLOCKS)]
+        super().__init__(name, role, vllm_dir, logs, extra, {"NARWHAL_KV_LEASE_S": str(KV_LEASE_S)})
 
 
 def start_pair(vllm_dir: Path, logs: Path, started: list[Engine]) -> tuple[Engine, Engine]:

@@ -28,7 +28,16 @@ from typing import Any
 
 import pytest
 
-from .conftest import KV_LEASE_S, MODEL, Fleet, Process, fleet_toml, http, serve_router
+from .conftest import (
+    MODEL,
+    PATIENT_ENGINE,
+    PATIENT_SERVING,
+    Fleet,
+    Process,
+    fleet_toml,
+    http,
+    serve_router,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -54,13 +63,8 @@ def _router(fleet: Fleet, name: str, producer_role: str) -> Iterator[tuple[Proce
     journal = fleet.logs / f"{name}.jsonl"
     text = fleet_toml(
         [("p0", fleet.producer.url, producer_role), ("d0", fleet.consumer.url, "decode")],
-        serving={"request_timeout_s": 300.0, "prefill_timeout_s": 120.0, "max_attempts": 1},
-        engine={
-            "kv_lease_s": KV_LEASE_S,
-            "first_token_timeout_s": 120.0,
-            "decode_read_timeout_s": 60.0,
-            "health_timeout_s": 10.0,
-        },
+        serving=PATIENT_SERVING,
+        engine=PATIENT_ENGINE,
         placement={"metrics_interval_s": 1.0, "local_prefill_tokens": THRESHOLD},
     )
     router = serve_router(fleet, name, text, ("--journal", str(journal)))

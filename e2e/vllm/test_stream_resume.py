@@ -45,8 +45,9 @@ import pytest
 
 from .conftest import (
     HANDOFF_S,
-    KV_LEASE_S,
     MODEL,
+    PATIENT_ENGINE,
+    PATIENT_SERVING,
     SSE,
     Engine,
     Event,
@@ -98,13 +99,8 @@ def resuming(fleet: Fleet, consumers: dict[str, Engine]) -> Iterator[tuple[Proce
             ("d0", consumers["d0"].url, "decode"),
             ("d1", consumers["d1"].url, "decode"),
         ],
-        serving={"request_timeout_s": 300.0, "prefill_timeout_s": 120.0, "max_attempts": 1},
-        engine={
-            "kv_lease_s": KV_LEASE_S,
-            "first_token_timeout_s": 120.0,
-            "decode_read_timeout_s": 60.0,
-            "health_timeout_s": 10.0,
-        },
+        serving=PATIENT_SERVING,
+        engine=PATIENT_ENGINE,
         recovery={"eject_after": 2, "readmit_interval_s": 3.0, "resume_streams": 1},
     )
     router = serve_router(fleet, "router-resume", text, ("--journal", str(journal)))

@@ -492,6 +492,8 @@ class RequestRun(RunRecord):
         consumer is chosen before the producer, and the attempt may be local."""
         attempt = AttemptLine(number=len(self.attempts) + 1, choice=self.choice)
         self.attempts.append(attempt)
+        if self._kept is not None:  # a retry: nothing of the failed attempt reached the
+            self._kept = Kept()  # client, whose stream will have this attempt's id
         consumer = None
         if decode_first(self.config.placement):
             consumer = self._place("decode")

@@ -264,3 +264,35 @@ async def test_a_stream_its_consumer_served_alone_goes_on_in_a_disaggregated_con
     assert (second.local, second.producer, second.resumed_at_token) == (False, "p0", 5)
     assert (first.consumer, second.consumer) == ("d0", "d1")
     await finish(h)
+
+
+async def test_after_a_retry_the_continuation_speaks_as_the_attempt_the_client_saw(
+    nursery: trio.Nursery,
+) -> None:
+    """A retry before output, then a resume: the client's stream is the retry's (its id on
+    every chunk), not the attempt that failed silently before it."""
+    h = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode", "d1": "decode", "d2": "decode"},
+        serving=ServingConfig(
+            graceful_timeout_s=0.5, request_timeout_s=20.0, max_attempts=2, retry_backoff_s=0.01
+        ),
+        engine=EngineConfig(first_token_timeout_s=0.3, decode_read_timeout_s=0.3),
+        recovery=RecoveryConfig(resume_streams=1),
+    )
+    # a fresh three-consumer fleet decodes on d1 first, then retries on d2
+    h.engines["d1"].faults.push(Fault(kind="metadata_then_silence", leg="decode"))
+    h.engines["d2"].faults.push(BREAKS["closed"])
+    path, body = _body(True)
+    reply = await post_raw(h, path, body)
+    text, chunks = _read(reply, chat=True)
+    assert text == _expected(body, True)
+    rid = reply.headers["x-request-id"]
+    assert {c["id"] for c in chunks} == {f"chatcmpl-{rid}-a2-decode"}
+    attempts = (await _line(h)).attempts
+    assert [(a.consumer, a.retry, a.resume) for a in attempts] == [
+        ("d1", "retry", None),
+        ("d2", None, "resumed"),
+        ("d0", None, None),
+    ]
+    await finish(h)

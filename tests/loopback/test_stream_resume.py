@@ -279,8 +279,9 @@ async def test_after_a_retry_the_continuation_speaks_as_the_attempt_the_client_s
         ),
         engine=EngineConfig(first_token_timeout_s=0.3, decode_read_timeout_s=0.3),
         recovery=RecoveryConfig(resume_streams=1),
+        # round robin, so that the order is known: d1 first, the retry on d2, then d0
+        placement=PlacementConfig(policy="round_robin", prefix_affinity=False),
     )
-    # a fresh three-consumer fleet decodes on d1 first, then retries on d2
     h.engines["d1"].faults.push(Fault(kind="metadata_then_silence", leg="decode"))
     h.engines["d2"].faults.push(BREAKS["closed"])
     path, body = _body(True)

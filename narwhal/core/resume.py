@@ -104,6 +104,9 @@ def continuation(
     min_tokens = body.get("min_tokens")
     if type(min_tokens) is int and min_tokens > len(sent_ids):
         out["min_tokens"] = min_tokens - len(sent_ids)
+    options = body.get("stream_options")
+    if isinstance(options, dict):  # continuous usage goes on as the client asked it
+        out["stream_options"] = options
     out["stream"] = True
     out["return_token_ids"] = True
     return out

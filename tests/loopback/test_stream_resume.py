@@ -297,3 +297,16 @@ async def test_after_a_retry_the_continuation_speaks_as_the_attempt_the_client_s
         ("d0", None, None),
     ]
     await finish(h)
+
+
+async def test_continuous_usage_counts_on_across_the_resume(nursery: trio.Nursery) -> None:
+    h = await _fleet(nursery)
+    h.engines[FIRST].faults.push(BREAKS["closed"])
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    path, body = _body(False, stream_options=options)
+    text, chunks = _read(await post_raw(h, path, body), chat=False)
+    assert text == _expected(body, False)
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == list(range(1, ASKED + 1))
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {gen.prompt_of(body, False)[1]}
+    await finish(h)

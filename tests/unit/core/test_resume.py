@@ -73,7 +73,8 @@ def test_a_continuation_asks_for_exactly_what_is_left(
     assert out["stream"] is True
     assert out["return_token_ids"] is True
     kept = set(out) - {"model", "prompt", "max_tokens", "min_tokens", "stream"}
-    assert kept - {"return_token_ids"} <= set(SAMPLING)
+    assert kept - {"return_token_ids", "stream_options"} <= set(SAMPLING)
+    assert out["stream_options"] == {"include_usage": True}  # as the client asked
     assert (out["temperature"], out["stop"]) == (0, ["\n"])
 
 

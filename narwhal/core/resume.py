@@ -23,8 +23,10 @@ from narwhal.core.faults import RequestFault
 from narwhal.core.retry import RetryBudget
 
 ENDPOINT = "/v1/completions"  # a continuation's: its prompt is token ids
+# a completion request's output limit when it names none (OpenAI's and vLLM's default)
+COMPLETIONS_MAX_TOKENS = 16
 # what follows a stream's failure after output, with resume on (the metrics' labels)
-OUTCOMES = ("resumed", "refused", "completed", "failed")
+OUTCOMES = ("resumed", "refused", "completed", "failed", "cancelled")
 # sampling fields a continuation keeps as the client sent them; anything else (messages,
 # tools, stream options, the prompt's own shape) belongs to the original request only
 SAMPLING = (
@@ -62,17 +64,35 @@ _GUIDED = (
 
 def refusal(body: Mapping[str, Any], *, chat: bool) -> str | None:
     """Why a stream of this request may not be resumed (None: it may be)."""
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+    choice = body.get("tool_choice")
+    if choice not in (None, "none") or (body.get("tools") and choice != "none"):
         return "tool calls"
     for field in _GUIDED:
-        if body.get(field) is not None:
+        value = body.get(field)
+        if value is not None and value != {"type": "text"}:  # plain text constrains nothing
             return "guided decoding"
     logprobs = body.get("logprobs")
     if (logprobs is not None and logprobs is not False) or body.get("top_logprobs"):
         return "logprobs"
     if not chat and body.get("echo"):
         return "echo"
-    return None  # a fan-out's children are asked one by one: each resumes on its own
+    if _held_back(body.get("stop")):
+        return "stop strings"
+    if chat and limit(body, chat=True) is None:
+        # its limit is the context's end, which a continuation cannot be given: vLLM
+        # reads a null as 16 and refuses a limit past its max_model_len
+        return "no output limit"
+    return None
+
+
+def _held_back(stop: Any) -> bool:
+    """Whether vLLM holds back streamed text for a stop string: the longest one's length
+    less one character, whose tokens' ids it reports already; what a failed stream held
+    back would be lost to a continuation, which starts after those ids."""
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    return any(
+        isinstance(s, str) and len(s) > 1 for s in stops
+    )  # a fan-out's children are asked one by one: each resumes on its own
 
 
 def limit(body: Mapping[str, Any], *, chat: bool) -> int | None:
@@ -91,16 +111,22 @@ def continuation(
 ) -> dict[str, Any]:
     """The ``/v1/completions`` body that continues a stream after ``sent_ids``: the prompt's
     ids and the sent ones as the prompt, what is left of the output limits, the same
-    sampling fields. Raises ValueError when nothing is left to generate."""
+    sampling fields. Raises ValueError when nothing is left to generate, and for a chat
+    without a limit: vLLM reads a null as 16 and refuses one past its context, which the
+    router does not know (the chat's own limit was the context's end)."""
     out: dict[str, Any] = {k: body[k] for k in SAMPLING if k in body}
     out["model"] = body.get("model")
     out["prompt"] = [*prompt_ids, *sent_ids]
     asked = limit(body, chat=chat)
+    if asked is None and not chat:
+        asked = COMPLETIONS_MAX_TOKENS  # what the engine applied to the client's request
     if asked is not None:
         left = asked - len(sent_ids)
         if left < 1:
-            raise ValueError(f"the output limit ({asked}) was reached: nothing to resume")
+            raise ValueError("output limit reached")
         out["max_tokens"] = left
+    else:  # ``refusal`` says so first
+        raise ValueError("no output limit")
     min_tokens = body.get("min_tokens")
     if type(min_tokens) is int and min_tokens > len(sent_ids):
         out["min_tokens"] = min_tokens - len(sent_ids)

@@ -283,6 +283,7 @@ class RequestRun(RunRecord):
             self._kept = Kept()
         self._continuation: dict[str, Any] | None = None  # a resume's /v1/completions body
         self._resumes = 0
+        self._resume_counted = False  # how the resumed stream ended is counted
         self._collector: Assembler | None = None  # a JSON answer, across a resume
         self._path: TokenPath | None = None  # the running decode leg's
         self._last_output_at: float | None = None  # the client's last token, so far
@@ -297,6 +298,12 @@ class RequestRun(RunRecord):
 
     async def execute(self) -> None:
         """Run attempts until one succeeds or a fault may not be retried (then it is raised)."""
+        try:
+            await self._attempts()
+        finally:  # a resumed stream whose client left (or the deadline) is counted too
+            self._resumed_stream_ended("cancelled")
+
+    async def _attempts(self) -> None:
         metrics = self.router.metrics
         while True:
             metrics.attempts.inc()
@@ -342,10 +349,10 @@ class RequestRun(RunRecord):
         try:
             assert kept.prompt_ids is not None  # kept.refusal() says so
             body = resume.continuation(
-                self.req.body, chat=self.req.chat, prompt_ids=kept.prompt_ids, sent_ids=kept.ids
+                self.req.body, chat=self.req.chat, prompt_ids=kept.prompt_ids, sent_ids=kept.sent()
             )
-        except ValueError:
-            return "output limit reached"
+        except ValueError as exc:  # the limit was reached, or there is none to give
+            return str(exc)
         if not self._other_consumer():
             return "no other consumer"
         reason = resume.after(
@@ -365,7 +372,9 @@ class RequestRun(RunRecord):
         return any(engine.id not in self.failed_engines for engine in candidates)
 
     def _resumed_stream_ended(self, outcome: str) -> None:
-        if self._resumes:
+        """How a resumed stream ended, counted once."""
+        if self._resumes and not self._resume_counted:
+            self._resume_counted = True
             self.router.metrics.resumes_of(outcome).inc()
 
     def _told(self, fault: RequestFault) -> RetryDecision:

@@ -16,7 +16,6 @@ the client, the failed attempts' included.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
@@ -24,32 +23,48 @@ import msgspec
 from narwhal.stream.events import Chunk
 
 _encode = msgspec.json.Encoder().encode
-# a JSON key can only start at an unescaped quote, which no string value holds: the ids
-# list (integers only) is found by its key without parsing the chunk again
-_IDS = re.compile(rb'"(prompt_token_ids|token_ids)"\s*:\s*\[[^\]]*\]')
 _COMPACT = b'token_ids":['  # the key's end: prompt_token_ids too
 _KEY_STARTS = (b'"', b'"prompt_')
 _NULL = b'token_ids":null'
+_ID_BYTES = frozenset(b"0123456789,- ")
+_decode = msgspec.json.Decoder().decode
 
 
 def without_ids(payload: bytes, chunk: Chunk | None = None) -> bytes:
     """The chunk as vLLM sends it when ``return_token_ids`` was not asked: its id lists
     ``null`` (``chunk``, its parsed form, is not needed: a ``Rewrite``'s signature).
-    vLLM's compact JSON is spliced by ``bytes.find``; other spacing goes by the regex."""
+    vLLM's compact lists of integers are spliced by ``bytes.find`` (a key can only start
+    at an unescaped quote, which no string value holds); anything else is decoded and
+    encoded again."""
     at = payload.find(_COMPACT)
     while at >= 0:
         end = payload.find(b"]", at)
-        if end < 0 or not payload.endswith(_KEY_STARTS, 0, at):
-            break
+        if (
+            end < 0
+            or not payload.endswith(_KEY_STARTS, 0, at)
+            or not _ID_BYTES.issuperset(payload[at + len(_COMPACT) : end])
+        ):
+            return _nulled(payload)
         payload = payload[:at] + _NULL + payload[end + 1 :]
         at = payload.find(_COMPACT, at)
-    if payload.count(b'token_ids"') > payload.count(_NULL):  # a list the splice did not take
-        return _IDS.sub(_null, payload)
+    if payload.count(b'token_ids"') > payload.count(_NULL):  # spaced, or not a list
+        return _nulled(payload)
     return payload
 
 
-def _null(match: re.Match[bytes]) -> bytes:
-    return b'"' + match[1] + b'":null'
+def _nulled(payload: bytes) -> bytes:
+    """The slow way: the chunk decoded, its id lists made null, encoded again."""
+    try:
+        chunk = _decode(payload)
+    except msgspec.DecodeError:
+        return payload  # not JSON: the relay rules have refused it already
+    if not isinstance(chunk, dict):
+        return payload
+    for holder in [chunk, *(c for c in chunk.get("choices") or () if isinstance(c, dict))]:
+        for key in ("prompt_token_ids", "token_ids"):
+            if key in holder:
+                holder[key] = None
+    return _encode(chunk)
 
 
 def _int_list(value: Any) -> list[int] | None:
@@ -60,36 +75,62 @@ def _int_list(value: Any) -> list[int] | None:
 
 class Kept:
     """One client stream's ids and head, across its attempts. ``lost``: a token came
-    without its ids (an engine that does not report them): the stream cannot continue."""
+    without its ids (an engine that does not report them), or several choices in one
+    stream: the stream cannot continue. ``held``: the last ids came in chunks with no
+    text (the detokenizer holds back an incomplete character): the client has not seen
+    them, and a continuation generates them again."""
 
-    __slots__ = ("created", "id", "ids", "lost", "model", "prompt_ids", "reasoning")
+    __slots__ = (
+        "created",
+        "finished",
+        "held",
+        "id",
+        "ids",
+        "index",
+        "lost",
+        "model",
+        "prompt_ids",
+        "reasoning",
+    )
 
     def __init__(self) -> None:
         self.prompt_ids: list[int] | None = None
         self.ids: list[int] = []  # every generated id the client was sent, in order
+        self.held = 0
         self.id: str | None = None
         self.created: int | None = None
         self.model: str | None = None
+        self.index: int | None = None  # the stream's choice
         self.lost = False
         self.reasoning = False  # a reasoning or tool-call delta went out
+        self.finished = False  # its choice has its finish reason: nothing to continue
 
     def observe(self, chunk: Chunk) -> None:
-        """One relayed chunk (each chunk of a stream carries a single choice)."""
+        """One relayed chunk (a decode leg's stream carries a single choice)."""
         if self.id is None and chunk.id is not None:
             self.id, self.created, self.model = chunk.id, chunk.created, chunk.model
         if self.prompt_ids is None:
             self._prompt_ids(chunk)
         for choice in chunk.choices:
-            ids = choice.token_ids
-            if type(ids) is list:  # its items are checked once, at a resume (``refusal``)
-                self.ids += ids
-            elif choice.is_output() and choice.finish_reason is None:
+            if self.index is None:
+                self.index = choice.index
+            elif choice.index != self.index:
                 self.lost = True
-            delta = choice.delta
-            if delta is not None and (
-                delta.reasoning_content or delta.reasoning or delta.tool_calls
-            ):
-                self.reasoning = True
+            self._choice(choice)
+
+    def _choice(self, choice: Any) -> None:
+        ids = choice.token_ids
+        delta = choice.delta
+        text = choice.text if delta is None else delta.content
+        if type(ids) is list:  # its items are checked once, at a resume (``refusal``)
+            self.ids += ids
+            self.held = 0 if text else self.held + len(ids)
+        elif choice.is_output() and choice.finish_reason is None:
+            self.lost = True
+        if choice.finish_reason is not None:
+            self.finished = True
+        if delta is not None and (delta.reasoning_content or delta.reasoning or delta.tool_calls):
+            self.reasoning = True
 
     def _prompt_ids(self, chunk: Chunk) -> None:
         ids = _int_list(chunk.prompt_token_ids)
@@ -100,11 +141,21 @@ class Kept:
 
     def refusal(self) -> str | None:
         """Why what was kept cannot continue the stream (None: it can)."""
+        if self.finished:
+            return "stream finished"
         if self.reasoning:
             return "reasoning sent"
         if self.lost or not self.prompt_ids or _int_list(self.ids) is None:
             return "token ids not reported"
         return None
+
+    def sent(self) -> list[int]:
+        """The ids whose text the client has: a continuation starts after them (the ids
+        held back without text are generated again)."""
+        if self.held:
+            del self.ids[len(self.ids) - self.held :]
+            self.held = 0
+        return self.ids
 
 
 class Reframer:
@@ -132,7 +183,8 @@ class Reframer:
             text = choice.text or ""
             if self._chat and not text and choice.finish_reason is None:
                 continue
-            choices.append(self._choice(choice.index, text, choice))
+            index = choice.index if self._kept.index is None else self._kept.index
+            choices.append(self._choice(index, text, choice))
         if chunk.choices and not choices:
             return None
         out: dict[str, Any] = {

@@ -310,3 +310,94 @@ async def test_continuous_usage_counts_on_across_the_resume(nursery: trio.Nurser
     assert counts == list(range(1, ASKED + 1))
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {gen.prompt_of(body, False)[1]}
     await finish(h)
+
+
+def _sse(chunk: dict[str, Any]) -> list[Any]:
+    return ["write", b"data: " + msgspec.json.encode(chunk) + b"\n\n"]
+
+
+async def test_a_stream_that_broke_after_its_finish_is_not_continued(
+    nursery: trio.Nursery,
+) -> None:
+    """The choice had its finish reason: a continuation would generate past the end."""
+    h = await _fleet(nursery)
+    head = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": MODEL}
+    first = {"index": 0, "text": " a", "prompt_token_ids": [1, 2], "token_ids": [101]}
+    last = {"index": 0, "text": " b", "token_ids": [102], "finish_reason": "stop"}
+    steps = [
+        ["headers", None],
+        _sse({**head, "choices": [first]}),
+        _sse({**head, "choices": [last]}),
+        ["close", None],
+    ]
+    h.engines[FIRST].faults.push(Fault(kind="script", value=steps, leg="decode"))
+    reply = await post_raw(h, *_body(False))
+    assert b'"error"' in reply.events()[-1]  # the terminal event, as without resume
+    assert [a.resume for a in (await _line(h)).attempts] == ["stream finished"]
+    await finish(h)
+
+
+async def test_a_completion_without_a_limit_keeps_the_default_one(nursery: trio.Nursery) -> None:
+    """No max_tokens: a completion's default limit (16) holds across the resume."""
+    h = await _fleet(nursery)
+    h.engines[FIRST].faults.push(BREAKS["closed"])
+    path, body = _body(False, stream_options={"include_usage": True})
+    del body["max_tokens"]
+    text, chunks = _read(await post_raw(h, path, body), chat=False)
+    assert text == gen.generate(PROMPT, 16)
+    [usage] = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage["completion_tokens"] == 16
+    await finish(h)
+
+
+async def test_a_chat_without_a_limit_is_not_continued(nursery: trio.Nursery) -> None:
+    """Its limit is the context's end, which a continuation cannot be given exactly."""
+    h = await _fleet(nursery)
+    h.engines[FIRST].faults.push(BREAKS["closed"])
+    path, body = _body(True)
+    del body["max_tokens"]
+    reply = await post_raw(h, path, body)
+    assert b'"error"' in reply.events()[-1]
+    assert [a.resume for a in (await _line(h)).attempts] == ["no output limit"]
+    assert "return_token_ids" not in h.engines[FIRST].log[-1]["body"]  # nothing kept
+    await finish(h)
+
+
+async def test_stop_strings_the_engine_holds_text_back_for_are_not_continued(
+    nursery: trio.Nursery,
+) -> None:
+    """vLLM holds back the text of a stop string's length less one while it reports the
+    tokens' ids: what it held would be lost, so the stream ends as without resume."""
+    h = await _fleet(nursery)
+    h.engines[FIRST].faults.push(BREAKS["closed"])
+    reply = await post_raw(h, *_body(False, stop=["@@never"]))
+    assert b'"error"' in reply.events()[-1]
+    assert [a.resume for a in (await _line(h)).attempts] == ["stop strings"]
+    h.engines[FIRST].faults.push(BREAKS["closed"])  # one character holds nothing back
+    path, body = _body(False, stop=["@"])
+    text, _ = _read(await post_raw(h, path, body), chat=False)
+    assert text == _expected(body, False)
+    await finish(h)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_ids_whose_text_was_held_back_are_generated_again(
+    nursery: trio.Nursery, chat: bool
+) -> None:
+    """The engine holds a token's text back (an incomplete character: its ids come with no
+    text) and fails: the continuation starts before it, and its text is not lost."""
+    h = await start_fleet(
+        nursery,
+        ROLES,
+        engine_config={"chunk_tokens": (1, 0)},  # every second token's text waits
+        serving=ServingConfig(graceful_timeout_s=0.5, request_timeout_s=20.0),
+        recovery=RecoveryConfig(resume_streams=1),
+    )
+    h.engines[FIRST].faults.push(Fault(kind="tokens_then_close", tokens=4, leg="decode"))
+    path, body = _body(chat)
+    text, _ = _read(await post_raw(h, path, body), chat)
+    assert text == _expected(body, chat)
+    first, second = (await _line(h)).attempts
+    assert first.resume == "resumed"
+    assert second.resumed_at_token == 3  # the fourth token's text had not come
+    await finish(h)

@@ -63,7 +63,7 @@ def test_a_continuation_asks_for_exactly_what_is_left(
         "stream_options": {"include_usage": True},
     }
     if asked <= len(sent):
-        with pytest.raises(ValueError, match="nothing to resume"):
+        with pytest.raises(ValueError, match="output limit reached"):
             continuation(body, chat=chat, prompt_ids=prompt, sent_ids=sent)
         return
     out = continuation(body, chat=chat, prompt_ids=prompt, sent_ids=sent)
@@ -105,3 +105,34 @@ def test_when_a_failed_stream_continues() -> None:
     for _ in range(3):
         assert empty.spend()
     assert _after(broken, budget=empty) == "budget"
+
+
+LIMIT = {"max_tokens": 64}
+
+
+def test_stop_strings_longer_than_a_character_are_refused() -> None:
+    assert refusal({"stop": ["ab"]}, chat=True) == "stop strings"
+    assert refusal({"stop": "ab"}, chat=False) == "stop strings"
+    assert refusal({"stop": ["a", "\n"], "stop_token_ids": [7], **LIMIT}, chat=True) is None
+
+
+def test_what_constrains_nothing_is_not_refused() -> None:
+    assert refusal({"response_format": {"type": "text"}, **LIMIT}, chat=True) is None
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert refusal({"tools": tools, "tool_choice": "none", **LIMIT}, chat=True) is None
+    assert refusal({"tools": tools}, chat=True) == "tool calls"  # "auto" by default
+
+
+def test_a_chat_without_an_output_limit_is_refused() -> None:
+    """Its limit was the context's end: vLLM reads a continuation's null as 16 and refuses
+    one past its max_model_len, which the router does not know."""
+    assert refusal({"messages": []}, chat=True) == "no output limit"
+    assert refusal({"messages": [], "max_completion_tokens": 9}, chat=True) is None
+    assert refusal({"prompt": "x"}, chat=False) is None  # a completion's default is 16
+
+
+def test_a_continuation_keeps_the_limit_the_engine_applied() -> None:
+    completion = continuation({"prompt": "x"}, chat=False, prompt_ids=[1], sent_ids=[2, 3])
+    assert completion["max_tokens"] == 14  # vLLM's default of 16, less the two sent
+    with pytest.raises(ValueError, match="no output limit"):
+        continuation({"messages": []}, chat=True, prompt_ids=[1], sent_ids=[2, 3])

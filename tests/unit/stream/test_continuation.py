@@ -205,24 +205,23 @@ def test_what_cannot_continue() -> None:
     assert unreported.refusal() == "token ids not reported"
 
 
-@given(
-    st.dictionaries(
-        st.text(max_size=12),
-        st.recursive(
-            st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-            lambda inner: (
-                st.lists(inner, max_size=3)
-                | st.dictionaries(st.text(max_size=8), inner, max_size=3)
-            ),
-            max_leaves=8,
-        ),
-        max_size=5,
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
     ),
-    st.lists(st.integers(min_value=0, max_value=2**31), max_size=5),
+    max_leaves=8,
+)
+
+
+@given(
+    st.dictionaries(st.text(max_size=12), JSON, max_size=5),
+    # vLLM's lists of ids, or whatever a hostile engine puts there
+    st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=5) | JSON,
     st.booleans(),
 )
 def test_ids_are_put_back_to_null_and_nothing_else_moves(
-    other: dict[str, Any], ids: list[int], spaced: bool
+    other: dict[str, Any], ids: Any, spaced: bool
 ) -> None:
     """Whatever else a chunk holds (a text that spells the key included), only the id
     lists become null."""
@@ -239,3 +238,39 @@ def test_ids_are_put_back_to_null_and_nothing_else_moves(
     chunk["choices"][0]["token_ids"] = None
     chunk["prompt_token_ids"] = None
     assert stripped == chunk
+
+
+def test_what_a_hostile_engine_puts_in_the_ids_does_not_break_the_chunk() -> None:
+    for ids in (b"[[1,2],[3]]", b'[1,"a]b",2]', b'{"a":1}'):
+        payload = b'{"choices":[{"text":"x","token_ids":' + ids + b'}],"prompt_token_ids":[1]}'
+        assert msgspec.json.decode(without_ids(payload)) == {
+            "choices": [{"text": "x", "token_ids": None}],
+            "prompt_token_ids": None,
+        }
+
+
+def test_ids_held_back_without_their_text_are_not_counted_as_sent() -> None:
+    kept = Kept()
+    chunks = [
+        {
+            **head(False),
+            "choices": [{"index": 0, "text": " a", "token_ids": [1], "prompt_token_ids": [9]}],
+        },
+        {**head(False), "choices": [{"index": 0, "text": "", "token_ids": [2, 3]}]},
+    ]
+    relay_out(StreamRelay(kept=kept), [sse([_encode(c) for c in chunks], False)])
+    assert kept.sent() == [1]  # 2 and 3 are generated again
+    assert kept.refusal() is None
+
+
+def test_a_finished_choice_is_not_continued() -> None:
+    kept = Kept()
+    done = {
+        "index": 0,
+        "text": " a",
+        "token_ids": [1],
+        "prompt_token_ids": [9],
+        "finish_reason": "stop",
+    }
+    relay_out(StreamRelay(kept=kept), [sse([_encode({**head(False), "choices": [done]})], False)])
+    assert kept.refusal() == "stream finished"

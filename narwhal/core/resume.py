@@ -11,7 +11,9 @@ What cannot continue that way keeps the terminal event: a tool call or a forced 
 choice (the parser's state is lost with the stream), guided decoding and
 ``response_format`` (the grammar's state too: Dynamo refuses those after corrupted JSON),
 ``logprobs`` (the continuation's would describe another prompt), ``echo`` (its prompt side
-was already sent), and a reasoning delta already sent (the reasoning parser's state).
+was already sent), a reasoning delta already sent (the reasoning parser's state), stop
+strings that hold text back (the held text would be lost), and a chat without an output
+limit (its limit, the context's end, cannot be handed to a continuation).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def refusal(body: Mapping[str, Any], *, chat: bool) -> str | None:
         # its limit is the context's end, which a continuation cannot be given: vLLM
         # reads a null as 16 and refuses a limit past its max_model_len
         return "no output limit"
-    return None
+    return None  # a fan-out's children are asked one by one: each resumes on its own
 
 
 def _held_back(stop: Any) -> bool:
@@ -90,9 +92,7 @@ def _held_back(stop: Any) -> bool:
     less one character, whose tokens' ids it reports already; what a failed stream held
     back would be lost to a continuation, which starts after those ids."""
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-    return any(
-        isinstance(s, str) and len(s) > 1 for s in stops
-    )  # a fan-out's children are asked one by one: each resumes on its own
+    return any(isinstance(s, str) and len(s) > 1 for s in stops)
 
 
 def limit(body: Mapping[str, Any], *, chat: bool) -> int | None:

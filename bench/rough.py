@@ -123,6 +123,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--profile", help="write a py-spy collapsed profile of the router here")
+    parser.add_argument(
+        "--resume-streams",
+        type=int,
+        default=0,
+        help="[recovery] resume_streams: > 0 measures what keeping the token ids costs",
+    )
     args = parser.parse_args()
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -134,6 +140,7 @@ def main() -> int:
             fleet.write_text(
                 f'model = "fake-model"\n[[engines]]\nid = "p0"\nurl = "{p_url}"\nrole = "prefill"\n'
                 f'[[engines]]\nid = "d0"\nurl = "{d_url}"\nrole = "decode"\n'
+                f"[recovery]\nresume_streams = {args.resume_streams}\n"
             )
             router, url = start("serve", "--config", str(fleet), "--port", "0")
             procs.append(router)

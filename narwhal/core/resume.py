@@ -12,14 +12,17 @@ choice (the parser's state is lost with the stream), guided decoding and
 ``response_format`` (the grammar's state too: Dynamo refuses those after corrupted JSON),
 ``logprobs`` (the continuation's would describe another prompt), ``echo`` (its prompt side
 was already sent), a reasoning delta already sent (the reasoning parser's state), stop
-strings that hold text back (the held text would be lost), and a chat without an output
-limit (its limit, the context's end, cannot be handed to a continuation).
+strings that hold text back (the held text would be lost). A chat without an output
+limit was bounded by its context's end: its continuation asks the consumer's
+``max_model_len`` (``/v1/models``) and is bounded there too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import msgspec
 
 from narwhal.core.faults import RequestFault
 from narwhal.core.retry import RetryBudget
@@ -80,10 +83,6 @@ def refusal(body: Mapping[str, Any], *, chat: bool) -> str | None:
         return "echo"
     if _held_back(body.get("stop")):
         return "stop strings"
-    if chat and limit(body, chat=True) is None:
-        # its limit is the context's end, which a continuation cannot be given: vLLM
-        # reads a null as 16 and refuses a limit past its max_model_len
-        return "no output limit"
     return None  # a fan-out's children are asked one by one: each resumes on its own
 
 
@@ -125,8 +124,7 @@ def continuation(
         if left < 1:
             raise ValueError("output limit reached")
         out["max_tokens"] = left
-    else:  # ``refusal`` says so first
-        raise ValueError("no output limit")
+    # else a chat without a limit: its limit is the context's end (``to_context_end``)
     min_tokens = body.get("min_tokens")
     if type(min_tokens) is int and min_tokens > len(sent_ids):
         out["min_tokens"] = min_tokens - len(sent_ids)
@@ -136,6 +134,42 @@ def continuation(
     out["stream"] = True
     out["return_token_ids"] = True
     return out
+
+
+def needs_context(body: Mapping[str, Any]) -> bool:
+    """Whether a continuation still needs its limit from its engine's context length."""
+    return "max_tokens" not in body
+
+
+def to_context_end(body: dict[str, Any], context: int) -> None:
+    """A chat without a limit was bounded by the context's end, and so is its continuation:
+    vLLM reads a null ``max_tokens`` as 16, and refuses a prompt and limit longer than its
+    ``max_model_len``. Raises ValueError when the context is full."""
+    left = context - len(body["prompt"])
+    if left < 1:
+        raise ValueError("output limit reached")
+    body["max_tokens"] = left
+
+
+class _Card(msgspec.Struct):
+    id: str = ""
+    max_model_len: int | None = None
+
+
+class _Models(msgspec.Struct):
+    data: list[_Card] = []
+
+
+def context_of(models: bytes, model: str) -> int | None:
+    """The context length ``/v1/models`` gives for ``model`` (None: not given)."""
+    try:
+        cards = msgspec.json.decode(models, type=_Models).data
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    for card in cards:
+        if card.id == model and card.max_model_len is not None and card.max_model_len > 0:
+            return card.max_model_len
+    return None
 
 
 def after(

@@ -103,6 +103,9 @@ class Ask:
     include_usage: bool = False
     continuous_usage: bool = False
     return_token_ids: bool = False
+    # no limit (a chat without one, or one at the context's end): the script ends at the
+    # default length after the original prompt, as a model stops at its end of sequence
+    unlimited: bool = False
 
     @property
     def plain(self) -> bool:
@@ -127,7 +130,10 @@ class Ask:
         return j or None
 
 
-def ask_of(body: dict[str, Any], chat: bool, default_max_tokens: int) -> Ask:
+def ask_of(
+    body: dict[str, Any], chat: bool, default_max_tokens: int, context: int = 1 << 62
+) -> Ask:
+    """``context``: the engine's max_model_len; a limit that reaches its end is none."""
     limit = body.get("max_completion_tokens") if chat else None
     count = limit or body.get("max_tokens") or default_max_tokens
     temperature = body.get("temperature")
@@ -140,10 +146,12 @@ def ask_of(body: dict[str, Any], chat: bool, default_max_tokens: int) -> Ask:
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
+    prompts = tuple(prompts_of(body, chat))
+    to_end = type(count) is int and prompts[0].count + count >= context
     return Ask(
         chat=chat,
-        prompts=tuple(prompts_of(body, chat)),
-        max_tokens=count if type(count) is int else default_max_tokens,
+        prompts=prompts,
+        max_tokens=count if type(count) is int and not to_end else default_max_tokens,
         n=n if type(n) is int and n > 1 else 1,
         greedy=isinstance(temperature, int | float) and temperature < GREEDY_BELOW,
         seed=seed if type(seed) is int else None,
@@ -156,6 +164,7 @@ def ask_of(body: dict[str, Any], chat: bool, default_max_tokens: int) -> Ask:
         include_usage=usage,
         continuous_usage=usage and options.get("continuous_usage_stats") is True,
         return_token_ids=body.get("return_token_ids") is True,
+        unlimited=to_end or (chat and not limit and body.get("max_tokens") is None),
     )
 
 
@@ -271,7 +280,7 @@ def sample(ask: Ask, prompt: Prompt, key: int | None, index: int) -> Sample:
         tokens = [piece_token(p) for p in pieces(text)]
         ended = len(tokens) <= ask.max_tokens  # the JSON is whole: the model stops (EOS)
         return _text_sample(ask, prompt, tokens[: ask.max_tokens], index, ended)
-    ids = gen.token_ids(prompt.ids, ask.max_tokens, key)
+    ids = gen.reply_ids(prompt.ids, ask.max_tokens, key, unlimited=ask.unlimited)
     return _text_sample(ask, prompt, [vocab_token(i) for i in ids], index, False)
 
 

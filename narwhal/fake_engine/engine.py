@@ -576,7 +576,7 @@ class FakeEngine:
         produce = leg == "prefill" and not stream and cfg.role != "decode"
         if produce:
             self.counters["prefill"] += 1
-        ask = answers.ask_of(body, chat, cfg.default_max_tokens)
+        ask = answers.ask_of(body, chat, cfg.default_max_tokens, cfg.max_model_len)
         # a decode's reply joins the prefix cache once it is whole (vLLM caches the output)
         remember = leg == "decode" and self.prefix_cache.enabled
         if stream:
@@ -612,7 +612,7 @@ class FakeEngine:
             replies = [(c.prompt.text, c.text) for c in choices]
             return answers.stream_plan(ask, shapes, choices), replies
         [prompt] = ask.prompts
-        ids = gen.token_ids(prompt.ids, ask.max_tokens, ask.key(0))
+        ids = gen.reply_ids(prompt.ids, ask.max_tokens, ask.key(0), unlimited=ask.unlimited)
         plan = answers.plain_plan(
             ask,
             shapes,

@@ -72,10 +72,11 @@ class Script:
     congruential generator whose state is a pure function of the prompt's token ids (and
     of a sample's key: its seed, see ``answers.Ask.key``)."""
 
-    __slots__ = ("state",)
+    __slots__ = ("said", "state")
 
-    def __init__(self, state: int) -> None:
+    def __init__(self, state: int, said: int = 0) -> None:
         self.state = state
+        self.said = said  # its own words the prompt already ends with (a continuation's)
 
     def take(self, count: int) -> list[int]:
         """The next ``count`` words (VOCAB indices); the script moves on past them."""
@@ -100,7 +101,7 @@ def script(prompt: str | Sequence[int], key: int | None = None) -> Script:
     for split in range(start, len(ids)):
         state = _follows(_seeded(crc, key), ids, split)
         if state is not None:
-            return Script(state)
+            return Script(state, len(ids) - split)
         crc = zlib.crc32(_GENERATED_BYTES[ids[split] - GENERATED_ID], crc)
     return Script(_seeded(crc, key))  # crc now hashes every id: a plain prompt
 
@@ -108,6 +109,16 @@ def script(prompt: str | Sequence[int], key: int | None = None) -> Script:
 def token_ids(prompt: str | Sequence[int], count: int, key: int | None = None) -> list[int]:
     """``count`` token indices into VOCAB, a pure function of the prompt (see ``script``)."""
     return script(prompt, key).take(count)
+
+
+def reply_ids(
+    prompt: str | Sequence[int], count: int, key: int | None, *, unlimited: bool
+) -> list[int]:
+    """What a request generates: ``count`` words; with no limit (``unlimited``) the
+    script's own end, ``count`` words after the original prompt, as a model stops at its
+    end of sequence: a continuation of it ends there too."""
+    said = script(prompt, key)
+    return said.take(max(0, count - said.said) if unlimited else count)
 
 
 def generate(prompt: str | Sequence[int], count: int) -> str:

@@ -350,16 +350,18 @@ async def test_a_completion_without_a_limit_keeps_the_default_one(nursery: trio.
     await finish(h)
 
 
-async def test_a_chat_without_a_limit_is_not_continued(nursery: trio.Nursery) -> None:
-    """Its limit is the context's end, which a continuation cannot be given exactly."""
+async def test_a_chat_without_a_limit_goes_on_to_the_context_end(nursery: trio.Nursery) -> None:
+    """Its limit is the context's end: the continuation's is the consumer's context length
+    less its prompt (from /v1/models), and the text ends where the unbroken one does."""
     h = await _fleet(nursery)
     h.engines[FIRST].faults.push(BREAKS["closed"])
     path, body = _body(True)
     del body["max_tokens"]
-    reply = await post_raw(h, path, body)
-    assert b'"error"' in reply.events()[-1]
-    assert [a.resume for a in (await _line(h)).attempts] == ["no output limit"]
-    assert "return_token_ids" not in h.engines[FIRST].log[-1]["body"]  # nothing kept
+    text, _ = _read(await post_raw(h, path, body), chat=True)
+    assert text == gen.generate(gen.prompt_of(body, True)[0], 16)  # the fake's default
+    continued = h.engines["d0"].log[-1]["body"]
+    assert len(continued["prompt"]) + continued["max_tokens"] == 32768  # its max_model_len
+    assert (await _line(h)).tokens == 16
     await finish(h)
 
 

@@ -16,7 +16,15 @@ from narwhal.core.faults import (
     SilenceTimeout,
     StreamBroken,
 )
-from narwhal.core.resume import SAMPLING, after, continuation, refusal
+from narwhal.core.resume import (
+    SAMPLING,
+    after,
+    context_of,
+    continuation,
+    needs_context,
+    refusal,
+    to_context_end,
+)
 from narwhal.core.retry import RetryBudget
 
 ids = st.lists(st.integers(min_value=0, max_value=2**20), max_size=50)
@@ -123,16 +131,30 @@ def test_what_constrains_nothing_is_not_refused() -> None:
     assert refusal({"tools": tools}, chat=True) == "tool calls"  # "auto" by default
 
 
-def test_a_chat_without_an_output_limit_is_refused() -> None:
+def test_a_chat_without_an_output_limit_is_bounded_by_the_context_end() -> None:
     """Its limit was the context's end: vLLM reads a continuation's null as 16 and refuses
-    one past its max_model_len, which the router does not know."""
-    assert refusal({"messages": []}, chat=True) == "no output limit"
-    assert refusal({"messages": [], "max_completion_tokens": 9}, chat=True) is None
-    assert refusal({"prompt": "x"}, chat=False) is None  # a completion's default is 16
+    a prompt and limit past its max_model_len, so the continuation's is exactly that."""
+    body = continuation({"messages": []}, chat=True, prompt_ids=[1, 2], sent_ids=[3])
+    assert needs_context(body)
+    to_context_end(body, 10)
+    assert body["max_tokens"] == 7  # 10 less the prompt's 2 and the 1 sent
+    assert not needs_context(body)
+    with pytest.raises(ValueError, match="output limit reached"):
+        to_context_end(continuation({}, chat=True, prompt_ids=[1], sent_ids=[2]), 2)
+
+
+def test_the_context_length_is_read_from_the_models_list() -> None:
+    models = (
+        b'{"object":"list","data":[{"id":"a","max_model_len":9},{"id":"m","max_model_len":512}]}'
+    )
+    assert context_of(models, "m") == 512
+    assert context_of(models, "x") is None
+    assert context_of(b'{"data":[{"id":"m"}]}', "m") is None
+    assert context_of(b"garbage", "m") is None
 
 
 def test_a_continuation_keeps_the_limit_the_engine_applied() -> None:
     completion = continuation({"prompt": "x"}, chat=False, prompt_ids=[1], sent_ids=[2, 3])
     assert completion["max_tokens"] == 14  # vLLM's default of 16, less the two sent
-    with pytest.raises(ValueError, match="no output limit"):
-        continuation({"messages": []}, chat=True, prompt_ids=[1], sent_ids=[2, 3])
+    chat = continuation({"messages": []}, chat=True, prompt_ids=[1], sent_ids=[2, 3])
+    assert "max_tokens" not in chat  # the context's end: the shell asks the engine

@@ -4,7 +4,8 @@ A second consumer joins the session's pair for this module only, so that a decod
 resumed elsewhere: a router of its own (``resume_streams = 1``, a journal) places prefill on
 p0 (the session's producer) and decode on d0 (the session's consumer) or d1 (started here).
 
-For a greedy 128-token completion and a greedy chat, each:
+For a greedy 128-token completion, a greedy 128-token chat and a greedy chat with no limit
+(bounded by the context's end, as its continuation is), each:
 
 * the reference: the request once, streamed and uninterrupted, through the same router;
 * the same request streamed again; at its first token the router's ``/narwhal/engines``
@@ -13,7 +14,7 @@ For a greedy 128-token completion and a greedy chat, each:
   ``KILL_AT`` text chunks have reached the client that consumer's process group gets
   SIGKILL. The router continues the stream (a prefill of the prompt's ids and the ids sent,
   a decode on the other consumer): the client's text equals the reference exactly, one
-  usage counts the prompt once and all 128 tokens, the stream ends with ``data: [DONE]``,
+  usage counts the prompt once and every token, the stream ends with ``data: [DONE]``,
   no error event, one ``id`` throughout, no token ids the client did not ask for;
 * the journal's line for it (by ``x-request-id``) has two attempts, the first on the
   killed consumer, the second with ``resumed_at_token`` (the ids sent before the failure:
@@ -71,8 +72,11 @@ KILL_AT = 30  # text chunks the client has read when the serving consumer is kil
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3 + "Once upon a time"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a lazy dog and a fox."}]
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "completion": ("/v1/completions", {"prompt": PROMPT}),
-    "chat": ("/v1/chat/completions", {"messages": MESSAGES}),
+    "completion": ("/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS}),
+    "chat": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": TOKENS}),
+    # no limit: bounded by the context's end (the consumer's max_model_len, 512 here), and
+    # its continuation too
+    "chat, no limit": ("/v1/chat/completions", {"messages": MESSAGES}),
 }
 RUNNING = "vllm:num_requests_running"
 
@@ -163,7 +167,6 @@ def body_of(case: str) -> tuple[str, dict[str, Any]]:
     body = {
         "model": MODEL,
         **fields,
-        "max_tokens": TOKENS,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -185,7 +188,8 @@ def reference(router_url: str, case: str) -> tuple[str, dict[str, Any]]:
     assert events[-1].data == "[DONE]", (stream.cut, events[-3:])
     assert not [c for c in chunks if "error" in c], chunks
     usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
-    assert usage["completion_tokens"] == TOKENS, usage
+    assert usage["completion_tokens"] == body.get("max_tokens", usage["completion_tokens"])
+    assert usage["completion_tokens"] > KILL_AT, usage
     return "".join(text_of(c) for c in chunks), usage
 
 
@@ -199,7 +203,8 @@ def test_a_stream_whose_consumer_is_killed_goes_on_elsewhere(
     expected, expected_usage = reference(url, case)
 
     path, body = body_of(case)
-    rid = f"resume-{case}-{secrets.token_hex(4)}"
+    slug = "-".join(case.replace(",", "").split())  # an x-request-id takes no spaces
+    rid = f"resume-{slug}-{secrets.token_hex(4)}"
     stream = SSE(url, path, body, {"x-request-id": rid}, timeout=HANDOFF_S * 2)
     events: list[Event] = []
     killed: str | None = None
@@ -249,7 +254,7 @@ def test_a_stream_whose_consumer_is_killed_goes_on_elsewhere(
     usages = [c["usage"] for c in chunks if c.get("usage")]
     assert len(usages) == 1, usages
     assert usages[0]["prompt_tokens"] == expected_usage["prompt_tokens"], usages
-    assert usages[0]["completion_tokens"] == TOKENS, usages
+    assert usages[0]["completion_tokens"] == expected_usage["completion_tokens"], usages
     assert len({c["id"] for c in chunks}) == 1, "the stream changed its id"
     for c in chunks:  # the router asks the legs for ids; the client did not
         assert not c.get("prompt_token_ids"), c
@@ -264,7 +269,7 @@ def test_a_stream_whose_consumer_is_killed_goes_on_elsewhere(
     assert first["consumer"] == killed, line
     resumed_at = second.get("resumed_at_token")
     assert type(resumed_at) is int, line
-    assert KILL_AT <= resumed_at < TOKENS, line
+    assert KILL_AT <= resumed_at < expected_usage["completion_tokens"], line
     assert second.get("producer") == "p0", line  # the fleet's one producer
     assert second.get("consumer") in consumers, line
     assert second["consumer"] != killed, line

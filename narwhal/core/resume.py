@@ -161,15 +161,16 @@ class _Models(msgspec.Struct):
 
 
 def context_of(models: bytes, model: str) -> int | None:
-    """The context length ``/v1/models`` gives for ``model`` (None: not given)."""
+    """The context length ``/v1/models`` gives for ``model``, or for the one model an
+    engine serves under another name (None: not given)."""
     try:
         cards = msgspec.json.decode(models, type=_Models).data
     except (msgspec.MsgspecError, RecursionError):
         return None
-    for card in cards:
-        if card.id == model and card.max_model_len is not None and card.max_model_len > 0:
-            return card.max_model_len
-    return None
+    sizes = {c.id: c.max_model_len for c in cards if c.max_model_len and c.max_model_len > 0}
+    if model in sizes:
+        return sizes[model]
+    return next(iter(sizes.values())) if len(sizes) == 1 else None
 
 
 def after(

@@ -148,7 +148,8 @@ def test_the_context_length_is_read_from_the_models_list() -> None:
         b'{"object":"list","data":[{"id":"a","max_model_len":9},{"id":"m","max_model_len":512}]}'
     )
     assert context_of(models, "m") == 512
-    assert context_of(models, "x") is None
+    assert context_of(models, "x") is None  # two others: which is unknown
+    assert context_of(b'{"data":[{"id":"alias","max_model_len":64}]}', "m") == 64
     assert context_of(b'{"data":[{"id":"m"}]}', "m") is None
     assert context_of(b"garbage", "m") is None
 

@@ -312,7 +312,7 @@ class Metrics:
             "narwhal_stream_resumes",
             "Streams that failed after output with resume on, by what followed: resumed (a "
             "continuation started), refused (the terminal event: its reason in the "
-            "journal), completed and failed (how a resumed stream ended).",
+            "journal), completed, failed and cancelled (how a resumed stream ended).",
             ("outcome",),
         )
         self.resume_gap = histogram(

@@ -28,7 +28,6 @@ class EngineState:
     __slots__ = (
         "breaker",
         "checked_at",
-        "context",
         "decoding",
         "decoding_at_mark",
         "failed_as",
@@ -47,8 +46,6 @@ class EngineState:
 
     def __init__(self, spec: EngineSpec, recovery: RecoveryConfig) -> None:
         self.spec = spec
-        # its max_model_len, from /v1/models once a stream resume needed it (SPEC 6.4)
-        self.context: int | None = None
         self.inflight: dict[Leg, int] = {"prefill": 0, "decode": 0}
         self.inflight_gauges: dict[Leg, Any] = {}  # Prometheus children, when exported
         self.breaker = Breaker(recovery.eject_after, recovery.failure_quarantine_s)

@@ -14,7 +14,7 @@ choice (the parser's state is lost with the stream), guided decoding and
 was already sent), a reasoning delta already sent (the reasoning parser's state), stop
 strings that hold text back (the held text would be lost). A chat without an output
 limit was bounded by its context's end: its continuation asks the consumer's
-``max_model_len`` (``/v1/models``) and is bounded there too.
+``max_model_len`` (``/v1/models``) and is bounded there too (``within_context``).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def continuation(
         if left < 1:
             raise ValueError("output limit reached")
         out["max_tokens"] = left
-    # else a chat without a limit: its limit is the context's end (``to_context_end``)
+    # else a chat without a limit: its limit is the context's end (``within_context``)
     min_tokens = body.get("min_tokens")
     if type(min_tokens) is int and min_tokens > len(sent_ids):
         out["min_tokens"] = min_tokens - len(sent_ids)
@@ -136,19 +136,22 @@ def continuation(
     return out
 
 
-def needs_context(body: Mapping[str, Any]) -> bool:
-    """Whether a continuation still needs its limit from its engine's context length."""
-    return "max_tokens" not in body
-
-
-def to_context_end(body: dict[str, Any], context: int) -> None:
-    """A chat without a limit was bounded by the context's end, and so is its continuation:
-    vLLM reads a null ``max_tokens`` as 16, and refuses a prompt and limit longer than its
-    ``max_model_len``. Raises ValueError when the context is full."""
+def within_context(body: dict[str, Any], context: int | None) -> None:
+    """Bound a continuation by its engine's context length (``None``: not known), as the
+    client's request was: a chat without a limit ran to the context's end, and so does its
+    continuation (vLLM reads a null ``max_tokens`` as 16); any limit is cut to what the
+    context leaves after the continuation's longer prompt (vLLM clamps the client's, some
+    versions refuse a continuation's past it). Raises ValueError when no limit can be
+    given, or the context is full."""
+    limit = body.get("max_tokens")
+    if context is None:
+        if limit is None:
+            raise ValueError("context length unknown")
+        return
     left = context - len(body["prompt"])
     if left < 1:
         raise ValueError("output limit reached")
-    body["max_tokens"] = left
+    body["max_tokens"] = left if limit is None else min(limit, left)
 
 
 class _Card(msgspec.Struct):

@@ -537,27 +537,23 @@ class RequestRun(RunRecord):
         self.router.fleet.turn += 1
         attempt.producer = producer.id
         assert self._continuation is not None
-        if resume.needs_context(self._continuation):
-            await self._to_context_end(consumer, self._continuation)
+        context = await self._context(consumer)
+        try:
+            resume.within_context(self._continuation, context)
+        except ValueError as exc:
+            message = f"no continuation on engine {consumer.id}: {exc}"
+            raise NoCapacity(message, phase=Phase.STREAM) from None
         with self.router.fleet.claim_decode() as self._claim:
             await self._legs(producer, attempt, consumer)
 
-    async def _to_context_end(self, consumer: EngineState, body: dict[str, Any]) -> None:
-        """A chat without a limit: its continuation is bounded by the consumer's context
-        length, asked once per engine (``/v1/models``, within the health checks' bound)."""
-        if consumer.context is None:
-            with trio.move_on_after(self.config.engine.health_timeout_s):
-                with faults_of(consumer.id, consumer.url):
-                    status, models = await self.router.client.get(consumer.url, "/v1/models")
-                if status == 200:
-                    consumer.context = resume.context_of(models, self.config.model)
-        if consumer.context is None:
-            message = f"engine {consumer.id} did not give its context length (/v1/models)"
-            raise NoCapacity(message, phase=Phase.STREAM)
-        try:
-            resume.to_context_end(body, consumer.context)
-        except ValueError as exc:
-            raise NoCapacity(f"no continuation: {exc}", phase=Phase.STREAM) from None
+    async def _context(self, consumer: EngineState) -> int | None:
+        """The consumer's context length, asked at each resume (``/v1/models``, within the
+        health checks' bound): an engine restarted since may have another. None: unknown."""
+        with trio.move_on_after(self.config.engine.health_timeout_s):
+            with faults_of(consumer.id, consumer.url):
+                status, models = await self.router.client.get(consumer.url, "/v1/models")
+            return resume.context_of(models, self.config.model) if status == 200 else None
+        return None
 
     def _disaggregation(self, consumer: EngineState) -> Decision:
         """Whether this attempt skips the remote prefill (SPEC 4.4, conditional

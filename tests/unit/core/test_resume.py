@@ -21,9 +21,8 @@ from narwhal.core.resume import (
     after,
     context_of,
     continuation,
-    needs_context,
     refusal,
-    to_context_end,
+    within_context,
 )
 from narwhal.core.retry import RetryBudget
 
@@ -135,12 +134,23 @@ def test_a_chat_without_an_output_limit_is_bounded_by_the_context_end() -> None:
     """Its limit was the context's end: vLLM reads a continuation's null as 16 and refuses
     a prompt and limit past its max_model_len, so the continuation's is exactly that."""
     body = continuation({"messages": []}, chat=True, prompt_ids=[1, 2], sent_ids=[3])
-    assert needs_context(body)
-    to_context_end(body, 10)
+    within_context(body, 10)
     assert body["max_tokens"] == 7  # 10 less the prompt's 2 and the 1 sent
-    assert not needs_context(body)
     with pytest.raises(ValueError, match="output limit reached"):
-        to_context_end(continuation({}, chat=True, prompt_ids=[1], sent_ids=[2]), 2)
+        within_context(continuation({}, chat=True, prompt_ids=[1], sent_ids=[2]), 2)
+    with pytest.raises(ValueError, match="context length unknown"):
+        within_context(continuation({}, chat=True, prompt_ids=[1], sent_ids=[2]), None)
+
+
+def test_a_limit_is_cut_to_what_the_context_leaves() -> None:
+    """vLLM clamped the client's limit at the context's end; the continuation's prompt is
+    longer, and its limit is cut likewise (some vLLM versions refuse one past it)."""
+    body = continuation({"prompt": "x"}, chat=False, prompt_ids=[1] * 12, sent_ids=[2] * 5)
+    within_context(body, 20)
+    assert body["max_tokens"] == 3  # 16 - 5 asked, 20 - 17 left
+    body = continuation({"prompt": "x", "max_tokens": 9}, chat=False, prompt_ids=[1], sent_ids=[2])
+    within_context(body, None)  # unknown: the limit as it is
+    assert body["max_tokens"] == 8
 
 
 def test_the_context_length_is_read_from_the_models_list() -> None:

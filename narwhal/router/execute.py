@@ -774,13 +774,20 @@ class RequestRun(RunRecord):
             body = {**body, "return_token_ids": True}
         return self.req.endpoint, body
 
-    def _new_collector(self) -> Assembler | None:
-        """A non-streaming client's assembler: new for each attempt, but a continuation
-        goes on with the answer its failed stream began."""
-        if self._continuation is None:
-            self._collector = None
-            if not self.req.stream:
-                self._collector = Assembler(chat=self.req.chat, model=self.config.model)
+    def _answer_side(self) -> Assembler | None:
+        """A non-streaming client's assembler, new for each attempt with the prompt side
+        its producer computed (a streaming client's echo); a continuation goes on with the
+        answer its failed stream began, whose prompt side went out already."""
+        if self._continuation is not None:
+            return self._collector
+        prefill = self.prefill_result
+        self._collector = None
+        if not self.req.stream:
+            self._collector = Assembler(chat=self.req.chat, model=self.config.model)
+            if prefill is not None:
+                self._collector.prompt_side(prefill, self.req.body)
+        elif prefill is not None:
+            self._echo = prompt_echo(prefill, self.req.body, chat=self.req.chat)
         return self._collector
 
     def _continuity(self) -> tuple[Kept | None, Rewrite | None, int | None]:
@@ -809,15 +816,7 @@ class RequestRun(RunRecord):
         """Move the engine's stream to the client until ``[DONE]`` (``TokenPath``), then
         write the end."""
         resuming = self._continuation is not None
-        collector = self._new_collector()
-        prefill = self.prefill_result
-        if resuming:
-            pass  # the prompt side went out with the stream's start
-        elif collector is not None:
-            if prefill is not None:
-                collector.prompt_side(prefill, self.req.body)
-        elif prefill is not None:
-            self._echo = prompt_echo(prefill, self.req.body, chat=self.req.chat)
+        collector = self._answer_side()
         direct = self.sink.direct if collector is None else None
         client = ClientStream(self.sink, self.lifecycle, self._echo, direct)
         # parked in the reactor: a stream whose reads need no waiting between its first

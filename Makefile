@@ -6,15 +6,26 @@ PY := $(VENV)/bin/python
 BENCH_VENV ?= .bench-venv
 VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement bench-overload e2e-vllm e2e-lb faults soak fuzz clean
+.PHONY: venv compiled demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement bench-overload e2e-vllm e2e-lb faults soak fuzz clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	NARWHAL_PURE=1 $(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-venv: $(VENV)/.installed
+# the compiled build (setup.py, docs/build.md): the pure core, the stream code and the
+# per-token path as C extensions beside their source, rebuilt when one of them changes;
+# without a C compiler the tree stays pure Python. `narwhal --version` says which.
+COMPILED_SOURCES := setup.py narwhal/router/token_path.py $(wildcard narwhal/core/*.py narwhal/stream/*.py)
+$(VENV)/.compiled: $(VENV)/.installed $(COMPILED_SOURCES)
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m narwhal --version
+	touch $@
+
+compiled: $(VENV)/.compiled
+
+venv: $(VENV)/.compiled
 
 demo: venv           ## two fake engines + the router; stream one chat completion
 	$(PY) -m narwhal demo --port 0
@@ -35,11 +46,14 @@ unit: venv
 test: lint typecheck unit
 
 LOWEST_VENV ?= .venv-lowest
-test-lowest:         ## the fast tests against the lowest trio, hypercorn and h11 pyproject allows
+# ... and the pure-Python build of the same tree (NARWHAL_PURE=1: the source, not the
+# extensions `make compiled` put beside it)
+test-lowest:         ## the fast tests against the lowest trio, hypercorn and h11 pyproject allows, pure Python
 	$(PYTHON) -m venv $(LOWEST_VENV)
 	$(LOWEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LOWEST_VENV)/bin/python -m pip install -q -c .ci/lowest.txt -e '.[dev]'
-	$(LOWEST_VENV)/bin/python -m pytest -q tests/unit tests/shell fuzz
+	NARWHAL_PURE=1 $(LOWEST_VENV)/bin/python -m pip install -q -c .ci/lowest.txt -e '.[dev]'
+	NARWHAL_PURE=1 $(LOWEST_VENV)/bin/python -m narwhal --version
+	NARWHAL_PURE=1 $(LOWEST_VENV)/bin/python -m pytest -q tests/unit tests/shell fuzz
 
 rough-bench: venv    ## first rough figure: 1,000 streamed 64-token requests at c=32
 	$(PY) bench/rough.py --requests 1000 --concurrency 32 --tokens 64
@@ -82,4 +96,5 @@ e2e-lb: venv         ## two router replicas behind HAProxy: rolling restart and 
 	$(PY) -m pytest -m lb -p no:cacheprovider -s e2e/lb
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LOWEST_VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build
+	find narwhal -name '*.so' -delete; rm -f narwhal__mypyc.*

@@ -5,7 +5,8 @@
 
 Targets, measured in turn per scenario over the same pair of fake engines:
   lower-bound   a minimal client doing prefill then decode itself (kept-alive connections)
-  narwhal       this router (``narwhal serve``)
+  narwhal       this router (``narwhal serve``), the build ``narwhal --version`` names
+  narwhal-pure  this router's pure-Python build (NARWHAL_PURE=1, docs/build.md)
   vllm-router   vllm-router 0.1.17 (``--vllm-pd-disaggregation``), from the peers venv
   narwhal-0.7   narwhal-inference 0.7.0, from the peers venv, when it can be configured
   narwhal-main  with ``--baseline PATH``: the narwhal of another checkout (today's main),
@@ -368,9 +369,16 @@ def engines_toml(prefills: list[str], decodes: list[str]) -> str:
 
 
 def start_narwhal(
-    p_url: str, d_url: str, tmp: Path, *, name: str = "narwhal", root: str | None = None
+    p_url: str,
+    d_url: str,
+    tmp: Path,
+    *,
+    name: str = "narwhal",
+    root: str | None = None,
+    pure: bool = False,
 ) -> tuple[Proc, str]:
-    """This tree's narwhal, or with ``root`` the narwhal of that checkout (``--baseline``)."""
+    """This tree's narwhal, or with ``root`` the narwhal of that checkout (``--baseline``);
+    ``pure``: its pure-Python build (NARWHAL_PURE=1, docs/build.md)."""
     return serve_narwhal(
         f'model = "{MODEL}"\n'
         + engines_toml([p_url], [d_url])
@@ -382,11 +390,17 @@ def start_narwhal(
         tmp,
         name=name,
         root=root,
+        pure=pure,
     )
 
 
 def serve_narwhal(
-    fleet_text: str, tmp: Path, *, name: str = "narwhal", root: str | None = None
+    fleet_text: str,
+    tmp: Path,
+    *,
+    name: str = "narwhal",
+    root: str | None = None,
+    pure: bool = False,
 ) -> tuple[Proc, str]:
     """``narwhal serve`` on a fleet file of this text; (process, URL). With ``root``, the
     narwhal of that checkout runs (``--baseline``)."""
@@ -411,7 +425,11 @@ def serve_narwhal(
         # python -m puts its working directory first on the import path, before PYTHONPATH:
         # the baseline runs in its own checkout, or this tree's narwhal would be imported
         cwd=None if root is None else Path(root).absolute(),
-        env=None if root is None else {**os.environ, "PYTHONPATH": str(Path(root).absolute())},
+        env={
+            **os.environ,
+            **({} if root is None else {"PYTHONPATH": str(Path(root).absolute())}),
+            "NARWHAL_PURE": "1" if pure else "",
+        },
     )
     return proc, proc.wait_for_url("narwhal: serving")
 
@@ -503,6 +521,7 @@ def launch_narwhal07(prefills: list[str], decodes: list[str], tmp: Path) -> tupl
 TARGETS = [
     Target("lower-bound", None),
     Target("narwhal", start_narwhal),
+    Target("narwhal-pure", partial(start_narwhal, name="narwhal-pure", pure=True)),
     Target("vllm-router", start_vllm_router),
     Target("narwhal-0.7", start_narwhal07),
 ]
@@ -701,7 +720,7 @@ def table(results: list[Result]) -> str:
 def ab_table(results: list[Result], new: str = "narwhal", old: str = "narwhal-main") -> str:
     """This tree against today's main, ratio by ratio within each round: medians, spread."""
     lines = [
-        "\n## A/B: this tree (narwhal) against the baseline (narwhal-main)\n",
+        f"\n## A/B: this tree ({new}) against the baseline ({old})\n",
         "Each ratio is taken within one round (same engines, targets interleaved), then the "
         "median over the rounds, with (min-max, rounds).\n",
         "| scenario | CPU/req new vs main | new vs vllm-router | main vs vllm-router "
@@ -826,7 +845,14 @@ def main() -> int:
     report = (
         f"# Router benchmark, {stamp}\n\nMachine: {host}. Mode: "
         f"{'quick' if args.quick else 'full'}, {rounds} round(s). Fake engines on 127.0.0.1."
-        f"\n" + table(results) + (ab_table(results) if args.baseline else "")
+        f"\n"
+        + table(results)
+        + (ab_table(results) if args.baseline else "")
+        + (
+            ab_table(results, new="narwhal-pure")
+            if args.baseline and any(r.target == "narwhal-pure" for r in results)
+            else ""
+        )
     )
     print(report)
     out = Path(args.out)

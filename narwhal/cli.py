@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from narwhal import build
 from narwhal.core.config import ConfigError, FleetConfig, parse_config, sets_key
 from narwhal.logs import LogFormat
 
@@ -134,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUS_HELP,
         formatter_class=_HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"narwhal {version()}")
+    parser.add_argument(
+        "--version", action="version", version=f"narwhal {version()}, {build.describe()}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     add = partial(sub.add_parser, formatter_class=_HelpFormatter)
 

@@ -56,7 +56,7 @@ TRANSITIONS: dict[tuple[State, Input], State] = {
 }
 
 
-class InvalidTransition(RuntimeError):
+class InvalidTransition(Exception):
     pass
 
 

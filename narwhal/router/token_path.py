@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
-from msgspec import Struct
 
 from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import DecodeStream
@@ -42,11 +42,13 @@ from narwhal.stream.assemble import Echo
 from narwhal.stream.rules import Commit, Fault, Finish, Send, StreamRelay
 
 
-class Held(Struct, frozen=True):
+@dataclass(slots=True)
+class Held:
     """Metadata before the first token: held back; the first-token clock runs on."""
 
 
-class WriteRest(Struct, frozen=True):
+@dataclass(slots=True)
+class WriteRest:
     """A write without waiting left a rest: the request's task writes it."""
 
 

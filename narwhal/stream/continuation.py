@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from narwhal.stream.events import Chunk
+from narwhal.stream.payloads import Chunk
 
 _encode = msgspec.json.Encoder().encode
 _COMPACT = b'token_ids":['  # the key's end: prompt_token_ids too

@@ -27,37 +27,45 @@ the trio shells around it only move bytes and own the clocks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
-
-from msgspec import Struct
 
 from narwhal.core.faults import Phase, RequestFault, StreamBroken
 from narwhal.stream.continuation import Kept
-from narwhal.stream.events import Chunk, Kind, classify, completion_tokens, parse_payload
+from narwhal.stream.events import Kind, classify, completion_tokens, parse_payload
+from narwhal.stream.payloads import Chunk
 from narwhal.stream.sse import DONE_FRAME, SSEError, SSEParser, frame
 
 
-class Hold(Struct, frozen=True):
+# The actions are slotted dataclasses, not msgspec structs: mypyc compiles this module into
+# native classes, and a struct defined in a compiled module loses its options and its field
+# types (docs/build.md).
+@dataclass(slots=True)
+class Hold:
     """Nothing for the client yet."""
 
 
-class Commit(Struct, frozen=True):
+@dataclass(slots=True)
+class Commit:
     """The first output: the response commits (200 headers) and these bytes follow."""
 
     data: bytes
 
 
-class Send(Struct, frozen=True):
+@dataclass(slots=True)
+class Send:
     data: bytes
 
 
-class Finish(Struct, frozen=True):
+@dataclass(slots=True)
+class Finish:
     """The end of a good stream: the last bytes (streaming) or the JSON body."""
 
     data: bytes
 
 
-class Fault(Struct, frozen=True):
+@dataclass(slots=True)
+class Fault:
     """The stream failed; ``flush`` (a Commit or Send) goes out before the fault is told."""
 
     fault: RequestFault

@@ -17,6 +17,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import EngineClient
 from narwhal.frontdoor.connection import SendLock
 from narwhal.router.stream_reactor import (
@@ -290,24 +291,28 @@ class _SocketStream:
         return None
 
 
-class _Client:
-    """The client side of a token path: every write goes out at once, nowhere."""
+class _Nowhere:
+    """The client's sink and direct write in one: every write goes out at once, nowhere."""
 
-    def __init__(self) -> None:
-        self.lifecycle = self  # where the request stands is not this test's concern
-        self.direct = self
+    async def commit(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
 
-    def advance(self, event: object) -> None:
-        pass
+    async def send(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
 
-    def write_nowait(self, data: bytes) -> bool:
+    def write_nowait(self, body: bytes) -> bool:
         return True
 
     async def write_rest(self) -> None:
         await trio.lowlevel.checkpoint()
 
-    async def output(self, action: object) -> None:
-        await trio.lowlevel.checkpoint()
+
+def _decoding() -> Lifecycle:
+    """A request's lifecycle where its decode leg has been dispatched."""
+    lifecycle = Lifecycle()
+    for step in (Input.PREFILL, Input.DESCRIPTOR, Input.DISPATCH):
+        lifecycle.advance(step)
+    return lifecycle
 
 
 def silence_ends(gaps: list[float]) -> float:
@@ -323,7 +328,7 @@ def silence_ends(gaps: list[float]) -> float:
 
 async def _relay_until_silent(gaps: list[float]) -> float:
     from narwhal.metrics import Metrics, RequestBuckets
-    from narwhal.router.token_path import TokenPath
+    from narwhal.router.token_path import ClientStream, TokenPath
     from narwhal.stream.rules import StreamRelay
 
     reactor = StreamReactor()
@@ -343,7 +348,8 @@ async def _relay_until_silent(gaps: list[float]) -> float:
         start = trio.current_time()
         clock = trio.CancelScope(deadline=start + 100.0)  # the first-token budget
         gauge = RequestBuckets(Metrics(["d0"], model="m").token_gap)
-        path = TokenPath(_Client(), StreamRelay(None), clock, SILENCE, gauge, reactor)  # type: ignore[arg-type]
+        client = ClientStream(_Nowhere(), _decoding(), None, _Nowhere())
+        path = TokenPath(client, StreamRelay(None), clock, SILENCE, gauge, reactor)
         with clock:
             await path.relay_all(_SocketStream(ours))  # type: ignore[arg-type]
         assert clock.cancelled_caught

@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 # without a C compiler the tree stays pure Python. `narwhal --version` says which.
 COMPILED_SOURCES := setup.py narwhal/router/token_path.py $(wildcard narwhal/core/*.py narwhal/stream/*.py)
 $(VENV)/.compiled: $(VENV)/.installed $(COMPILED_SOURCES)
-	$(PY) setup.py -q build_ext --inplace
+	$(PY) setup.py -q build_ext --inplace --build-lib build/inplace
 	$(PY) -m narwhal --version
 	touch $@
 

@@ -71,9 +71,12 @@ def compiled_modules() -> list[str]:
 
 
 def stale_modules() -> list[str]:
-    """Compiled modules whose source changed after they were built (rebuild: make compiled).
+    """Compiled modules whose source changed after they were built (rebuild: make compiled),
+    in a source checkout (an installed package's times say nothing of its build).
     A module's code is in the group's shared library (setup.py's ``group_name``); its own
     extension is a shim that a rebuild leaves alone when only the code changed."""
+    if not PACKAGE.parent.joinpath("setup.py").is_file():
+        return []
     shared = [p.stat().st_mtime for p in PACKAGE.parent.glob("narwhal__mypyc.*")]
     return [
         name

@@ -97,4 +97,4 @@ e2e-lb: venv         ## two router replicas behind HAProxy: rolling restart and 
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) $(BENCH_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build
-	find narwhal -name '*.so' -delete; rm -f narwhal__mypyc.*
+	find narwhal -name '*.so' -delete

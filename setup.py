@@ -63,7 +63,13 @@ def candidates() -> list[Path]:
     paths: list[Path] = []
     for entry in COMPILED:
         path = HERE / entry
-        paths.extend(sorted(path.glob("*.py")) if path.is_dir() else [path])
+        # a package's __init__ stays pure: compiled, its __path__ is computed from the group
+        # library's place, which is inside the narwhal package (mypyc gets it wrong there)
+        paths.extend(
+            sorted(p for p in path.glob("*.py") if p.name != "__init__.py")
+            if path.is_dir()
+            else [path]
+        )
     return paths
 
 
@@ -102,7 +108,9 @@ def extensions() -> list[Extension]:
     sources = compiled_sources()
     say(f"compiling {len(sources)} modules with mypyc")
     try:
-        return list(mypycify(sources, opt_level="3", group_name="narwhal"))
+        # the group's shared library inside the package (narwhal/compiled__mypyc...), where
+        # an editable install's finder sees it
+        return list(mypycify(sources, opt_level="3", group_name="narwhal.compiled"))
     except SystemExit:  # mypyc reports a type error of the source this way; it printed it
         say("pure Python (mypyc refused the source, above)")
         return []
@@ -118,7 +126,7 @@ class BuildOrFallBack(build_ext):
             if self.inplace:
                 # a rebuild copies only what changed; the group's library is marked built
                 # from today's source (narwhal.build.stale_modules reads this time)
-                for library in HERE.glob("narwhal__mypyc.*"):
+                for library in HERE.glob("narwhal/compiled__mypyc.*"):
                     library.touch()
         except (CCompilerError, CompileError, ExecError, PlatformError) as exc:
             say(f"pure Python (the compile failed: {exc})")

@@ -58,7 +58,7 @@ def _extensions() -> list[tuple[str, Path, Path]]:
     for built in PACKAGE.rglob("*.so"):
         stem = built.name.split(".", 1)[0]
         source = built.with_name(f"{stem}.py")
-        if built.name.endswith(EXTENSIONS) and source.is_file():
+        if built.name.endswith(EXTENSIONS) and source.is_file():  # not the group library
             parts = source.relative_to(PACKAGE).with_suffix("").parts
             name = ".".join(("narwhal", *(parts[:-1] if stem == "__init__" else parts)))
             found.append((name, source, built))
@@ -77,7 +77,7 @@ def stale_modules() -> list[str]:
     extension is a shim that a rebuild leaves alone when only the code changed."""
     if not PACKAGE.parent.joinpath("setup.py").is_file():
         return []
-    shared = [p.stat().st_mtime for p in PACKAGE.parent.glob("narwhal__mypyc.*")]
+    shared = [p.stat().st_mtime for p in PACKAGE.glob("compiled__mypyc.*")]
     return [
         name
         for name, source, built in _extensions()

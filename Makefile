@@ -61,7 +61,7 @@ rough-bench: venv    ## first rough figure: 1,000 streamed 64-token requests at 
 $(BENCH_VENV)/.installed:   ## the peers we measure against: instruments, never imported by narwhal/
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install -q vllm-router==0.1.17 narwhal-inference==0.7.0 matplotlib
+	$(BENCH_VENV)/bin/python -m pip install -q vllm-router==0.1.17 narwhal-inference==0.7.0 matplotlib aiohttp uvloop
 	touch $@
 
 bench-quick: venv $(BENCH_VENV)/.installed   ## all four targets, scenarios a and b, under 3 minutes
@@ -69,8 +69,9 @@ bench-quick: venv $(BENCH_VENV)/.installed   ## all four targets, scenarios a an
 
 BASELINE ?=   # a checkout of today's main: `make bench BASELINE=../main` adds it as narwhal-main, A/B
 ROUNDS ?=
+ENGINES ?= fast   # fast: bench/fast_engine.py (aiohttp on uvloop); fake: narwhal fake-engine
 bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in bench/results/
-	$(PY) bench/peers.py --peers-venv $(BENCH_VENV) $(if $(strip $(BASELINE)),--baseline $(strip $(BASELINE))) $(if $(strip $(ROUNDS)),--rounds $(strip $(ROUNDS)))
+	$(PY) bench/peers.py --peers-venv $(BENCH_VENV) --engines $(strip $(ENGINES)) $(if $(strip $(BASELINE)),--baseline $(strip $(BASELINE))) $(if $(strip $(ROUNDS)),--rounds $(strip $(ROUNDS)))
 
 bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies and conditional disaggregation vs the peers, 5 workloads (~30 min)
 	$(PY) bench/placement.py --peers-venv $(BENCH_VENV)

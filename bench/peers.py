@@ -527,6 +527,9 @@ TARGETS = [
 ]
 
 
+FAST_ENGINES = False  # --engines fast: bench/fast_engine.py (aiohttp on uvloop), not ours
+
+
 def start_engines(scenario: Scenario, tmp: Path) -> tuple[list[Proc], str, str]:
     procs, urls = [], []
     for role in ("prefill", "decode"):
@@ -541,10 +544,19 @@ def start_engines(scenario: Scenario, tmp: Path) -> tuple[list[Proc], str, str]:
             "--kv-lease-s",
             str(BENCH_KV_LEASE_S),
         ]
-        proc, url = start_fake_engine(role, args, tmp / f"engine-{role}.log")
+        start = start_fast_engine if FAST_ENGINES else start_fake_engine
+        proc, url = start(role, args, tmp / f"engine-{role}.log")
         procs.append(proc)
         urls.append(url)
     return procs, urls[0], urls[1]
+
+
+def start_fast_engine(role: str, args: list[str], log: Path) -> tuple[Proc, str]:
+    """``bench/fast_engine.py`` (about 0.1 ms a request: the router, not the engine, shows
+    in added TTFT) on a free port of 127.0.0.1 in ``role``, from the peers' venv."""
+    script = Path(__file__).with_name("fast_engine.py")
+    proc = Proc([str(peers_bin("python")), str(script), "--port", "0", "--role", role, *args], log)
+    return proc, proc.wait_for_url("fake-engine")
 
 
 def start_fake_engine(role: str, args: list[str], log: Path) -> tuple[Proc, str]:
@@ -770,6 +782,13 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--peers-venv", default=os.environ.get("PEERS_VENV", ".bench-venv"))
     parser.add_argument(
+        "--engines",
+        choices=("fake", "fast"),
+        default="fake",
+        help="fake: narwhal fake-engine (trio); fast: bench/fast_engine.py (aiohttp on uvloop, "
+        "about 0.1 ms a request), from the peers' venv",
+    )
+    parser.add_argument(
         "--only", help="run only the scenarios whose name starts with this (comma-separated)"
     )
     parser.add_argument("--targets", help="comma-separated target names (default: all)")
@@ -786,6 +805,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     os.environ["PEERS_VENV"] = args.peers_venv
+    global FAST_ENGINES
+    FAST_ENGINES = args.engines == "fast"
     global KEEP_LOGS
     KEEP_LOGS = bool(args.logs)
     if args.quick:
@@ -844,7 +865,8 @@ def main() -> int:
     )
     report = (
         f"# Router benchmark, {stamp}\n\nMachine: {host}. Mode: "
-        f"{'quick' if args.quick else 'full'}, {rounds} round(s). Fake engines on 127.0.0.1."
+        f"{'quick' if args.quick else 'full'}, {rounds} round(s). Engines: {args.engines} "
+        f"({'bench/fast_engine.py' if FAST_ENGINES else 'narwhal fake-engine'}) on 127.0.0.1."
         f"\n"
         + table(results)
         + (ab_table(results) if args.baseline else "")

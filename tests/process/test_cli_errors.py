@@ -16,7 +16,7 @@ import pytest
 import trustme
 from cryptography.hazmat.primitives import serialization
 
-from narwhal import cli
+from narwhal import build, cli
 from narwhal.frontdoor.shapes import ShapeMismatch
 from tests.support.processes import run_narwhal
 
@@ -224,7 +224,8 @@ def test_other_versions_of_the_subclassed_internals(monkeypatch: pytest.MonkeyPa
 def test_version() -> None:
     done = run_narwhal("--version")
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"narwhal {importlib.metadata.version('narwhal')}\n"
+    # the version, and the build that runs (docs/build.md)
+    assert done.stdout == (f"narwhal {importlib.metadata.version('narwhal')}, {build.describe()}\n")
 
 
 def test_every_help_shows_the_defaults() -> None:

@@ -1,6 +1,11 @@
 """A router over fake engines on an in-memory network (``tests.support.memory_network``): with
 trio's MockClock and autojump, virtual time only moves when everything waits, so timeouts
-fire at exactly their budgets. The timing tests and the stream models use it."""
+fire at exactly their budgets. The timing tests and the stream models use it.
+
+``memory_fleet(..., sockets=True)`` connects over socketpairs, and ``fleet.connect()`` opens
+a client connection through the real front door (``ClientConnection``, the router's ASGI
+app): a token then takes the production path, parked in the stream reactor and written to
+the client's socket without waiting, still under virtual time."""
 
 from __future__ import annotations
 
@@ -9,9 +14,15 @@ from typing import Any
 
 import msgspec
 import trio
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.utils import wrap_app
 
+from narwhal.core.config import FleetConfig
 from narwhal.core.requests import parse_request
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.frontdoor.connection import ClientConnection, ServerEnd
+from narwhal.frontdoor.server import hypercorn_config
+from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
 from narwhal.stream.sse import SSEParser
@@ -72,6 +83,23 @@ class MemoryFleet:
     producer: FakeEngine
     consumer: FakeEngine
     others: list[FakeEngine] = field(default_factory=list)  # more consumers: d1, d2, ...
+    config: FleetConfig | None = None
+    network: MemoryNetwork | None = None
+
+    async def connect(self) -> trio.SocketStream:
+        """A client's connection to the router's front door, over a socketpair: the
+        connection is served in the fleet's nursery as ``narwhal serve`` serves one."""
+        assert self.config is not None
+        assert self.network is not None
+        hc = hypercorn_config(self.config, "127.0.0.1", 0)
+        asgi = RouterApp(self.router)
+        app = wrap_app(asgi, hc.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+        context = WorkerContext(None)
+        context.terminated = ServerEnd(context.terminated)
+        client, server = self.network.socket_pair()
+        conn = ClientConnection(app, hc, context, {}, server, hooks=asgi)  # type: ignore[arg-type]
+        self.network.nursery.start_soon(conn.run)
+        return client
 
     async def request(self, body: dict[str, Any], path: str = "/v1/completions") -> RecordingSink:
         sink = RecordingSink()
@@ -86,9 +114,10 @@ async def memory_fleet(
     itl_s: float = 0.0,
     prefill_delay: float = 0.0,
     consumers: int = 1,
+    sockets: bool = False,
     **sections: Any,
 ) -> MemoryFleet:
-    net = MemoryNetwork(nursery)
+    net = MemoryNetwork(nursery, sockets=sockets)
     engines = []
     names = [("producer", "prefill")] + [(f"consumer{i}", "decode") for i in range(consumers)]
     for name, role in names:
@@ -105,5 +134,7 @@ async def memory_fleet(
     urls.update({f"d{i}": (e.url, "decode") for i, e in enumerate(engines[1:])})
     config = fleet_config(urls, **sections)
     router = Router(config, connect=net.open_stream, journal=Journal(keep=100))
-    await nursery.start(router.background.run, [router.health.run])  # checks and probes
-    return MemoryFleet(router, engines[0], engines[1], engines[2:])
+    # checks and probes; over sockets, the reactor that parks decode streams too
+    services = [router.health.run, *([router.reactor.run] if sockets else [])]
+    await nursery.start(router.background.run, services)
+    return MemoryFleet(router, engines[0], engines[1], engines[2:], config, net)

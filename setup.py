@@ -25,7 +25,14 @@ from setuptools.errors import CCompilerError, CompileError, ExecError, PlatformE
 
 HERE = Path(__file__).parent
 # the pure core, the pure stream code, and the module that owns the per-token path
-COMPILED = ("narwhal/core", "narwhal/stream", "narwhal/router/token_path.py")
+COMPILED = (
+    "narwhal/core",
+    "narwhal/stream",
+    "narwhal/router/token_path.py",
+    # what the profile names on the per-token path around it (bench/results/relay-compiled)
+    "narwhal/router/stream_reactor.py",
+    "narwhal/fast_io.py",
+)
 # modules kept pure for a reason of their own (docs/build.md)
 PURE = {
     # the fault hierarchy is subclassed by the shells and tests, and a fault is copied with

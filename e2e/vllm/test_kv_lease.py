@@ -189,7 +189,10 @@ def test_orphaned_handoffs_free_their_kv_at_once_with_reclaim_and_at_the_lease_w
     assert max(u for _, u in on) >= idle_on + 0.1, on  # the orphans were there
     # t is rounded to 0.1 s: a release within 50 ms of the clients leaving reads 0.0
     freed_on = next(t for t, u in on if t >= 0 and u <= idle_on + IDLE_EPSILON)
-    assert freed_on <= 15.0, on  # seconds after the clients left, not the lease
+    # seconds after the clients left, not the lease: the producer frees them when the
+    # consumer tells it of the rejection, which took 0.3-21 s on the 2-core CPU machine
+    # (15.6 s and 20.9 s in two loaded runs); without reclaim they stay past half the lease
+    assert freed_on < KV_LEASE_S / 2, on
     # without reclaim the blocks stay pinned for (most of) the lease
     pinned = [t for t, u in off if t > 0 and u > idle_off + IDLE_EPSILON]
     assert max(pinned, default=0.0) >= KV_LEASE_S / 2, off

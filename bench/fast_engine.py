@@ -187,7 +187,9 @@ class Templates:
 
 
 def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
-    """The fake engine's count: whitespace words; chat adds 4 per message."""
+    """The fake engine's count: whitespace words; chat adds 4 per message. A copy of
+    ``narwhal.fake_engine.generation.prompt_of``'s rule: this engine runs in the peers' venv,
+    without narwhal, so it shares no code with the router it measures."""
     if chat:
         words, extra = [], 0
         for message in body.get("messages") or []:
@@ -320,13 +322,20 @@ class FastEngine:
         stats = {"engine_id": self.engine_id, "role": self.role, "counters": counters}
         return self._json(200, _dumps({**stats, "running": self.running, "waiting": 0}))
 
-    async def _side_body(self, request: web.BaseRequest) -> dict[str, Any] | web.Response:
+    async def _object_body(self, request: web.BaseRequest) -> dict[str, Any] | web.Response:
+        """The request's JSON object, or the 400 the fake engine answers without one."""
         try:
             body = json.loads(await request.read())
         except ValueError:
             return self._json(400, _error("Invalid JSON body", "Bad Request", 400))
         if not isinstance(body, dict):
             return self._json(400, _error("Body must be an object", "Bad Request", 400))
+        return body
+
+    async def _side_body(self, request: web.BaseRequest) -> dict[str, Any] | web.Response:
+        body = await self._object_body(request)
+        if isinstance(body, web.Response):
+            return body
         model = body.get("model")
         if model is not None and model != self.model:
             msg = f"The model `{model}` does not exist. Valid aliases: {self.model}."
@@ -419,12 +428,9 @@ class FastEngine:
         return None
 
     async def _completion(self, request: web.BaseRequest, chat: bool) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.read())
-        except ValueError:
-            return self._json(400, _error("Invalid JSON body", "Bad Request", 400))
-        if not isinstance(body, dict):
-            return self._json(400, _error("Body must be an object", "Bad Request", 400))
+        body = await self._object_body(request)
+        if isinstance(body, web.Response):
+            return body
         prompt_tokens = _prompt_tokens(body, chat)
         problem = self._validate(body, chat, prompt_tokens)
         if problem is not None:

@@ -84,9 +84,12 @@ def parse_report(text: str, at: float, ours: int = 0) -> EngineReport:
     try:
         for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
-                if math.isfinite(sample.value):
-                    values.setdefault(sample.name.removesuffix("_total"), []).append(sample.value)
-    except (ValueError, TypeError, IndexError) as exc:  # the parser's ways to refuse a line
+                if math.isfinite(sample.value):  # float: the parser gives an int for "3"
+                    values.setdefault(sample.name.removesuffix("_total"), []).append(
+                        float(sample.value)
+                    )
+    # the parser's ways to refuse a line, and an integer too large for a float
+    except (ValueError, TypeError, IndexError, OverflowError) as exc:
         raise ReportError(f"unparsable metrics: {exc}") from None
     if RUNNING not in values and WAITING not in values:
         raise ReportError(f"no {RUNNING} or {WAITING} in the engine's metrics")

@@ -63,6 +63,7 @@ def test_an_engine_without_prefix_counters() -> None:
         "process_cpu_seconds_total 3\n",  # some other exporter
         "vllm:num_requests_running{engine=0} 1\n",  # unquoted label
         "vllm:num_requests_running one\n",
+        "vllm:num_requests_waiting " + "9" * 400 + "\n",  # an integer no float holds
     ],
 )
 def test_what_is_not_an_engines_report_is_refused(text: str) -> None:
@@ -78,3 +79,10 @@ def test_garbage_is_a_report_or_a_report_error(text: str) -> None:
         return
     assert math.isfinite(report.queued)  # a number, whatever the engine said
     assert 0.0 <= report.kv_usage <= 1.0
+
+
+def test_a_count_is_a_float_in_either_build() -> None:
+    """The exposition's "3" is the parser's int; the report says 3.0, compiled or not
+    (``/narwhal/engines`` shows the same JSON under either build)."""
+    report = parse_report("vllm:num_requests_waiting 3\nvllm:num_requests_running 2\n", at=0.0)
+    assert (type(report.waiting), type(report.running)) == (float, float)

@@ -8,16 +8,17 @@ VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside
 
 .PHONY: venv compiled demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement bench-overload e2e-vllm e2e-lb faults soak fuzz clean
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	NARWHAL_PURE=1 $(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# the compiled build (setup.py, docs/build.md): the pure core, the stream code and the
-# per-token path as C extensions beside their source, rebuilt when one of them changes;
+# the compiled build (setup.py's COMPILED, docs/build.md): the pure core, the stream code and
+# the per-token path as C extensions beside their source, rebuilt when one of them changes;
 # without a C compiler the tree stays pure Python. `narwhal --version` says which.
-COMPILED_SOURCES := setup.py narwhal/router/token_path.py $(wildcard narwhal/core/*.py narwhal/stream/*.py)
+COMPILED_SOURCES := setup.py narwhal/router/token_path.py narwhal/router/stream_reactor.py \
+	narwhal/fast_io.py $(wildcard narwhal/core/*.py narwhal/stream/*.py)
 $(VENV)/.compiled: $(VENV)/.installed $(COMPILED_SOURCES)
 	$(PY) setup.py -q build_ext --inplace --build-lib build/inplace
 	$(PY) -m narwhal --version

@@ -1,4 +1,5 @@
-"""The build: the pure core, the stream code and the per-token path compiled by mypyc.
+"""The build: the pure core, the stream code and the per-token path compiled by mypyc
+(``COMPILED``).
 
 The same source is the pure-Python build. It is what you get with ``NARWHAL_PURE=1``, without
 a C compiler, or when the compile fails; ``narwhal --version`` says which build is installed.

@@ -75,6 +75,15 @@ def version() -> str:
         return __version__
 
 
+class _Version(argparse.Action):
+    """``--version``: the version and the build that runs, found only when asked (the
+    build's lookup reads the package's files: not work for every start)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(f"narwhal {version()}, {build.describe()}")
+        parser.exit()
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help shows its default (none for a flag, a required option or an
     option whose absence means "off"); descriptions and epilogs keep their lines."""
@@ -136,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument(
-        "--version", action="version", version=f"narwhal {version()}, {build.describe()}"
+        "--version", action=_Version, nargs=0, help="show the version and the build, and exit"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add = partial(sub.add_parser, formatter_class=_HelpFormatter)

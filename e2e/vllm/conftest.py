@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from .ports import free_port, http  # http: its 120 s default is HANDOFF_S
+from .ports import free_port, http, start_in_session, stop_group  # http: 120 s = HANDOFF_S
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -68,15 +68,7 @@ class Process:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: vLLM forks an engine core
-                env={**os.environ, **self.env},
-                cwd=ROOT,
-            )
+        self.proc = start_in_session(self.argv, self.log, self.env, ROOT)
 
     def wait_until(self, url: str, budget_s: float) -> None:
         deadline = time.monotonic() + budget_s
@@ -97,18 +89,9 @@ class Process:
                 os.killpg(self.proc.pid, signum)  # our own child's group, by its id
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is None:
-            return
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        # the group may outlive its leader (vLLM's engine core): end the stragglers too
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc = None
+        if self.proc is not None:
+            stop_group(self.proc, grace_s)
+            self.proc = None
 
     def clashed(self) -> bool:
         # vLLM's side-channel thread dies on EADDRINUSE while the server lives on, unready

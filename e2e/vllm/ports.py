@@ -1,11 +1,16 @@
-"""Loopback ports and a plain JSON call for the real-engine suite and its probe: stdlib
-only, so that a script run with the vLLM environment's Python can use it too."""
+"""Loopback ports, a plain JSON call and a child in its own process group, for the
+real-engine suite and its probes: stdlib only, so that a script run with the vLLM
+environment's Python can use it too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import signal
 import socket
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -60,3 +65,35 @@ def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tup
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def start_in_session(
+    argv: list[str], log: Path, env: dict[str, str], cwd: Path
+) -> subprocess.Popen[bytes]:
+    """``argv`` in its own session (vLLM forks an engine core into its group), its output
+    appended to ``log``."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env},
+            cwd=cwd,
+        )
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """SIGTERM to our own child's group, SIGKILL after ``grace_s``, then to whatever of the
+    group outlived its leader (vLLM's engine core)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)

@@ -5,13 +5,11 @@ ended by its own process group. Stdlib only, imported as a sibling (``ports.py``
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-from ports import free_port, http
+from ports import free_port, http, start_in_session, stop_group
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -42,15 +40,7 @@ class ProbeEngine:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: vLLM forks an engine core
-                env={**os.environ, **self.env},
-                cwd=ROOT,
-            )
+        self.proc = start_in_session(self.argv, self.log, self.env, ROOT)
 
     def log_text(self) -> str:
         try:
@@ -73,18 +63,6 @@ class ProbeEngine:
         return f"{self.name} not ready"
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        pid = self.proc.pid
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)  # our own child's group, by its id
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)  # stragglers (the engine core) in the group
-        self.proc = None
+        if self.proc is not None:
+            stop_group(self.proc)
+            self.proc = None

@@ -258,21 +258,10 @@ def capture_shapes(producer: Engine, consumer: Engine, out: Path) -> dict[str, A
         "completion": ("/v1/completions", {"prompt": PROMPT}),
     }
     for name, (path, fields) in shapes.items():
-        body = {
-            "model": MODEL,
-            **fields,
-            "max_tokens": 8,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-        }
-        pre, dec, raw, events = handoff(producer, consumer, path, body)
+        pre, dec, raw, events = handoff(producer, consumer, path, greedy(fields, 8))
         parsed = parse(events)
         summary = shape_summary(parsed)
-        pre_ids = pre.get("prompt_token_ids")
-        if pre_ids is None and pre.get("choices"):
-            pre_ids = pre["choices"][0].get("prompt_token_ids")
+        pre_ids = prefill_prompt_ids(pre)
         summary["prefill_response_prompt_token_ids_at"] = [
             where
             for where, value in (
@@ -299,7 +288,16 @@ def capture_shapes(producer: Engine, consumer: Engine, out: Path) -> dict[str, A
 def reference(
     producer: Engine, consumer: Engine, path: str, fields: dict[str, Any], tokens: int
 ) -> dict[str, Any]:
-    body = {
+    pre, _, _, events = handoff(producer, consumer, path, greedy(fields, tokens))
+    parsed = parse(events)
+    parsed["prefill_prompt_ids"] = prefill_prompt_ids(pre)
+    return parsed
+
+
+def greedy(fields: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """A greedy stream of ``tokens`` with usage and token ids: the shape a resumable
+    request has through the router."""
+    return {
         "model": MODEL,
         **fields,
         "max_tokens": tokens,
@@ -308,12 +306,14 @@ def reference(
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
-    pre, _, _, events = handoff(producer, consumer, path, body)
-    parsed = parse(events)
-    parsed["prefill_prompt_ids"] = pre.get("prompt_token_ids") or (pre.get("choices") or [{}])[
-        0
-    ].get("prompt_token_ids")
-    return parsed
+
+
+def prefill_prompt_ids(pre: dict[str, Any]) -> Any:
+    """The prompt ids a prefill leg's answer carries: top level, or on its first choice."""
+    ids = pre.get("prompt_token_ids")
+    if ids is None and pre.get("choices"):
+        ids = pre["choices"][0].get("prompt_token_ids")
+    return ids
 
 
 def boundary(ref: dict[str, Any], cut: int) -> int:

@@ -7,11 +7,13 @@ carries it byte for byte (every field but the two we validate is opaque), and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from narwhal.core.faults import DescriptorInvalid, Phase
+from narwhal.core.requests import spliceable
 
 # Fields that make no sense for a one-token, non-streaming prefill (SPEC 4.1).
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "n", "best_of", "max_completion_tokens")
@@ -97,10 +99,11 @@ class NixlConnector:
             + b"}"
         )
 
-    def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The prefill leg's body. A client's ``return_token_ids`` stays in it: the
-        producer's prompt ids go into an echo."""
-        out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+    def prefill_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The prefill leg's body: the client's fields as they came (raw JSON, spliced by
+        the encoder) with the prefill's own. A client's ``return_token_ids`` stays in it:
+        the producer's prompt ids go into an echo."""
+        out = {k: v for k, v in spliceable(body).items() if k not in _PREFILL_DROPPED}
         if body.get("echo") and body.get("logprobs") is None:
             # the token the producer adds after an echoed prompt is known by its logprob
             out["logprobs"] = 0
@@ -110,12 +113,12 @@ class NixlConnector:
         return out
 
     def decode_body(
-        self, body: dict[str, Any], result: PrefillResult | None, *, endpoint: str
+        self, body: Mapping[str, Any], result: PrefillResult | None, *, endpoint: str
     ) -> dict[str, Any]:
         """The decode leg's body; ``result`` None means same-worker decode (no transfer).
         Prompt logprobs come from the prefill leg: a decode leg streams, and vLLM refuses
         them on a stream."""
-        out = {k: v for k, v in body.items() if k not in _DECODE_DROPPED}
+        out = {k: v for k, v in spliceable(body).items() if k not in _DECODE_DROPPED}
         out["stream"] = True
         if not _asks_usage(body):
             # Token counts (journal, metrics) are the engine's own, from its usage chunk; a
@@ -251,7 +254,7 @@ def _block_ids_problem(ids: object) -> str | None:
     return None
 
 
-def _asks_usage(body: dict[str, Any]) -> bool:
+def _asks_usage(body: Mapping[str, Any]) -> bool:
     """Whether the client asked for the usage chunk (``stream_options.include_usage``)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and bool(options.get("include_usage"))

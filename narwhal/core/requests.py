@@ -14,6 +14,7 @@ producer had computed the prompt and pinned its KV blocks for a decode that neve
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -67,6 +68,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_interval: AtLeastOne | None = None
     truncate_prompt_tokens: Truncation | None = None
     vllm_xargs: dict[str, Any] | None = None
+    echo: Any = None  # what is not served for chat is refused, whatever its value
 
     def output_limit(self) -> tuple[str, int] | None:
         """The field that caps the output and its value, as vLLM reads it."""
@@ -90,10 +92,73 @@ class ChatFields(_Common, kw_only=True):
         return super().output_limit()
 
 
+class RequestBody(Mapping[str, Any]):
+    """A client body's top-level fields as the JSON bytes that came, each decoded when the
+    router first reads it. The engine legs' bodies splice these bytes (``raw``: msgspec
+    writes a ``Raw`` as it is), so a prompt or a conversation passes to the engines without
+    being decoded into objects and encoded again."""
+
+    __slots__ = ("_values", "raw")
+
+    def __init__(self, raw: dict[str, msgspec.Raw], values: dict[str, Any] | None = None) -> None:
+        self.raw = raw
+        self._values: dict[str, Any] = {} if values is None else values
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any]) -> RequestBody:
+        """A body of decoded values (a test's, a fan-out child's changes)."""
+        return cls({k: msgspec.Raw(_encode(v)) for k, v in fields.items()}, dict(fields))
+
+    def get(self, key: str, default: Any = None) -> Any:  # the router reads a few, often
+        try:
+            return self._values[key]
+        except KeyError:
+            raw = self.raw.get(key)
+        if raw is None:
+            return default
+        value = self._values[key] = _decode_any(raw)
+        return value
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            value = self._values[key] = _decode_any(self.raw[key])
+            return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
+    def __repr__(self) -> str:
+        return f"RequestBody({bytes(_encode(self.raw))!r})"
+
+    def replace(self, **changes: Any) -> RequestBody:
+        """This body with ``changes`` (new or changed fields); this one is unchanged."""
+        raw = {**self.raw, **{k: msgspec.Raw(_encode(v)) for k, v in changes.items()}}
+        values = {k: v for k, v in self._values.items() if k not in changes}
+        return RequestBody(raw, {**values, **changes})
+
+    def without(self, *keys: str) -> RequestBody:
+        raw = {k: v for k, v in self.raw.items() if k not in keys}
+        return RequestBody(raw, {k: v for k, v in self._values.items() if k not in keys})
+
+
+def spliceable(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A body's fields as a leg's body takes them: a client's as their raw JSON, any other
+    (a resume's continuation, built by the router) as its values."""
+    return body.raw if isinstance(body, RequestBody) else body
+
+
 class ClientRequest(msgspec.Struct):
     endpoint: str
     chat: bool
-    body: dict[str, Any]
+    body: RequestBody
     stream: bool
     include_usage: bool
     n: int = 1  # completions per prompt
@@ -107,21 +172,26 @@ class ClientRequest(msgspec.Struct):
     def split(self) -> list[tuple[int, int, ClientRequest]]:
         """The sub-requests, prompt-major then ``n`` (OpenAI's choice order): (prompt, j,
         request) with one prompt and ``n`` 1 each."""
-        base = {k: v for k, v in self.body.items() if k not in ("n", "best_of")}
-        prompts = self.prompts if self.prompts is not None else [base.get("prompt")]
+        base = self.body.without("n", "best_of")
+        prompts = self.prompts if self.prompts is not None else [None]
         subs = []
         seed = base.get("seed")
         for p, prompt in enumerate(prompts):
             for j in range(self.n):
-                body = {**base, "prompt": prompt} if self.prompts is not None else dict(base)
+                changes: dict[str, Any] = {} if self.prompts is None else {"prompt": prompt}
                 if type(seed) is int and j:  # n samples, not n copies of one
-                    body["seed"] = seed + j
+                    changes["seed"] = seed + j
+                body = base.replace(**changes) if changes else base
                 sub = ClientRequest(self.endpoint, self.chat, body, self.stream, self.include_usage)
                 subs.append((p, j, sub))
         return subs
 
 
 _decode_any = msgspec.json.Decoder().decode
+_decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_completion = msgspec.json.Decoder(CompletionFields).decode
+_decode_chat = msgspec.json.Decoder(ChatFields).decode
+_encode = msgspec.json.Encoder().encode
 _PATH = re.compile(r"at `\$\.([^`\[]+)")
 
 
@@ -129,19 +199,24 @@ def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16
     """Validate a completion or chat body; raise BadRequest / ModelNotServed."""
     chat = endpoint.endswith("/chat/completions")
     try:
-        body = _decode_any(raw)
+        top = _decode_fields(raw)
+    except msgspec.ValidationError:  # valid JSON, but not an object
+        raise BadRequest(f"body: must be a JSON object, got {_kind_of(raw)}", "body") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"body: not valid JSON ({exc})", "body") from None
     except RecursionError:  # a JSON bomb: refuse it, never a 500
         raise BadRequest("body: JSON nested too deeply", "body") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"body: must be a JSON object, got {type(body).__name__}", "body")
     try:
-        fields: _Common = msgspec.convert(body, ChatFields if chat else CompletionFields)
+        fields: _Common = (_decode_chat if chat else _decode_completion)(raw)
     except msgspec.ValidationError as exc:
         match = _PATH.search(str(exc))
         param = match.group(1) if match else _missing_field(str(exc))
         raise BadRequest(f"{param}: {exc}", param) from None
+    except RecursionError:
+        raise BadRequest("body: JSON nested too deeply", "body") from None
+    top.pop("kv_transfer_params", None)
+    # the prompt or the messages, decoded once: placement reads them for every request
+    body = RequestBody(top, _decoded_prompt(fields))
     if fields.model != model:
         raise ModelNotServed(f"model '{fields.model}' is not served here", phase=Phase.ADMISSION)
     if fields.best_of is not None and fields.best_of > 1:
@@ -170,7 +245,6 @@ def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16
             "engines",
             "vllm_xargs.kv_transfer_params",
         )
-    body.pop("kv_transfer_params", None)
     options = fields.stream_options
     return ClientRequest(
         endpoint=endpoint,
@@ -183,17 +257,42 @@ def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16
     )
 
 
+def _all_ints(prompt: list[Any]) -> bool:
+    """Whether a list prompt is token ids (at C speed: a prompt may hold thousands)."""
+    try:
+        msgspec.convert(prompt, list[int])
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+def _kind_of(raw: bytes) -> str:
+    """The Python type a JSON document decodes to, by its first byte."""
+    first = raw.lstrip()[:1]
+    kinds = {b"[": "list", b'"': "str", b"t": "bool", b"f": "bool", b"n": "NoneType"}
+    if first in kinds:
+        return kinds[first]
+    return "float" if any(c in raw for c in b".eE") else "int"
+
+
+def _decoded_prompt(fields: _Common) -> dict[str, Any]:
+    if isinstance(fields, ChatFields):
+        return {"messages": fields.messages}
+    assert isinstance(fields, CompletionFields)
+    return {"prompt": fields.prompt}
+
+
 def _prompts(prompt: Any) -> list[Any] | None:
     """Several prompts (a list of strings or of token-id lists), else None: one prompt,
     whatever its shape (a string, token ids, a list holding one of either)."""
     if not isinstance(prompt, list) or len(prompt) < 2:
         return None
-    if all(type(p) is int for p in prompt):
+    if _all_ints(prompt):
         return None  # one prompt as token ids
     return list(prompt)
 
 
-def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
+def _refuse_what_is_not_served(fields: _Common, body: Mapping[str, Any]) -> None:
     """SPEC 3: a requested field is never silently dropped. What the router does not serve
     yet (echo in chat) is a 400 naming the field, never an answer that lacks what was asked
     for; prompt logprobs on a stream are refused as vLLM refuses them."""
@@ -201,24 +300,24 @@ def _refuse_what_is_not_served(fields: _Common, body: dict[str, Any]) -> None:
     if isinstance(prompt, list):
         if not prompt:
             raise BadRequest("prompt: an empty list holds no prompt", "prompt")
-        if any(type(p) is int for p in prompt) and not all(type(p) is int for p in prompt):
+        if not _all_ints(prompt) and any(type(p) is int for p in prompt):
             raise BadRequest(
                 "prompt: a list mixes token ids with prompts; send token ids or prompts",
                 "prompt",
             )
-    if body.get("echo") and getattr(fields, "prompt", None) is None:
+    if fields.echo and getattr(fields, "prompt", None) is None:
         raise BadRequest(
             "echo: served through prefill and decode for completions only (chat's echo of "
             "the last message is not); ask without echo",
             "echo",
         )
-    if body.get("prompt_logprobs") is not None and fields.stream:
+    if fields.prompt_logprobs is not None and fields.stream:
         raise BadRequest(  # vLLM's own rule; served from the prefill leg when not streaming
             "prompt_logprobs: not available when stream is true", "prompt_logprobs"
         )
 
 
-def _check_combinations(fields: _Common, body: dict[str, Any]) -> None:
+def _check_combinations(fields: _Common, body: Mapping[str, Any]) -> None:
     """The rules that involve two fields (each field's own range is in its annotation)."""
     limit = fields.output_limit()
     if fields.min_tokens is not None and limit is not None and fields.min_tokens > limit[1]:
@@ -227,7 +326,8 @@ def _check_combinations(fields: _Common, body: dict[str, Any]) -> None:
             f"min_tokens: must not exceed {name} (min_tokens={fields.min_tokens}, {name}={value})",
             "min_tokens",
         )
-    if body.get("stream_options") and not fields.stream:  # vLLM's own test: truthy options
+    # vLLM's own test: truthy options (``{}`` passes); decoded only when they are there
+    if fields.stream_options is not None and not fields.stream and body["stream_options"]:
         raise BadRequest(
             "stream_options: can only be defined when stream is true", "stream_options"
         )

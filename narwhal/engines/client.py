@@ -10,6 +10,7 @@ Transport errors become engine faults here, at the boundary.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -179,7 +180,7 @@ class EngineClient:
         self,
         url: str,
         endpoint: str,
-        body: dict[str, Any],
+        body: Mapping[str, Any],
         *,
         request_id: str = "",
         trace: Headers = NO_HEADERS,
@@ -195,7 +196,7 @@ class EngineClient:
         self,
         url: str,
         endpoint: str,
-        body: dict[str, Any],
+        body: Mapping[str, Any],
         result: PrefillResult | None,
         *,
         request_id: str = "",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -764,14 +764,14 @@ class RequestRun(RunRecord):
         path = self._path
         return path is not None and path.first_token_at is not None
 
-    def _leg_request(self, *, decode: bool) -> tuple[str, dict[str, Any]]:
+    def _leg_request(self, *, decode: bool) -> tuple[str, Mapping[str, Any]]:
         """A leg's endpoint and body: the client's, or a resume's continuation. With resume
         on, a decode leg reports its token ids (the client sees only what it asked for)."""
         if self._continuation is not None:
             return resume.ENDPOINT, self._continuation
         body = self.req.body
         if decode and self._kept is not None and self._refused is None:
-            body = {**body, "return_token_ids": True}
+            body = body.replace(return_token_ids=True)
         return self.req.endpoint, body
 
     def _answer_side(self) -> Assembler | None:

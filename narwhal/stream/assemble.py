@@ -16,6 +16,7 @@ Per choice index:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -137,7 +138,7 @@ class Assembler:
         self.prompt_logprobs: Any = None  # from the prefill leg, which computed the prompt
         self.echo: Echo | None = None
 
-    def prompt_side(self, prefill: PrefillResult, asked: dict[str, Any]) -> None:
+    def prompt_side(self, prefill: PrefillResult, asked: Mapping[str, Any]) -> None:
         """What the client asked of the prompt, from the prefill leg that computed it:
         ``prompt_logprobs`` (also implied by ``echo`` with ``logprobs``, as vLLM does) and
         the echoed prompt with its logprobs."""
@@ -325,7 +326,7 @@ class Echo:
             self._merge(choice)
 
 
-def prompt_echo(prefill: PrefillResult, asked: dict[str, Any], *, chat: bool) -> Echo | None:
+def prompt_echo(prefill: PrefillResult, asked: Mapping[str, Any], *, chat: bool) -> Echo | None:
     """The echo a client asked for (completions only), streamed or not."""
     if chat or not asked.get("echo"):
         return None

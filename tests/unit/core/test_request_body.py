@@ -90,9 +90,11 @@ def test_values_the_router_does_not_change_reach_both_legs_byte_for_byte() -> No
         b'"x_precise":0.30000000000000004000',
         b'"x_nested":{ "a" : [1, 2] }',
     ):
-        assert as_sent in prefill and as_sent in decode
+        assert as_sent in prefill
+        assert as_sent in decode
     assert b'"kv_transfer_params":' + DESCRIPTOR in decode  # the producer's, as it came
-    assert b'"max_tokens":1' in prefill and b'"max_tokens":4' in decode
+    assert b'"max_tokens":1' in prefill
+    assert b'"max_tokens":4' in decode
     assert req.body["prompt"] == "café \U0001f600"
 
 
@@ -105,7 +107,8 @@ def test_a_changed_body_is_a_new_body() -> None:
     assert req.body == {"model": "m", "prompt": "p", "seed": 3, "n": 2}
     assert req.body.without("n", "seed") == {"model": "m", "prompt": "p"}
     assert RequestBody.of({"prompt": [1, 2]}).raw == {"prompt": msgspec.Raw(b"[1,2]")}
-    assert req.body.get("absent", "default") == "default" and "absent" not in req.body
+    assert req.body.get("absent", "default") == "default"
+    assert "absent" not in req.body
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from narwhal.core.connector import NixlConnector, PrefillResult
-from narwhal.core.requests import BadRequest, RequestBody, parse_request
+from narwhal.core.faults import BadRequest
+from narwhal.core.requests import RequestBody, parse_request
 
 MODEL = "m"
 COMPLETIONS = "/v1/completions"

@@ -9,9 +9,9 @@ token ids) runs through ``parse_request``, ``NixlConnector.prefill_body``, ``ext
 ``decode_body`` with both legs' bodies encoded, as the engine client sends them. Figures:
 
 - CPU time per request, the best of ``--rounds`` rounds of ``--requests`` requests;
-- what one request holds once both legs' bodies are built (tracemalloc: bytes and blocks
-  still allocated, with the request's products alive), and its peak while they are built;
-- the blocks allocated and freed along the way (tracemalloc snapshots after each step).
+- what one request holds while its decode streams (tracemalloc: bytes and blocks still
+  allocated with the request, its placement keys and its descriptor alive), and its peak
+  while the legs' bodies are built.
 
 With ``--baseline PATH`` the same script runs again in a child process on the narwhal of
 that checkout, and the table shows both with their ratio. Nothing here is asserted.
@@ -113,18 +113,27 @@ WORKLOADS: dict[str, tuple[str, bytes]] = {
 
 
 def one_request(endpoint: str, raw: bytes) -> tuple[object, ...]:
-    """The request path's body work for one request; returns what the request keeps."""
+    """The request path's body work for one request, as ``RequestRun`` does it: parse,
+    what placement keys on, both legs' bodies encoded (each is let go once sent), the
+    producer's answer read. Returns what the request holds while its decode streams."""
     from narwhal.core.connector import NixlConnector
+    from narwhal.core.policies import prefix_key
+    from narwhal.core.prefix_index import prompt_of
     from narwhal.core.requests import parse_request
 
     connector = NixlConnector()
+    chat = endpoint == CHAT
     req = parse_request(raw, endpoint=endpoint, model=MODEL)
-    prefill = _encode(connector.prefill_body(req.body))
+    keys = prefix_key(req.body, chat=chat), prompt_of(req.body, chat=chat)
+    forget = getattr(req.body, "forget", None)  # a body of decoded values has nothing to drop
+    if forget is not None:
+        forget()
+    _encode(connector.prefill_body(req.body))
     result = connector.extract(
         PREFILL_ANSWER, producer_url="http://127.0.0.1:1", endpoint=endpoint, request_id="r1"
     )
-    decode = _encode(connector.decode_body(req.body, result, endpoint=endpoint))
-    return req, prefill, result, decode
+    _encode(connector.decode_body(req.body, result, endpoint=endpoint))
+    return req, keys, result
 
 
 def cpu_us(step: Callable[[], object], requests: int, rounds: int) -> float:

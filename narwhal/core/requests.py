@@ -138,6 +138,11 @@ class RequestBody(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"RequestBody({bytes(_encode(self.raw))!r})"
 
+    def forget(self) -> None:
+        """Drop the decoded values (a long prompt's objects are several times its JSON); a
+        later read decodes again. For once placement has read what it keys on."""
+        self._values = {}
+
     def replace(self, **changes: Any) -> RequestBody:
         """This body with ``changes`` (new or changed fields); this one is unchanged."""
         raw = {**self.raw, **{k: msgspec.Raw(_encode(v)) for k, v in changes.items()}}

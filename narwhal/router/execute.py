@@ -273,6 +273,12 @@ class RequestRun(RunRecord):
         placement = config.placement
         # the prefix index is kept when placement reads it
         self._indexing = placement.prefix_affinity or decode_first(placement)
+        # what placement keys on, read once; the body then holds only the JSON that came
+        if placement.prefix_affinity:
+            self._prefix = prefix_key(req.body, chat=req.chat)
+        if self._indexing or placement.local_prefill_tokens > 0:
+            self._prompt = prompt_of(req.body, chat=req.chat)
+        req.body.forget()
         self._reply: list[str] | None = None  # the generated text, for the index
         self._local_prompt_tokens: int | None = None
         # stream resume (SPEC 6.4): what the stream keeps to continue, why it may not

@@ -376,9 +376,11 @@ def start_narwhal(
     name: str = "narwhal",
     root: str | None = None,
     pure: bool = False,
+    launcher: tuple[str, ...] = ("-m", "narwhal"),
 ) -> tuple[Proc, str]:
     """This tree's narwhal, or with ``root`` the narwhal of that checkout (``--baseline``);
-    ``pure``: its pure-Python build (NARWHAL_PURE=1, docs/build.md)."""
+    ``pure``: its pure-Python build (NARWHAL_PURE=1, docs/build.md); ``launcher``: what
+    the interpreter runs, the command line's arguments after it."""
     return serve_narwhal(
         f'model = "{MODEL}"\n'
         + engines_toml([p_url], [d_url])
@@ -391,6 +393,7 @@ def start_narwhal(
         name=name,
         root=root,
         pure=pure,
+        launcher=launcher,
     )
 
 
@@ -401,6 +404,7 @@ def serve_narwhal(
     name: str = "narwhal",
     root: str | None = None,
     pure: bool = False,
+    launcher: tuple[str, ...] = ("-m", "narwhal"),
 ) -> tuple[Proc, str]:
     """``narwhal serve`` on a fleet file of this text; (process, URL). With ``root``, the
     narwhal of that checkout runs (``--baseline``)."""
@@ -409,8 +413,7 @@ def serve_narwhal(
     proc = Proc(
         [
             sys.executable,
-            "-m",
-            "narwhal",
+            *launcher,
             "serve",
             "--config",
             str(fleet),

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
 from typing import Any
 
 from opentelemetry import trace
@@ -175,34 +175,40 @@ def end(span: Span | None, outcome: str, message: str | None = None, **attrs: An
 
 
 class Ending:
-    """How the block of ``ended`` went, when it handled a fault itself (a retried attempt)."""
+    """Ends ``span`` (None: tracing off, nothing to do) when its block exits: ``completed``;
+    ``failed`` with the message of the fault it raised, or of the one it handled and told
+    (``fail``); ``error`` for a bug of ours; ``cancelled`` for anything else (a
+    cancellation, a client gone). ``attrs``: what is known only at the end. A class, not a
+    generator: one is held across each decode leg (bench/held_stream_objects.py)."""
 
-    __slots__ = ("message",)
+    __slots__ = ("attrs", "message", "span")
 
-    def __init__(self) -> None:
+    def __init__(
+        self, span: Span | None, attrs: Callable[[], dict[str, Any]] | None = None
+    ) -> None:
+        self.span = span
+        self.attrs = attrs
         self.message: str | None = None
 
     def fail(self, message: str) -> None:
         self.message = message
 
+    def __enter__(self) -> Ending:
+        return self
 
-@contextmanager
-def ended(span: Span | None, attrs: Callable[[], dict[str, Any]] | None = None) -> Iterator[Ending]:
-    """End ``span`` (None: tracing off, nothing to do) when the block exits: ``completed``;
-    ``failed`` with the message of the fault it raised, or of the one it handled and told
-    (``Ending.fail``); ``error`` for a bug of ours; ``cancelled`` for anything else (a
-    cancellation, a client gone). ``attrs``: what is known only at the end."""
-    ending = Ending()
-    outcome = "cancelled"
-    try:
-        yield ending
-        outcome = "completed" if ending.message is None else "failed"
-    except RequestFault as fault:
-        outcome, ending.message = "failed", fault.message
-        raise
-    except Exception:
-        outcome = "error"
-        raise
-    finally:
-        if span is not None:
-            end(span, outcome, ending.message, **(attrs() if attrs is not None else {}))
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.span is None:
+            return
+        if exc is None:
+            outcome = "completed" if self.message is None else "failed"
+        elif isinstance(exc, RequestFault):
+            outcome, self.message = "failed", exc.message
+        else:
+            outcome = "error" if isinstance(exc, Exception) else "cancelled"
+        attrs = self.attrs() if self.attrs is not None else {}
+        end(self.span, outcome, self.message, **attrs)

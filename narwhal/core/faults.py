@@ -13,10 +13,9 @@ which every client answer and terminal stream event is built from, names the eng
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from enum import StrEnum
 from functools import lru_cache
+from types import TracebackType
 from typing import Any, Self
 from urllib.parse import urlsplit
 
@@ -337,11 +336,25 @@ class ModelNotServed(RequestFault):
     kind = "not_found_error"
 
 
-@contextmanager
-def faults_of(engine_id: str, engine_url: str) -> Iterator[None]:
+class EngineFaults:
     """A leg's faults are its engine's: whatever fault is raised inside is raised again as
-    ``fault.at(engine_id, engine_url)`` (httpcore's ``map_exceptions`` is the model)."""
-    try:
-        yield
-    except RequestFault as fault:
-        raise fault.at(engine_id, engine_url) from fault.__cause__
+    ``fault.at(engine_id, engine_url)`` (httpcore's ``map_exceptions`` is the model). A
+    class, not a generator: one is held across each decode leg."""
+
+    __slots__ = ("engine_id", "engine_url")
+
+    def __init__(self, engine_id: str, engine_url: str) -> None:
+        self.engine_id = engine_id
+        self.engine_url = engine_url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, RequestFault):
+            raise exc.at(self.engine_id, self.engine_url) from exc.__cause__

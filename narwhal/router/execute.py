@@ -29,6 +29,7 @@ from narwhal.core.disaggregation import decide as decide_local
 from narwhal.core.faults import (
     BreakerClass,
     DeadlineExpired,
+    EngineFaults,
     FirstTokenTimeout,
     HandoffExpired,
     NoCapacity,
@@ -38,7 +39,6 @@ from narwhal.core.faults import (
     RequestFault,
     ShuttingDown,
     SilenceTimeout,
-    faults_of,
 )
 from narwhal.core.fleet import DecodeClaim, EngineState, Fleet, Leg
 from narwhal.core.handoff import Fate, Handoff, too_old
@@ -57,7 +57,7 @@ from narwhal.router.stream_reactor import StreamReactor
 from narwhal.router.token_path import ClientStream, DirectWrite, TokenPath
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo
 from narwhal.stream.continuation import Kept, Reframer, without_ids
-from narwhal.stream.rules import Rewrite, StreamRelay
+from narwhal.stream.rules import Reply, Rewrite, StreamRelay
 from narwhal.stream.sse import frame
 
 PHASE_OF = {
@@ -104,6 +104,27 @@ class RunRecord:
     """What every run of a client request records for ``Router.handle``: its lifecycle,
     outcome and journal line, and how a fault is told to the client. ``RequestRun`` is one
     prefill/decode chain; ``narwhal.router.fanout.FanOutRun`` several."""
+
+    # slotted: a held stream's run is one of its larger objects (bench/held_stream_objects.py)
+    __slots__ = (
+        "arrival",
+        "arrived_at",
+        "caller",
+        "cancelled_in",
+        "config",
+        "cut",
+        "fault",
+        "flow",
+        "lifecycle",
+        "outcome",
+        "queued_s",
+        "req",
+        "rid",
+        "sink",
+        "span",
+        "status",
+        "trace",
+    )
 
     def __init__(
         self,
@@ -243,6 +264,33 @@ class RunRecord:
 class RequestRun(RunRecord):
     """One prefill/decode chain: attempts, legs, the relay shell, measurements."""
 
+    __slots__ = (
+        "_attempt_span",
+        "_claim",
+        "_collector",
+        "_continuation",
+        "_echo",
+        "_indexing",
+        "_kept",
+        "_last_output_at",
+        "_local_prompt_tokens",
+        "_path",
+        "_prefix",
+        "_prompt",
+        "_refused",
+        "_reply",
+        "_resume_counted",
+        "_resumes",
+        "attempts",
+        "choice",
+        "failed_engines",
+        "first_byte_s",
+        "prefill_result",
+        "router",
+        "tokens",
+        "ttft_s",
+    )
+
     def __init__(
         self,
         router: RouterState,
@@ -279,7 +327,7 @@ class RequestRun(RunRecord):
         if self._indexing or placement.local_prefill_tokens > 0:
             self._prompt = prompt_of(req.body, chat=req.chat)
         req.body.forget()
-        self._reply: list[str] | None = None  # the generated text, for the index
+        self._reply: Reply | None = None  # the generated text, for the index
         self._local_prompt_tokens: int | None = None
         # stream resume (SPEC 6.4): what the stream keeps to continue, why it may not
         self._kept: Kept | None = None
@@ -314,7 +362,7 @@ class RequestRun(RunRecord):
         while True:
             metrics.attempts.inc()
             span = self._attempt_span = self._start_attempt_span()
-            with tracing.ended(span, self._attempt_figures) as ending:
+            with tracing.Ending(span, self._attempt_figures) as ending:
                 try:
                     await (self._attempt() if self._continuation is None else self._resume())
                     self._resumed_stream_ended("completed")
@@ -556,7 +604,7 @@ class RequestRun(RunRecord):
         """The consumer's context length, asked at each resume (``/v1/models``, within the
         health checks' bound): an engine restarted since may have another. None: unknown."""
         with trio.move_on_after(self.config.engine.health_timeout_s):
-            with faults_of(consumer.id, consumer.url):
+            with EngineFaults(consumer.id, consumer.url):
                 status, models = await self.router.client.get(consumer.url, "/v1/models")
             return resume.context_of(models, self.config.model) if status == 200 else None
         return None
@@ -674,10 +722,10 @@ class RequestRun(RunRecord):
         budget = self.config.serving.prefill_timeout_s
         backend_id = f"{self.rid}-a{number}-prefill"
         span = self._leg_span("prefill", producer, backend_id)
-        with tracing.ended(span):
+        with tracing.Ending(span):
             with trio.move_on_after(budget) as prefill_clock:
                 async with router.fleet.reserve(producer, "prefill"):
-                    with faults_of(producer.id, producer.url):
+                    with EngineFaults(producer.id, producer.url):
                         endpoint, body = self._leg_request(decode=False)
                         return await router.client.prefill(
                             producer.url,
@@ -708,7 +756,7 @@ class RequestRun(RunRecord):
         def at_end() -> dict[str, Any]:  # the decode's figures are known once it ended
             return {"tokens": self.tokens, "kv_transfer": result is not None}
 
-        with tracing.ended(span, at_end):
+        with tracing.Ending(span, at_end):
             await self._decode_leg(consumer, result, handoff, backend_id, span, budget)
         # it holds the prompt now, and what it generated: a next turn starts with both
         self._remember(consumer, self._consumer_holds())
@@ -716,7 +764,7 @@ class RequestRun(RunRecord):
     def _consumer_holds(self) -> Prompt | None:
         if not self._indexing or self._reply is None:
             return None
-        reply = reply_text("".join(self._reply), chat=self.req.chat)
+        reply = reply_text(self._reply.text(), chat=self.req.chat)
         return self._prompt_blocks().followed_by(reply)
 
     def _remember(self, engine: EngineState, prompt: Prompt | None) -> None:
@@ -746,7 +794,7 @@ class RequestRun(RunRecord):
         # decode_clock: first-token budget until the first token, then silence budget.
         decode_clock = trio.CancelScope(deadline=trio.current_time() + first_token_s)
         reservation = router.fleet.reserve(consumer, "decode", self._claim)
-        with decode_clock, faults_of(consumer.id, consumer.url):
+        with decode_clock, EngineFaults(consumer.id, consumer.url):
             async with reservation, stream:
                 if handoff is not None:  # the consumer took the request: reading the
                     handoff.fate = Fate.DECODED  # blocks is its job now

@@ -48,6 +48,15 @@ _INPUT_TO = {
 class FanOutRun(RunRecord):
     """One client request answered by several prefill/decode requests."""
 
+    __slots__ = (
+        "_answers",
+        "_template",
+        "_usage",
+        "_write_lock",
+        "children",
+        "prompt_of",
+    )
+
     def __init__(
         self,
         router: RouterState,

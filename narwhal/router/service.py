@@ -26,13 +26,13 @@ from narwhal.core.classify import Flow
 from narwhal.core.config import ConfigError, FleetConfig, load_config
 from narwhal.core.faults import (
     DeadlineExpired,
+    EngineFaults,
     InternalError,
     NoCapacity,
     Phase,
     PrefillTimeout,
     RequestFault,
     ShuttingDown,
-    faults_of,
 )
 from narwhal.core.fleet import LEGS, EngineState, Fleet
 from narwhal.core.requests import ClientRequest
@@ -206,15 +206,15 @@ class Router:
             run.trace = tracing.incoming(headers)
         self.admission.admit()
         try:
-            async with trio.open_nursery() as nursery:
-                if on_disconnect is None:
+            if on_disconnect is not None:  # the front door calls back: no task, no nursery
+                with trio.CancelScope() as scope:
+                    on_disconnect(partial(self._disconnected, scope, run))
+                    await self._run_until_deadline(run)
+            else:
+                async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, run)
-                else:
-                    on_disconnect(partial(self._disconnected, nursery.cancel_scope, run))
-                await self._run_until_deadline(run)
-                if on_disconnect is None:
-                    nursery.cancel_scope.cancel()  # the watcher's task (trio names the
-                    # cancelling task in each cancel: not paid where there is no task)
+                    await self._run_until_deadline(run)
+                    nursery.cancel_scope.cancel()  # the watcher's task
         finally:
             if not run.lifecycle.finished:
                 run.cancel()  # the client is gone (or so is the notice of its failure)
@@ -351,7 +351,7 @@ class Router:
                     attempt.producer = engine.id
                 budget = serving.prefill_timeout_s
                 with trio.move_on_after(budget):
-                    with faults_of(engine.id, engine.url):
+                    with EngineFaults(engine.id, engine.url):
                         return await self.client.pass_through(
                             engine.url,
                             path,

@@ -89,6 +89,32 @@ class Collector(Protocol):
     def body(self) -> bytes: ...
 
 
+REPLY_PIECE = 32  # tokens' texts joined into one string
+
+
+class Reply:
+    """The first choice's generated text, kept for the prefix index. Joined every
+    ``REPLY_PIECE`` tokens: a string per token would cost an object (about 50 bytes)
+    beside the few bytes of its text, for as long as the stream is open."""
+
+    __slots__ = ("_pieces", "_tail")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._tail = 0  # pieces added since the last join
+
+    def add(self, text: str) -> None:
+        pieces = self._pieces
+        pieces.append(text)
+        self._tail += 1
+        if self._tail == REPLY_PIECE:
+            pieces[-REPLY_PIECE:] = ["".join(pieces[-REPLY_PIECE:])]
+            self._tail = 0
+
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+
 class StreamRelay:
     """One decode stream's rules. ``collector`` None: the client streams (SSE relayed)."""
 
@@ -124,7 +150,7 @@ class StreamRelay:
         self._rewrite = rewrite
         # the first choice's generated text, kept for the prefix index (a consumer caches
         # what it generated: the next turn of a conversation starts with it)
-        self.reply: list[str] | None = [] if keep_reply else None
+        self.reply: Reply | None = Reply() if keep_reply else None
         self._strip_usage = strip_usage and collector is None
         self._parser = SSEParser()
         self._held: list[bytes] = []  # framed metadata waiting for the first token
@@ -206,10 +232,10 @@ class StreamRelay:
         return Finish(b"".join(out) + DONE_FRAME)
 
 
-def _keep_text(chunk: Chunk, reply: list[str]) -> None:
+def _keep_text(chunk: Chunk, reply: Reply) -> None:
     for choice in chunk.choices:
         if choice.index == 0:
             delta = choice.delta
             text = choice.text if delta is None else delta.content
             if text:
-                reply.append(text)
+                reply.add(text)

@@ -104,6 +104,7 @@ def report(
     streams: int,
     top: int,
     detail: str | None = None,
+    made_by: str | None = None,
 ) -> str:
     lines = ["| file | bytes per stream | objects per stream |", "|---|---|---|"]
     diff = after.compare_to(before, "filename")
@@ -132,6 +133,16 @@ def report(
                 inner[f"{frame.filename.rsplit('/', 2)[-2:]}:{frame.lineno}"] += d.size_diff
         for key, size in inner.most_common(top):
             lines.append(f"| {key} | {size / streams:.0f} | |")
+    if made_by is not None:
+        lines += ["", f"| {made_by}, made under | bytes per stream | objects |", "|---|---|---|"]
+        under: Counter[str] = Counter()
+        made: Counter[str] = Counter()
+        for d in after.compare_to(before, "traceback"):
+            if made_by in d.traceback[-1].filename:
+                under[ours(d.traceback)] += d.size_diff
+                made[ours(d.traceback)] += d.count_diff
+        for key, size in under.most_common(top):
+            lines.append(f"| {key} | {size / streams:.0f} | {made[key] / streams:.1f} |")
     return "\n".join(lines)
 
 
@@ -144,6 +155,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=12)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--detail", help="break down this narwhal file:line by inner frame")
+    parser.add_argument("--made-by", help="where the objects this file allocates are made")
     parser.add_argument(
         "--pure", action="store_true", help="the pure build: compiled code shows no frames"
     )
@@ -169,13 +181,11 @@ def main() -> None:
         )
         try:
             port = int(url.rsplit(":", 1)[1])
-            before, after = trio.run(
-                hold_and_snapshot, port, router.proc.pid, folder, args.streams
-            )
+            before, after = trio.run(hold_and_snapshot, port, router.proc.pid, folder, args.streams)
         finally:
             for proc in (router, *engines):
                 proc.stop()
-    print(report(before, after, args.streams, args.top, args.detail))
+    print(report(before, after, args.streams, args.top, args.detail, args.made_by))
 
 
 if __name__ == "__main__":

@@ -71,18 +71,22 @@ from h11._readers import ChunkedReader
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
-from hypercorn.trio.task_group import TaskGroup
+from hypercorn.trio.task_group import TaskGroup, _handle
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
 from narwhal.core.faults import error_json
 from narwhal.fast_io import STREAM_GONE, read_when_ready, write_nowait
+from narwhal.frontdoor.app_queue import AppQueue
 from narwhal.frontdoor.direct import DIRECT_BODY, ON_DISCONNECT, DirectBody
 
 log = logging.getLogger("narwhal.connection")
 # what ClientConnection copies, overrides or relies on (narwhal.frontdoor.shapes checks it at start)
 SHAPES = {
+    # AppTaskGroup's: the receive queue it replaces, and the app runner it calls as it is
+    "hypercorn.trio.task_group:TaskGroup.spawn_app": "487c35772c8bd89c",
+    "hypercorn.trio.task_group:_handle": "06081a56a9930825",
     "hypercorn.trio.tcp_server:TCPServer.run": "30e3a0c602fd1a3e",  # copied as _serve
     "hypercorn.trio.tcp_server:TCPServer.protocol_send": "22b51ba714d07580",
     # its send_lock, which SendLock replaces (protocol_send takes it with ``async with``)
@@ -399,6 +403,28 @@ class Http11Protocol(H11Protocol):
         await super()._close_stream()
 
 
+class AppTaskGroup(TaskGroup):
+    """Hypercorn's task group, whose app task takes its events from an ``AppQueue`` (a
+    list) rather than a trio memory channel: about 1.3 KB less for each open request."""
+
+    async def spawn_app(
+        self, app: Any, config: Any, scope: Any, send: Callable[[Any], Awaitable[None]]
+    ) -> Callable[[Any], Awaitable[None]]:
+        queue = AppQueue(config.max_app_queue_size)
+        assert self._nursery is not None
+        self._nursery.start_soon(
+            _handle,
+            app,
+            config,
+            scope,
+            queue.get,
+            send,
+            trio.to_thread.run_sync,
+            trio.from_thread.run,
+        )
+        return queue.put
+
+
 class Http11Only:
     """Takes the place of hypercorn's ``ProtocolWrapper``, which switches to HTTP/2."""
 
@@ -532,7 +558,7 @@ class ClientConnection(TCPServer):
         try:
             client = parse_socket_addr(socket.family, socket.getpeername())
             server = parse_socket_addr(socket.family, socket.getsockname())
-            async with TaskGroup() as task_group:
+            async with AppTaskGroup() as task_group:
                 self._task_group = task_group
                 h11_protocol = Http11Protocol(
                     self.app,

@@ -111,6 +111,7 @@ class RunRecord:
         "arrived_at",
         "caller",
         "cancelled_in",
+        "client_left",
         "config",
         "cut",
         "fault",
@@ -152,6 +153,7 @@ class RunRecord:
         # tracing off: the client's traceparent/tracestate, which every leg carries unchanged
         self.trace: tracing.Headers = tracing.NO_HEADERS
         self.cut = False  # the last write (the answer's end) was cut on its way: not whole
+        self.client_left = False  # its client's disconnect cancelled it (nobody to tell)
         self.flow = Flow()  # its class and fairness key in the admission queue (SPEC 4.5)
         self.queued_s = 0.0  # how long it waited there
 

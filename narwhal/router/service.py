@@ -206,14 +206,15 @@ class Router:
             run.trace = tracing.incoming(headers)
         self.admission.admit()
         try:
+            # one scope ends the request: its deadline, the drain's, its client's disconnect
+            limit = trio.CancelScope(deadline=min(run.deadline, self.drain_deadline))
             if on_disconnect is not None:  # the front door calls back: no task, no nursery
-                with trio.CancelScope() as scope:
-                    on_disconnect(partial(self._disconnected, scope, run))
-                    await self._run_until_deadline(run)
+                on_disconnect(partial(self._disconnected, limit, run))
+                await self._run_until_deadline(run, limit)
             else:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._watch, wait_disconnect, nursery.cancel_scope, run)
-                    await self._run_until_deadline(run)
+                    nursery.start_soon(self._watch, wait_disconnect, limit, run)
+                    await self._run_until_deadline(run, limit)
                     nursery.cancel_scope.cancel()  # the watcher's task
         finally:
             if not run.lifecycle.finished:
@@ -241,12 +242,13 @@ class Router:
                 log_context.reset(traced)
         return run
 
-    async def _run_until_deadline(self, run: Run) -> None:
-        """``run`` until its deadline, or the drain's if a graceful shutdown ends first: one
-        scope, whose deadline ``begin_drain`` brings forward (``_running``)."""
+    async def _run_until_deadline(self, run: Run, limit: trio.CancelScope) -> None:
+        """``run`` within ``limit``: until its deadline, or the drain's if a graceful
+        shutdown ends first (``begin_drain`` brings the deadline forward: ``_running``), or
+        until its client leaves (``_disconnected`` cancels it, perhaps before it starts)."""
         timeout = run.config.serving.request_timeout_s
-        deadline = run.arrival + timeout
-        with trio.CancelScope(deadline=min(deadline, self.drain_deadline)) as limit:
+        deadline = run.deadline
+        with limit:
             self._running.add(limit)
             dispatched = False
             try:
@@ -273,7 +275,7 @@ class Router:
                     self.admission.done()
                 else:  # it left the queue another way: its wait is all it did
                     run.queued_s = trio.current_time() - run.arrival
-        if limit.cancelled_caught:
+        if limit.cancelled_caught and not run.client_left:  # else nobody is left to tell
             ended: RequestFault = DeadlineExpired(timeout, phase=run.phase)
             if self.drain_deadline < deadline:  # the drain's deadline was the one that came
                 grace = self.config.serving.graceful_timeout_s
@@ -545,6 +547,7 @@ class Router:
             # is left (reading the engine's end of body) must not be cancelled for it
             return
         self.disconnects += 1
+        run.client_left = True
         scope.cancel()
 
     async def aclose(self) -> None:

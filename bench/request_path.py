@@ -125,7 +125,7 @@ def one_request(endpoint: str, raw: bytes) -> tuple[object, ...]:
     chat = endpoint == CHAT
     req = parse_request(raw, endpoint=endpoint, model=MODEL)
     keys = prefix_key(req.body, chat=chat), prompt_of(req.body, chat=chat)
-    forget = getattr(req.body, "forget", None)  # a body of decoded values has nothing to drop
+    forget = getattr(req.body, "forget_prompt", None)  # a dict body has nothing to drop
     if forget is not None:
         forget()
     _encode(connector.prefill_body(req.body))

@@ -92,6 +92,39 @@ class ChatFields(_Common, kw_only=True):
         return super().output_limit()
 
 
+# guided decoding in its every spelling (vLLM 0.32 and the older ``guided_*`` fields)
+GUIDED = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
+# The fields the router reads by value; every other one it only splices. Decoded with the
+# body, where one nested too deeply is a 400 naming the body: read later, at a deeper
+# stack, the same nesting would exceed the recursion limit mid-request.
+READ = (
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "return_token_ids",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "stop",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "seed",
+    *GUIDED,
+)
+PROMPT = ("prompt", "messages")  # decoded for validation, kept until placement has read them
+
+
 class RequestBody(Mapping[str, Any]):
     """A client body's top-level fields as the JSON bytes that came, each decoded when the
     router first reads it. The engine legs' bodies splice these bytes (``raw``: msgspec
@@ -116,14 +149,14 @@ class RequestBody(Mapping[str, Any]):
             raw = self.raw.get(key)
         if raw is None:
             return default
-        value = self._values[key] = _decode_any(raw)
+        value = self._values[key] = _decode_field(key, raw)
         return value
 
     def __getitem__(self, key: str) -> Any:
         try:
             return self._values[key]
         except KeyError:
-            value = self._values[key] = _decode_any(self.raw[key])
+            value = self._values[key] = _decode_field(key, self.raw[key])
             return value
 
     def __iter__(self) -> Iterator[str]:
@@ -138,10 +171,11 @@ class RequestBody(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"RequestBody({bytes(_encode(self.raw))!r})"
 
-    def forget(self) -> None:
-        """Drop the decoded values (a long prompt's objects are several times its JSON); a
-        later read decodes again. For once placement has read what it keys on."""
-        self._values = {}
+    def forget_prompt(self) -> None:
+        """Drop the decoded prompt or messages (their objects are several times their
+        JSON); a later read decodes them again. For once placement has read them."""
+        for key in PROMPT:
+            self._values.pop(key, None)
 
     def replace(self, **changes: Any) -> RequestBody:
         """This body with ``changes`` (new or changed fields); this one is unchanged."""
@@ -152,6 +186,13 @@ class RequestBody(Mapping[str, Any]):
     def without(self, *keys: str) -> RequestBody:
         raw = {k: v for k, v in self.raw.items() if k not in keys}
         return RequestBody(raw, {k: v for k, v in self._values.items() if k not in keys})
+
+
+def _decode_field(key: str, raw: msgspec.Raw) -> Any:
+    try:
+        return _decode_any(raw)
+    except RecursionError:  # never a field the router reads: those are decoded with the body
+        raise BadRequest(f"{key}: JSON nested too deeply", key) from None
 
 
 def spliceable(body: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -203,8 +244,16 @@ _PATH = re.compile(r"at `\$\.([^`\[]+)")
 def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16) -> ClientRequest:
     """Validate a completion or chat body; raise BadRequest / ModelNotServed."""
     chat = endpoint.endswith("/chat/completions")
+    if not raw.isascii():  # a skipped or spliced field is not checked by the decoders
+        try:
+            raw.decode()
+        except UnicodeDecodeError as exc:
+            raise BadRequest(
+                f"body: not valid JSON (invalid UTF-8 at byte {exc.start})", "body"
+            ) from None
     try:
         top = _decode_fields(raw)
+        values = _decoded(top)
     except msgspec.ValidationError:  # valid JSON, but not an object
         raise BadRequest(f"body: must be a JSON object, got {_kind_of(raw)}", "body") from None
     except msgspec.DecodeError as exc:
@@ -217,11 +266,14 @@ def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16
         match = _PATH.search(str(exc))
         param = match.group(1) if match else _missing_field(str(exc))
         raise BadRequest(f"{param}: {exc}", param) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"body: not valid JSON ({exc})", "body") from None
     except RecursionError:
         raise BadRequest("body: JSON nested too deeply", "body") from None
     top.pop("kv_transfer_params", None)
     # the prompt or the messages, decoded once: placement reads them for every request
-    body = RequestBody(top, _decoded_prompt(fields))
+    values.update(_decoded_prompt(fields))
+    body = RequestBody(top, values)
     if fields.model != model:
         raise ModelNotServed(f"model '{fields.model}' is not served here", phase=Phase.ADMISSION)
     if fields.best_of is not None and fields.best_of > 1:
@@ -278,6 +330,11 @@ def _kind_of(raw: bytes) -> str:
     if first in kinds:
         return kinds[first]
     return "float" if any(c in raw for c in b".eE") else "int"
+
+
+def _decoded(top: dict[str, msgspec.Raw]) -> dict[str, Any]:
+    """The fields the router reads by value (``READ``) that the body has, decoded."""
+    return {key: _decode_any(top[key]) for key in READ if key in top}
 
 
 def _decoded_prompt(fields: _Common) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from narwhal.core.faults import RequestFault
+from narwhal.core.requests import GUIDED, spliceable
 from narwhal.core.retry import RetryBudget
 
 ENDPOINT = "/v1/completions"  # a continuation's: its prompt is token ids
@@ -54,17 +55,6 @@ SAMPLING = (
     "logit_bias",
     "priority",
 )
-# guided decoding in its every spelling (vLLM 0.32 and the older ``guided_*`` fields)
-_GUIDED = (
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-)
 
 
 def refusal(body: Mapping[str, Any], *, chat: bool) -> str | None:
@@ -72,7 +62,7 @@ def refusal(body: Mapping[str, Any], *, chat: bool) -> str | None:
     choice = body.get("tool_choice")
     if choice not in (None, "none") or (body.get("tools") and choice != "none"):
         return "tool calls"
-    for field in _GUIDED:
+    for field in GUIDED:
         value = body.get(field)
         if value is not None and value != {"type": "text"}:  # plain text constrains nothing
             return "guided decoding"
@@ -113,7 +103,8 @@ def continuation(
     sampling fields. Raises ValueError when nothing is left to generate, and for a chat
     without a limit: vLLM reads a null as 16 and refuses one past its context, which the
     router does not know (the chat's own limit was the context's end)."""
-    out: dict[str, Any] = {k: body[k] for k in SAMPLING if k in body}
+    fields = spliceable(body)  # the sampling fields as they came, never decoded here
+    out: dict[str, Any] = {k: fields[k] for k in SAMPLING if k in fields}
     out["model"] = body.get("model")
     out["prompt"] = [*prompt_ids, *sent_ids]
     asked = limit(body, chat=chat)

@@ -328,7 +328,7 @@ class RequestRun(RunRecord):
             self._prefix = prefix_key(req.body, chat=req.chat)
         if self._indexing or placement.local_prefill_tokens > 0:
             self._prompt = prompt_of(req.body, chat=req.chat)
-        req.body.forget()
+        req.body.forget_prompt()
         self._reply: Reply | None = None  # the generated text, for the index
         self._local_prompt_tokens: int | None = None
         # stream resume (SPEC 6.4): what the stream keeps to continue, why it may not

@@ -160,7 +160,7 @@ class Assembler:
         if data.get("usage") is not None:
             self.usage = data["usage"]
         for key, value in data.items():
-            if key not in _RESPONSE_OWN:
+            if key not in _RESPONSE_OWN and (value is not None or key not in self.extra):
                 self.extra[key] = value
         for choice in data.get("choices") or ():
             if isinstance(choice, dict):
@@ -184,7 +184,9 @@ class Assembler:
             fold.finish_reason = choice["finish_reason"]
             fold.stop_reason = choice.get("stop_reason")
         for key, value in choice.items():
-            if key not in _CHOICE_OWN:
+            # a field sent once (the first chunk's prompt_token_ids) and null after it
+            # keeps its value: a null never replaces one
+            if key not in _CHOICE_OWN and (value is not None or key not in fold.extra):
                 fold.extra[key] = value
 
     @staticmethod

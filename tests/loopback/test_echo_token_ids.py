@@ -78,3 +78,30 @@ async def test_without_return_token_ids_nothing_changes(nursery: trio.Nursery) -
     reply = await harness.post("/v1/completions", body)
     assert reply.json()["choices"][0]["prompt_token_ids"] is None
     await finish(harness)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_non_streamed_answer_without_echo_carries_them(
+    nursery: trio.Nursery, chat: bool
+) -> None:
+    """The decode leg streams them in its first chunk only (later chunks say null): the
+    assembled answer keeps the ids, as a lone engine's answer has them."""
+    harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "return_token_ids": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": BODY["prompt"]}]
+    else:
+        body["prompt"] = BODY["prompt"]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    reply = await harness.post(path, body)
+    assert reply.status == 200
+    async with httpcore.AsyncConnectionPool() as http:
+        alone = await http.request(
+            "POST", harness.engines["d0"].url + path, content=msgspec.json.encode(body)
+        )
+    local, routed = msgspec.json.decode(alone.content), reply.json()
+    if not chat:
+        local, routed = local["choices"][0], routed["choices"][0]
+    assert isinstance(local["prompt_token_ids"], list)
+    assert routed["prompt_token_ids"] == local["prompt_token_ids"]
+    await finish(harness)

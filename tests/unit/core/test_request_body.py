@@ -125,3 +125,34 @@ def test_a_field_nested_too_deeply_is_refused_not_crashed() -> None:
     deep = b'{"model":"m","prompt":"p","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     with pytest.raises(BadRequest, match="body: "):
         parse_request(deep, endpoint=COMPLETIONS, model=MODEL)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        b'"prompt":"\xff"',
+        b'"x_user":"\xfe\xff"',  # a field only spliced, never decoded
+        b'"stream_options":{"\xff":true}',
+        b'"stop":["\xed\xa0\x80"]',  # a surrogate, UTF-8 encoded
+    ],
+)
+def test_a_body_that_is_not_utf8_is_refused_whole(field: bytes) -> None:
+    raw = b'{"model":"m","prompt":"p","stream":true,' + field + b"}"
+    with pytest.raises(BadRequest, match=r"body: not valid JSON \(invalid UTF-8 at byte"):
+        parse_request(raw, endpoint=COMPLETIONS, model=MODEL)
+
+
+def test_what_the_router_reads_is_decoded_with_the_body() -> None:
+    """A field nested deep enough to pass at the parser's stack depth, read later from a
+    deeper one: what the router reads was decoded already; any other field read there is
+    a client error, never a crash."""
+    nested = b"[" * 800 + b"]" * 800
+    raw = b'{"model":"m","prompt":"p","tools":' + nested + b',"x_other":' + nested + b"}"
+    req = parse_request(raw, endpoint=COMPLETIONS, model=MODEL)
+
+    def deeper(depth: int, key: str) -> Any:
+        return deeper(depth - 1, key) if depth else req.body[key]
+
+    assert deeper(500, "tools") == msgspec.json.decode(nested)
+    with pytest.raises(BadRequest, match="x_other: JSON nested too deeply"):
+        deeper(500, "x_other")

@@ -122,6 +122,7 @@ READ = (
     "seed",
     *GUIDED,
 )
+_READ = frozenset(READ)
 PROMPT = ("prompt", "messages")  # decoded for validation, kept until placement has read them
 
 
@@ -334,7 +335,7 @@ def _kind_of(raw: bytes) -> str:
 
 def _decoded(top: dict[str, msgspec.Raw]) -> dict[str, Any]:
     """The fields the router reads by value (``READ``) that the body has, decoded."""
-    return {key: _decode_any(top[key]) for key in READ if key in top}
+    return {key: _decode_any(raw) for key, raw in top.items() if key in _READ}
 
 
 def _decoded_prompt(fields: _Common) -> dict[str, Any]:

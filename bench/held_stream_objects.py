@@ -1,7 +1,7 @@
 """What one held stream holds in the router, by the file that allocated it: the Python
 objects behind ``bench/held_streams.py``'s resident memory per stream.
 
-    python bench/held_stream_objects.py [--streams N] [--frames K] [--top T]
+    python bench/held_stream_objects.py [--streams N] [--frames K] [--top T] [--root PATH]
 
 The router runs under tracemalloc (``--frames`` frames a trace) with a SIGUSR1 handler
 that writes a snapshot. Streams are held open as ``held_streams`` holds them (a first
@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument(
         "--pure", action="store_true", help="the pure build: compiled code shows no frames"
     )
+    parser.add_argument("--root", help="another checkout's narwhal, measured instead")
     args = parser.parse_args()
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -167,7 +168,7 @@ def main() -> None:
         os.environ[SNAPSHOTS] = tmp
         scenario = peers.Scenario("held", 1, 1, 200, itl_s=1.0)
         engines, p_url, d_url = peers.start_engines(scenario, folder)
-        launcher = (__file__, AS_ROUTER, str(args.frames))
+        launcher = (str(Path(__file__).absolute()), AS_ROUTER, str(args.frames))
         router, url = peers.serve_narwhal(
             f'model = "{peers.MODEL}"\n'
             + peers.engines_toml([p_url], [d_url])
@@ -178,6 +179,7 @@ def main() -> None:
             folder,
             launcher=launcher,
             pure=args.pure,
+            root=args.root,
         )
         try:
             port = int(url.rsplit(":", 1)[1])

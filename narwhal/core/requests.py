@@ -138,11 +138,6 @@ class RequestBody(Mapping[str, Any]):
         self.raw = raw
         self._values: dict[str, Any] = {} if values is None else values
 
-    @classmethod
-    def of(cls, fields: Mapping[str, Any]) -> RequestBody:
-        """A body of decoded values (a test's, a fan-out child's changes)."""
-        return cls({k: msgspec.Raw(_encode(v)) for k, v in fields.items()}, dict(fields))
-
     def get(self, key: str, default: Any = None) -> Any:  # the router reads a few, often
         try:
             return self._values[key]

@@ -2,9 +2,7 @@
 
 __version__ = "0.8.0.dev0"
 
-import os as _os
+from narwhal import build as _build  # stdlib only: loads before any compiled module
 
-if _os.environ.get("NARWHAL_PURE") == "1":  # the pure-Python build of a compiled tree
-    from narwhal.build import prefer_sources
-
-    prefer_sources()
+if _build.pure_requested():  # the pure-Python build of a compiled tree
+    _build.prefer_sources()

@@ -317,7 +317,9 @@ class RequestRun(RunRecord):
         self.prefill_result: PrefillResult | None = None  # the last attempt's
         self._echo: Echo | None = None  # a streamed echo (completions)
         self._attempt_span: Span | None = None  # the running attempt's, tracing on
-        self._prefix: str | None = None  # the prompt prefix that keys producer affinity
+        # the prompt prefix that keys producer affinity (None: affinity off), once per
+        # request: every retry keys the same
+        self._prefix: str | None = None
         self._prompt: Prompt | None = None  # its blocks, for the prefix index
         self._claim: DecodeClaim | None = None  # the current attempt's, until its decode leg
         placement = config.placement
@@ -326,7 +328,7 @@ class RequestRun(RunRecord):
         # what placement keys on, read once; the body then holds only the JSON that came
         if placement.prefix_affinity:
             self._prefix = prefix_key(req.body, chat=req.chat)
-        if self._indexing or placement.local_prefill_tokens > 0:
+        if self._indexing:  # decode first reads the blocks too, and implies indexing
             self._prompt = prompt_of(req.body, chat=req.chat)
         req.body.forget_prompt()
         self._reply: Reply | None = None  # the generated text, for the index
@@ -515,7 +517,7 @@ class RequestRun(RunRecord):
             turn=fleet.turn,
             avoid=self.failed_engines,
             prefer_not=prefer_not,
-            key=self._prefix_key() if leg == "prefill" else None,
+            key=self._prefix if leg == "prefill" else None,
             ring=fleet.ring,
             prompt=self._prompt_blocks() if self.config.placement.prefix_affinity else None,
             index=fleet.prefixes,
@@ -527,13 +529,6 @@ class RequestRun(RunRecord):
             )
         self.router.metrics.placements_of(leg, choice.reason).inc()
         return choice.engine
-
-    def _prefix_key(self) -> str | None:
-        if not self.config.placement.prefix_affinity:
-            return None
-        if self._prefix is None:  # once per request: every retry keys the same
-            self._prefix = prefix_key(self.req.body, chat=self.req.chat)
-        return self._prefix
 
     def local_possible(self) -> bool:
         """Local on any consumer (the whole prompt is under ``local_prefill_tokens``), or

@@ -310,13 +310,8 @@ class FakeEngine:
     async def _side_body(self, req: Request, ex: Exchange) -> dict[str, Any] | None:
         """The body of a ``/tokenize`` or ``/detokenize``, checked as vLLM checks it (None:
         answered with the error already)."""
-        try:
-            body = msgspec.json.decode(req.body)
-        except msgspec.DecodeError:
-            await ex.respond(400, gen.error_body("Invalid JSON body", "Bad Request", 400))
-            return None
-        if not isinstance(body, dict):
-            await ex.respond(400, gen.error_body("Body must be an object", "Bad Request", 400))
+        body = await _object_body(req, ex)
+        if body is None:
             return None
         model = body.get("model")
         if model is not None and model != self.config.model:
@@ -394,13 +389,8 @@ class FakeEngine:
 
     async def _completion(self, req: Request, ex: Exchange, *, chat: bool) -> None:
         self.counters["chat" if chat else "completions"] += 1
-        try:
-            body = msgspec.json.decode(req.body)
-        except msgspec.DecodeError:
-            await ex.respond(400, gen.error_body("Invalid JSON body", "Bad Request", 400))
-            return
-        if not isinstance(body, dict):
-            await ex.respond(400, gen.error_body("Body must be an object", "Bad Request", 400))
+        body = await _object_body(req, ex)
+        if body is None:
             return
         backend_id = req.headers.get("x-request-id", "")
         # one entry per leg: what the fault matrix reconciles against the client and journal
@@ -851,3 +841,18 @@ def _corrupt(descriptor: dict[str, Any], fault: Fault) -> dict[str, Any] | None:
     if fault.kind == "bad_block_ids":
         return {**descriptor, "remote_block_ids": fault.value}
     return descriptor
+
+
+async def _object_body(req: Request, ex: Exchange) -> dict[str, Any] | None:
+    """A request's JSON object, or None once answered 400 as vLLM answers it: not JSON
+    (a body nested past the decoder's depth included: it must not end the engine), or
+    not an object."""
+    try:
+        body = msgspec.json.decode(req.body)
+    except (msgspec.DecodeError, RecursionError):
+        await ex.respond(400, gen.error_body("Invalid JSON body", "Bad Request", 400))
+        return None
+    if not isinstance(body, dict):
+        await ex.respond(400, gen.error_body("Body must be an object", "Bad Request", 400))
+        return None
+    return body

@@ -479,3 +479,22 @@ async def test_refusals_are_vllms(engines: tuple[Engine, Engine]) -> None:
         body = {**request["body"], "stream": stream}
         status, raw = await consumer.call("POST", "/v1/" + request["endpoint"], body)
         assert (status, msgspec.json.decode(raw)) == (400, _capture_json(f"shapes/{name}.{suffix}"))
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])
+async def test_a_body_nested_past_the_decoder_is_a_400_and_the_engine_lives_on(
+    engines: tuple[Engine, Engine], path: str
+) -> None:
+    """The router passes ``/tokenize`` bodies through as they came: however deep one is,
+    the engine answers it as vLLM would and serves the next request."""
+    _, consumer = engines
+    deep = b'{"model":"%s","prompt":' % MODEL.encode() + b"[" * 5000 + b"]" * 5000 + b"}"
+    resp = await consumer.http.request(
+        "POST",
+        consumer.engine.url + path,
+        headers=[("content-type", "application/json")],
+        content=deep,
+    )
+    assert resp.status == 400
+    status, _ = await consumer.call("POST", "/tokenize", {"model": MODEL, "prompt": "a"})
+    assert status == 200

@@ -326,7 +326,7 @@ class FastEngine:
         """The request's JSON object, or the 400 the fake engine answers without one."""
         try:
             body = json.loads(await request.read())
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the decoder: not JSON to it
             return self._json(400, _error("Invalid JSON body", "Bad Request", 400))
         if not isinstance(body, dict):
             return self._json(400, _error("Body must be an object", "Bad Request", 400))

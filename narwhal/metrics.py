@@ -38,6 +38,7 @@ from narwhal.core.fleet import LEGS
 from narwhal.core.flow import SATURATIONS, Exit, Priority
 from narwhal.core.handoff import DROP_REASONS, FATES
 from narwhal.core.placement import REASONS
+from narwhal.core.precise_index import REJECTS as KV_REJECTS
 from narwhal.core.resume import OUTCOMES as RESUME_OUTCOMES
 from narwhal.core.retry import Denial
 
@@ -345,6 +346,52 @@ class Metrics:
             "weighs this router's legs alone; the breaker never hears of it).",
             engine,
         )
+        # the precise prefix index: each engine's KV-event stream (with --workers, each
+        # worker reads every batch, so the counters sum over workers; the gauges do not)
+        self.kv_event_batches = counter(
+            "narwhal_kv_event_batches", "KV-event batches read from the engine.", engine
+        )
+        self.kv_events = counter(
+            "narwhal_kv_events", "KV events applied to the engine's precise index.", engine
+        )
+        self.kv_events_rejected = counter(
+            "narwhal_kv_events_rejected",
+            "KV-event messages, batches or events refused (malformed, unknown parent, over "
+            "the engine's capacity, seen twice), by reason; never fatal.",
+            ("engine", "why"),
+        )
+        self.kv_events_skipped = counter(
+            "narwhal_kv_events_skipped",
+            "KV events of a type the router does not know (a newer engine), skipped.",
+            engine,
+        )
+        self.kv_event_gaps = counter(
+            "narwhal_kv_event_gaps",
+            "Sequence gaps in the engine's KV-event stream, by outcome (repaired by replay, "
+            "or unrepaired: the engine's entries were dropped).",
+            ("engine", "outcome"),
+        )
+        self.kv_event_replays = counter(
+            "narwhal_kv_event_replays", "Replays asked of the engine's replay socket.", engine
+        )
+        self.kv_event_restarts = counter(
+            "narwhal_kv_event_restarts",
+            "Engine restarts seen in its KV-event stream (its sequence went back).",
+            engine,
+        )
+        self.kv_blocks = gauge(
+            "narwhal_kv_blocks",
+            "Blocks the engine's KV events say it holds (the precise index).",
+            engine,
+            "livemax",
+        )
+        self.kv_stream_live = gauge(
+            "narwhal_kv_event_stream_live",
+            "1 while the engine's KV-event stream is live (placement reads its events), "
+            "0 while it is unknown or repairing (placement falls back to its estimate).",
+            engine,
+            "livemax",
+        )
         self.tasks = gauge(
             "narwhal_tasks",
             "Live trio tasks in the worker; back to its idle level once traffic stops.",
@@ -479,6 +526,7 @@ class Metrics:
         self.ejections.labels(engine)
         self.readmissions.labels(engine)
         self.scrape_failures.labels(engine)
+        self.kv_stream_live.labels(engine).set(0)
         for why in SATURATIONS:
             self.engine_saturated.labels(engine, why).set(0)
 
@@ -493,6 +541,8 @@ class Metrics:
             *((self.probes, (engine, outcome)) for outcome in PROBE_OUTCOMES),
             *((self.engine_requests, (engine, state)) for state in ("running", "waiting")),
             *((self.engine_saturated, (engine, why)) for why in SATURATIONS),
+            *((self.kv_event_gaps, (engine, o)) for o in ("repaired", "unrepaired")),
+            *((self.kv_events_rejected, (engine, why)) for why in KV_REJECTS),
             *(
                 (metric, (engine,))
                 for metric in (
@@ -506,6 +556,13 @@ class Metrics:
                     self.engine_kv_usage,
                     self.engine_prefix_hit_ratio,
                     self.scrape_failures,
+                    self.kv_event_batches,
+                    self.kv_events,
+                    self.kv_events_skipped,
+                    self.kv_event_replays,
+                    self.kv_event_restarts,
+                    self.kv_blocks,
+                    self.kv_stream_live,
                 )
             ),
         ]

@@ -50,6 +50,8 @@ class EngineSpec(Struct, _Roles, frozen=True, forbid_unknown_fields=True):
     id: NonEmptyStr
     url: NonEmptyStr
     role: Role = "both"
+    # its KV-event publisher ("tcp://host:port"); "" = from the engine or [kv_events]
+    kv_events: str = ""
 
 
 class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -159,6 +161,19 @@ class AdmissionConfig(Struct, frozen=True, forbid_unknown_fields=True):
     default_class: Priority = "default"
 
 
+class KvEventsConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """The precise prefix index: what each engine caches, from its own KV events."""
+
+    # "subscribe": connect to each engine's publisher; "listen": bind ``listen``, engines'
+    # publishers connect to it; "off": the approximate index only
+    mode: Literal["off", "subscribe", "listen"] = "off"
+    port: Annotated[int, Meta(ge=1, le=65535)] = 5557  # an engine's publisher, by default
+    listen: str = "tcp://127.0.0.1:5557"
+    replay: bool = True  # ask an engine's replay endpoint for the batches a gap lost
+    # "engine": a request's token ids from the engine's own POST /tokenize
+    tokenizer: NonEmptyStr = "engine"
+
+
 class DiscoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
     interval_s: PositiveFloat = 5.0  # re-resolve period
     nameserver: str = ""  # "ip" or "ip:port" ("[v6]:port"); "" = the system resolver
@@ -174,6 +189,7 @@ class FleetConfig(Struct, frozen=True, forbid_unknown_fields=True):
     recovery: RecoveryConfig = RecoveryConfig()
     placement: PlacementConfig = PlacementConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    kv_events: KvEventsConfig = KvEventsConfig()
     engine_contract: EngineContract | None = None
 
 
@@ -198,6 +214,7 @@ _SECTIONS: dict[str, type[Struct]] = {
     "recovery": RecoveryConfig,
     "placement": PlacementConfig,
     "admission": AdmissionConfig,
+    "kv_events": KvEventsConfig,
     "engine_contract": EngineContract,
 }
 
@@ -483,9 +500,43 @@ def _url_problem(url: str) -> str | None:
     return None
 
 
+def zmq_endpoint_problem(endpoint: str) -> str | None:
+    """A ZMQ TCP endpoint as the KV-event keys take it: ``tcp://host:port``, the host a
+    name, an address or ``*`` (any interface, where it is bound)."""
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or (not parts.hostname and "*" not in parts.netloc):
+        return f"must be a tcp://host:port endpoint, got {endpoint!r}"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None or parts.path or parts.query or parts.fragment:
+        return f"must be a tcp://host:port endpoint, got {endpoint!r}"
+    return None
+
+
+def _kv_events_problems(fleet: FleetConfig) -> list[str]:
+    problems = []
+    if fleet.kv_events.mode == "listen":
+        problem = zmq_endpoint_problem(fleet.kv_events.listen)
+        if problem:
+            problems.append(f"kv_events.listen: {problem}")
+    tokenizer = fleet.kv_events.tokenizer
+    if tokenizer != "engine" and not tokenizer.endswith(".json"):
+        problems.append(
+            f"kv_events.tokenizer: must be 'engine' or a path to a tokenizer.json, got "
+            f"{tokenizer!r}"
+        )
+    for i, spec in enumerate(fleet.engines):
+        problem = spec.kv_events and zmq_endpoint_problem(spec.kv_events)
+        if problem:
+            problems.append(f"engines[{i}].kv_events: {problem}")
+    return problems
+
+
 def cross_field_problems(fleet: FleetConfig) -> list[str]:
     """Rules that span keys (SPEC section 2)."""
-    problems = []
+    problems = _kv_events_problems(fleet)
     limit = fleet.serving.request_timeout_s
     for path, value in (
         ("serving.prefill_timeout_s", fleet.serving.prefill_timeout_s),

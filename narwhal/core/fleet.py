@@ -16,6 +16,7 @@ from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
 from narwhal.core.flow import Saturation, room_left
 from narwhal.core.policies import PrefixRing
+from narwhal.core.precise_index import PreciseIndex
 from narwhal.core.prefix_index import PrefixIndex
 
 # the two legs of an attempt; an engine serves either, as its role allows
@@ -315,6 +316,8 @@ class Fleet:
         self.decodes_coming = 0  # requests holding a DecodeClaim
         # what each engine is believed to cache (SPEC 4.4); its TTL is the router's to set
         self.prefixes = PrefixIndex(ttl_s=120.0)
+        # what engines with a live KV-event stream say they cache (the precise index)
+        self.precise = PreciseIndex()
         self.reload(specs, recovery)
 
     def reload(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
@@ -339,6 +342,14 @@ class Fleet:
         self.ring = PrefixRing([e.id for e in self.producers])
         # an engine replaced (a new URL) or removed starts from nothing cached
         self.prefixes.keep_only(e.id for e in engines if id(e) in previous)
+        self.precise.keep_only(e.id for e in engines if id(e) in previous)
+
+    def forget_cached(self, engine_id: str) -> None:
+        """The engine left placement (ejected, or its health checks failed): it may come
+        back restarted, so nothing it was believed or said to cache counts; its event
+        stream is unknown until it is live again."""
+        self.prefixes.forget(engine_id)
+        self.precise.drop(engine_id)
 
     def reserve(
         self, engine: EngineState, leg: Leg, claim: DecodeClaim | None = None

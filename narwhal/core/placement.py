@@ -29,7 +29,8 @@ from typing import Literal
 from narwhal.core.config import PlacementConfig
 from narwhal.core.fleet import EngineState, Leg
 from narwhal.core.policies import EngineLoad, PrefixRing, bound, least_loaded
-from narwhal.core.prefix_index import PrefixIndex, Prompt
+from narwhal.core.precise_index import PreciseIndex, TokenPrompt
+from narwhal.core.prefix_index import BLOCK_TOKENS, PrefixIndex, Prompt
 
 Reason = Literal["only", "prefix_match", "affinity", "spill", "least_loaded", "round_robin"]
 REASONS: tuple[Reason, ...] = (
@@ -70,10 +71,14 @@ def choose(
     ring: PrefixRing | None = None,
     prompt: Prompt | None = None,
     index: PrefixIndex | None = None,
+    precise: PreciseIndex | None = None,
+    tokens: TokenPrompt | None = None,
 ) -> Choice | None:
     """The engine for ``leg`` and why; None when there are no candidates. ``key`` is the
     request's prompt prefix (producers only), ``ring`` the producers' ring, ``prompt`` and
-    ``index`` the request's blocks and what each engine is believed to hold."""
+    ``index`` the request's blocks and what each engine is believed to hold; ``precise``
+    and ``tokens`` what engines with a live event stream say they hold, and the request's
+    token ids (``held_tokens``)."""
     pool = [e for e in candidates if e.id not in avoid] or list(candidates)
     if len(pool) <= 1:
         return Choice(pool[0], "only") if pool else None
@@ -81,9 +86,8 @@ def choose(
     costs = {e.id: load_of(e, now, config.metrics_interval_s).cost(consumer=consumer) for e in pool}
     if config.prefix_affinity and prompt is not None and index is not None:
         ranked = ring if not consumer else None  # producers' equal matches: the ring's order
-        held = longest_match(
-            pool, costs, config.affinity_load_factor, prompt, index, now, ranked, key
-        )
+        holdings = Holdings(prompt, index, now, precise, tokens)
+        held = longest_match(pool, costs, config.affinity_load_factor, holdings, ranked, key)
         if held is not None:
             return Choice(held, "prefix_match")
     if not consumer and config.prefix_affinity and key is not None and ring is not None:
@@ -106,29 +110,61 @@ def choose(
     return Choice(chosen, "least_loaded")
 
 
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What each engine holds of one request's prompt: the engine's own word where its
+    event stream is live and the request's token ids are known, else the approximate
+    index's belief."""
+
+    prompt: Prompt
+    index: PrefixIndex
+    now: float
+    precise: PreciseIndex | None = None
+    tokens: TokenPrompt | None = None
+
+    def held(self, engine_id: str) -> int:
+        """The prompt's leading tokens the engine holds: exact from a live stream, else
+        the approximate index's blocks at ``BLOCK_TOKENS`` each."""
+        if self.precise is not None and self.tokens is not None:
+            stream = self.precise.live(engine_id)
+            if stream is not None:
+                return self.tokens.held(stream)
+        return self.index.match(engine_id, self.prompt.blocks, self.now) * BLOCK_TOKENS
+
+    def uncached(self, engine_id: str) -> int:
+        """The tokens the engine would compute: exact with token ids and a live stream."""
+        live = self.precise is not None and self.precise.live(engine_id) is not None
+        if self.tokens is not None and live:
+            return max(0, self.tokens.tokens - self.held(engine_id))
+        return self.prompt.uncached(self.held(engine_id) // BLOCK_TOKENS)
+
+    def recorded_at(self, engine_id: str) -> float:
+        """When the approximate index last recorded the prompt's blocks it holds there."""
+        blocks = self.index.match(engine_id, self.prompt.blocks, self.now)
+        return self.index.recorded_at(engine_id, self.prompt.blocks, blocks)
+
+
 def longest_match(
     pool: Sequence[EngineState],
     costs: dict[str, float],
     load_factor: float,
-    prompt: Prompt,
-    index: PrefixIndex,
-    now: float,
+    holdings: Holdings,
     ring: PrefixRing | None = None,
     key: str | None = None,
 ) -> EngineState | None:
-    """The engine under the load bound believed to hold the longest leading part of
-    ``prompt`` (None: no such engine holds a block of it). Equal matches go by ``ring``'s
-    order from ``key`` (so a shared prefix stays on one producer while it may), then to the
-    one that recorded them last (a consumer that served the last turn holds its reply's
-    partial block too), then by load."""
+    """The engine under the load bound that holds the longest leading part of the prompt
+    (None: no such engine holds a block of it). Equal matches go by ``ring``'s order from
+    ``key`` (so a shared prefix stays on one producer while it may), then to the one that
+    recorded them last (a consumer that served the last turn holds its reply's partial
+    block too), then by load."""
     limit = bound(list(costs.values()), load_factor)
     found = []
     for engine in pool:
         if costs[engine.id] + 1 > limit:
             continue
-        held = index.match(engine.id, prompt.blocks, now)
+        held = holdings.held(engine.id)
         if held:
-            found.append((engine, held, index.recorded_at(engine.id, prompt.blocks, held)))
+            found.append((engine, held, holdings.recorded_at(engine.id)))
     if len(found) <= 1:  # none, or no tie to break: the ring's order is not worked out
         return found[0][0] if found else None
     order = ring.order(key) if ring is not None and key is not None else []

@@ -103,6 +103,7 @@ class RouterApp:
             router.client.sweep_forever,
             router.reclaimer.run,
             router.scraper.run,  # engines' /metrics
+            router.kv_subscriber.run,  # engines' KV events
             router.reactor.run,  # parked streams
         )
         async with trio.open_nursery() as background:

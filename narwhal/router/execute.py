@@ -43,11 +43,13 @@ from narwhal.core.faults import (
 from narwhal.core.fleet import DecodeClaim, EngineState, Fleet, Leg
 from narwhal.core.handoff import Fate, Handoff, too_old
 from narwhal.core.lifecycle import Input, Lifecycle, State
-from narwhal.core.placement import choose
+from narwhal.core.placement import Holdings, choose
 from narwhal.core.policies import prefix_key
+from narwhal.core.precise_index import TokenPrompt
 from narwhal.core.prefix_index import Prompt, prompt_of, reply_text
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget, RetryDecision, decide
+from narwhal.core.token_ids import given_ids
 from narwhal.engines.client import DecodeStream, EngineClient
 from narwhal.metrics import Metrics, RequestBuckets
 from narwhal.router.health import Health
@@ -55,6 +57,7 @@ from narwhal.router.journal import AttemptLine, Caller, JournalLine, Outcome
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.stream_reactor import StreamReactor
 from narwhal.router.token_path import ClientStream, DirectWrite, TokenPath
+from narwhal.router.token_source import TokenSource
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo
 from narwhal.stream.continuation import Kept, Reframer, without_ids
 from narwhal.stream.rules import Reply, Rewrite, StreamRelay
@@ -98,6 +101,7 @@ class RouterState(Protocol):
     rng: random.Random
     reclaimer: Reclaimer
     reactor: StreamReactor
+    tokens: TokenSource
 
 
 class RunRecord:
@@ -283,6 +287,7 @@ class RequestRun(RunRecord):
         "_reply",
         "_resume_counted",
         "_resumes",
+        "_tokens",
         "attempts",
         "choice",
         "failed_engines",
@@ -330,6 +335,12 @@ class RequestRun(RunRecord):
             self._prefix = prefix_key(req.body, chat=req.chat)
         if self._indexing:  # decode first reads the blocks too, and implies indexing
             self._prompt = prompt_of(req.body, chat=req.chat)
+        # its token ids, for engines whose KV events say what they hold: a prompt of ids
+        # is its own; others are asked of the engines' tokenizer before the first placement
+        self._tokens: TokenPrompt | None = None
+        if self._indexing and config.kv_events.mode != "off":
+            given = given_ids(req.body, chat=req.chat)
+            self._tokens = None if given is None else TokenPrompt(given)
         req.body.forget_prompt()
         self._reply: Reply | None = None  # the generated text, for the index
         self._local_prompt_tokens: int | None = None
@@ -363,6 +374,9 @@ class RequestRun(RunRecord):
 
     async def _attempts(self) -> None:
         metrics = self.router.metrics
+        tokens = self.router.tokens
+        if self._indexing and self._tokens is None and tokens.wanted():
+            self._tokens = await tokens.ids_of(self.req, self.rid)
         while True:
             metrics.attempts.inc()
             span = self._attempt_span = self._start_attempt_span()
@@ -521,6 +535,8 @@ class RequestRun(RunRecord):
             ring=fleet.ring,
             prompt=self._prompt_blocks() if self.config.placement.prefix_affinity else None,
             index=fleet.prefixes,
+            precise=fleet.precise,
+            tokens=self._tokens,
         )
         if choice is None:
             raise NoCapacity(
@@ -614,10 +630,9 @@ class RequestRun(RunRecord):
             return "disaggregated"
         placement, flow = self.config.placement, self.config.admission
         now = trio.current_time()
-        prompt = self._prompt_blocks()
-        uncached = prompt.uncached(
-            self.router.fleet.prefixes.match(consumer.id, prompt.blocks, now)
-        )
+        fleet = self.router.fleet
+        holdings = Holdings(self._prompt_blocks(), fleet.prefixes, now, fleet.precise, self._tokens)
+        uncached = holdings.uncached(consumer.id)
         limits = (placement.metrics_interval_s, flow.engine_waiting_limit, flow.kv_usage_limit)
         busy = placement.local_prefill_when_busy and self.router.fleet.saturated(
             "prefill", now, *limits

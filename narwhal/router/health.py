@@ -95,7 +95,7 @@ class Health:
 
     def _ejected(self, engine: EngineState, fault: RequestFault) -> None:
         # it comes back, if it does, restarted or not: nothing it cached is counted on
-        self.router.fleet.prefixes.forget(engine.id)
+        self.router.fleet.forget_cached(engine.id)
         self.router.events.record(
             "ejected",
             engine.id,
@@ -170,7 +170,7 @@ class Health:
         if change is not None:
             self.router.events.record(change, engine.id, failures=engine.health_failures)
             if change == "left":  # it may come back restarted: nothing it cached counts
-                self.router.fleet.prefixes.forget(engine.id)
+                self.router.fleet.forget_cached(engine.id)
             self.router.fleet.on_change()  # joined: room for the queue; left: maybe none
 
     async def _readmission_loop(self, engine: EngineState) -> None:

@@ -51,9 +51,11 @@ from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fanout import FanOutRun
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, Caller, Journal, JournalLine, Outcome
+from narwhal.router.kv_subscriber import KvSubscriber
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.scraper import Scraper
 from narwhal.router.stream_reactor import StreamReactor
+from narwhal.router.token_source import TokenSource
 
 log = logging.getLogger("narwhal.router")
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -89,6 +91,7 @@ class Router:
         self.admin_keys = ApiKeys(config.serving.admin_keys_env, "serving.admin_keys_env")
         self.fleet = Fleet(config.engines, config.recovery)
         self.fleet.prefixes.ttl_s = config.placement.prefix_index_ttl_s
+        self.fleet.precise.replay = config.kv_events.replay
         self.metrics = Metrics((e.id for e in self.fleet.engines), model=config.model)
         self._bind_gauges()
         self.journal = journal or Journal()
@@ -114,6 +117,8 @@ class Router:
         self.discovery = Discovery(self, config.discover)
         self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
         self.scraper = Scraper(self)  # engines' /metrics for placement, same nursery
+        self.kv_subscriber = KvSubscriber(self)  # engines' KV events, same nursery
+        self.tokens = TokenSource(self, self._pass_engine)  # request ids for those events
         self.reactor = StreamReactor()  # parked streams' reads, same nursery
         self.config_path = config_path
         self.draining = False
@@ -137,6 +142,13 @@ class Router:
             consumers_only=local,
         )
 
+    def _kv_view(self, engine_id: str) -> dict[str, object] | None:
+        """The engine's KV-event stream (None: ``[kv_events]`` is off)."""
+        if self.config.kv_events.mode == "off":
+            return None
+        stream = self.fleet.precise.streams.get(engine_id)
+        return {"state": "unknown"} if stream is None else stream.view()
+
     def engines_view(self) -> bytes:
         now = trio.current_time()
         held = self.fleet.held_in(now)
@@ -153,6 +165,7 @@ class Router:
                         self.config.admission.engine_waiting_limit,
                         self.config.admission.kv_usage_limit,
                     ),
+                    "kv_events": self._kv_view(e.id),
                 }
                 for e in self.fleet.engines
             ],
@@ -425,6 +438,7 @@ class Router:
         self.api_keys, self.admin_keys = api_keys, admin_keys
         self.config = new
         self.fleet.prefixes.ttl_s = new.placement.prefix_index_ttl_s
+        self.fleet.precise.replay = new.kv_events.replay
         self.discovery.state.configure(new.discover)
         change = self._set_engines()
         self.admission.configure(new)

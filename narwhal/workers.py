@@ -53,6 +53,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from narwhal.core.config import ConfigError, FleetConfig, load_config
 from narwhal.core.faults import error_json
 from narwhal.frontdoor.server import hypercorn_config, serve
+from narwhal.kv_relay import start_relay
 from narwhal.logs import announce, log_event
 from narwhal.router.service import Router, check_workers
 
@@ -92,6 +93,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     keyfile: str | None = None
     listen_fd: int = -1  # the worker's own listening socket (already listening)
     control_fd: int = -1  # its end of the control channel
+    # [kv_events] mode = "listen": where the parent hands on every batch it receives
+    kv_relay: str = ""
 
     @staticmethod
     def from_environment() -> WorkerSpec:
@@ -279,6 +282,11 @@ class Supervisor:
         self._collecting: dict[int, _Collect] = {}
         self._nursery: trio.Nursery | None = None
         self._own_metrics_dir: str | None = None
+        # [kv_events] mode = "listen": one process can bind the address, so the parent
+        # does, and hands every batch to every worker (narwhal.kv_relay)
+        self._kv_relay = ""
+        if fleet.kv_events.mode == "listen":
+            self._kv_relay = start_relay(fleet.kv_events.listen)
         self.metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or ""
         if not self.metrics_dir:
             # every worker writes its metrics here; a scrape of any worker sums them all
@@ -310,7 +318,11 @@ class Supervisor:
         n = len(self._workers)
         ours, theirs = socket.socketpair()
         spec = msgspec.structs.replace(
-            self.spec, index=worker.index, listen_fd=listener.fileno(), control_fd=theirs.fileno()
+            self.spec,
+            index=worker.index,
+            listen_fd=listener.fileno(),
+            control_fd=theirs.fileno(),
+            kv_relay=self._kv_relay,
         )
         env = {
             **os.environ,
@@ -595,6 +607,7 @@ async def _serve_worker(
     spec: WorkerSpec, fleet: FleetConfig, router: Router, sockets: Sockets, control: socket.socket
 ) -> None:
     link = ParentLink(spec, router, Channel(control))
+    router.kv_subscriber.relay = spec.kv_relay
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link.run)
         nursery.start_soon(_refresh_gauges, router)

@@ -522,10 +522,9 @@ def _kv_events_problems(fleet: FleetConfig) -> list[str]:
         if problem:
             problems.append(f"kv_events.listen: {problem}")
     tokenizer = fleet.kv_events.tokenizer
-    if tokenizer != "engine" and not tokenizer.endswith(".json"):
+    if tokenizer != "engine":
         problems.append(
-            f"kv_events.tokenizer: must be 'engine' or a path to a tokenizer.json, got "
-            f"{tokenizer!r}"
+            f"kv_events.tokenizer: must be 'engine' (the engine's own /tokenize), got {tokenizer!r}"
         )
     for i, spec in enumerate(fleet.engines):
         problem = spec.kv_events and zmq_endpoint_problem(spec.kv_events)

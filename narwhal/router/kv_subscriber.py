@@ -73,6 +73,8 @@ class KvSubscriber:
         self._context = zmq.Context()
         self._followed: dict[str, _Followed] = {}
         self._topics: dict[bytes, str] = {}  # listen: a topic -> the engine publishing it
+        # listen, under --workers N: the parent's relay of what it receives (narwhal.kv_relay)
+        self.relay = ""
 
     @property
     def mode(self) -> str:
@@ -202,7 +204,15 @@ class KvSubscriber:
         sock = self._socket(zmq.SUB)
         try:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.bind(self.router.config.kv_events.listen)
+            try:
+                if self.relay:
+                    sock.connect(self.relay)
+                else:
+                    sock.bind(self.router.config.kv_events.listen)
+            except zmq.ZMQError as exc:  # taken, or not ours to bind: the estimate serves
+                log.error("kv_events.listen %s: %s", self.router.config.kv_events.listen, exc)
+                task_status.started()
+                await trio.sleep_forever()
             task_status.started()
             async with trio.open_nursery() as nursery:
                 while True:

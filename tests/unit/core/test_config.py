@@ -165,7 +165,7 @@ def test_engine_entries_are_checked_one_by_one() -> None:
     assert problems == [
         "engines[0].role: must be one of 'both', 'decode', 'prefill' (got 'decoder')",
         "engines[1].url: must be an http:// or https:// URL, got 'ftp://h'",
-        "engines[2].weight: unknown key in [engines[2]] (known: id, role, url)",
+        "engines[2].weight: unknown key in [engines[2]] (known: id, kv_events, role, url)",
         "engines[2].id: required key is missing",
         "engines[1].id: duplicate id 'a' (also engines[0])",  # cross-field, same pass
     ]

@@ -435,6 +435,7 @@ class Router:
         # an unset variable refuses the file
         api_keys = ApiKeys(new.serving.api_keys_env, classes=new.admission.priority_from == "key")
         admin_keys = ApiKeys(new.serving.admin_keys_env, "serving.admin_keys_env")
+        self.tokens.configure(new)  # a tokenizer.json that cannot be read refuses the file
         self.api_keys, self.admin_keys = api_keys, admin_keys
         self.config = new
         self.fleet.prefixes.ttl_s = new.placement.prefix_index_ttl_s

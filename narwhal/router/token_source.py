@@ -1,5 +1,9 @@
-"""A request's token ids from its engines' own tokenizer, for the precise prefix index
-(``[kv_events] tokenizer = "engine"``).
+"""A request's token ids as its engines' tokenizer gives them, for the precise prefix index.
+
+``[kv_events] tokenizer = "engine"`` asks the engine's own ``POST /tokenize``; a path to
+the model's ``tokenizer.json`` tokenizes a text completion prompt here, with Hugging Face
+``tokenizers`` (the library vLLM's own fast tokenizer is), and still asks the engine for a
+chat, whose template only the engine renders.
 
 Asked only while some engine's KV-event stream is live (else nothing would read them),
 once per request before its first placement, of a placeable engine over the data pool,
@@ -16,7 +20,7 @@ from typing import Protocol
 import msgspec
 import trio
 
-from narwhal.core.config import FleetConfig
+from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import RequestFault
 from narwhal.core.fleet import EngineState, Fleet
 from narwhal.core.precise_index import TokenPrompt
@@ -33,12 +37,44 @@ class TokenHost(Protocol):
     client: EngineClient
 
 
+class LocalTokenizer:
+    """A ``tokenizer.json`` read at start, for text completion prompts."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise OSError("needs the tokenizers package (pip install 'narwhal[tokenizer]')")
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as exc:  # the library's own error type is not exported
+            raise OSError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+    def ids(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
+
+
 class TokenSource:
     def __init__(self, router: TokenHost, pick: Callable[[], EngineState]) -> None:
         self.router = router
         self._pick = pick  # a placeable engine: every one tokenizes alike
         self.cache = IdsCache()
         self.asked = self.failed = 0
+        self.local: LocalTokenizer | None = None
+        self.configure(router.config)
+
+    def configure(self, config: FleetConfig) -> None:
+        """Read the fleet file's tokenizer (at start and on reload); ``ConfigError`` when
+        a ``tokenizer.json`` cannot be read."""
+        path = config.kv_events.tokenizer
+        if path == "engine":
+            self.local = None
+            return
+        try:
+            self.local = LocalTokenizer(path)
+        except OSError as exc:
+            problem = f"kv_events.tokenizer: cannot read {path}: {exc}"
+            raise ConfigError("<fleet>", [problem]) from None
 
     def wanted(self) -> bool:
         """Whether a request's ids would be read: events on, and some stream live."""
@@ -47,6 +83,10 @@ class TokenSource:
 
     async def ids_of(self, req: ClientRequest, rid: str) -> TokenPrompt | None:
         """The request's ids, or None when they cannot be had within the bound."""
+        prompt = None if self.local is None or req.chat else req.body.get("prompt")
+        if self.local is not None and isinstance(prompt, str):
+            special = req.body.get("add_special_tokens", True) is not False
+            return TokenPrompt(self.local.ids(prompt, special))
         body = tokenize_body(spliceable(req.body), self.router.config.model, chat=req.chat)
         payload = _encode(body)
         cached = self.cache.get(payload)

@@ -44,7 +44,9 @@ class LocalTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise OSError("needs the tokenizers package (pip install 'narwhal[tokenizer]')")
+            raise OSError(
+                "needs the tokenizers package (pip install 'narwhal[tokenizer]')"
+            ) from None
         try:
             self._tokenizer = Tokenizer.from_file(path)
         except Exception as exc:  # the library's own error type is not exported

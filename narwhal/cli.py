@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     from narwhal.fake_engine import cost as fake_cost
 
     fake_cost.add_arguments(fake)  # the cost model: --slots, --prefix-cache-blocks, ...
+    from narwhal.fake_engine import kv_events as fake_kv_events
+
+    fake_kv_events.add_arguments(fake)  # --kv-events-endpoint, ...
 
     check = add(
         "check", help="preflight: reach every engine, move KV across pairs", epilog=EXIT_STATUS_HELP
@@ -328,6 +331,13 @@ def listen(hc: HypercornConfig, host: str, port: int) -> Sockets:
         return bind_sockets(hc)
     except (OSError, UnicodeError, ValueError) as exc:
         raise listen_failure(exc, host, port) from None
+
+
+def _first(group: BaseException) -> BaseException:
+    """The first leaf exception of a (nested) exception group."""
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
 
 
 def listen_failure(exc: Exception, host: str, port: int) -> StartupError:
@@ -521,8 +531,14 @@ async def _signalled() -> None:
 
 def _fake_engine(args: argparse.Namespace) -> int:
     from narwhal.fake_engine import cost as fake_cost
+    from narwhal.fake_engine import kv_events as fake_kv_events
     from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+    from narwhal.fake_engine.kv_publisher import BindError
 
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        raise StartupError(
+            EXIT_INVALID_FLEET, "narwhal: --kv-events-replay-endpoint needs --kv-events-endpoint"
+        )
     engine = FakeEngine(
         FakeEngineConfig(
             model=args.model,
@@ -537,6 +553,7 @@ def _fake_engine(args: argparse.Namespace) -> int:
             kv_lease_s=args.kv_lease_s,
             max_model_len=args.max_model_len,
             **fake_cost.config_fields(args),
+            **fake_kv_events.config_fields(args),
         )
     )
 
@@ -549,6 +566,14 @@ def _fake_engine(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            if engine.kv_events is not None:
+                sources = engine.kv_events.sources()
+                print(
+                    f"fake-engine KV events on {sources['endpoint']} ({sources['mode']}), "
+                    f"replay {sources['replay_endpoint']}, topic {sources['topic']!r}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             await _signalled()
             nursery.cancel_scope.cancel()
 
@@ -556,6 +581,9 @@ def _fake_engine(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             trio.run(main)
     except BaseExceptionGroup as group:  # its listeners bind inside a nursery
+        kv_failed = group.subgroup(BindError)
+        if kv_failed is not None:
+            raise StartupError(EXIT_PORT, str(_first(kv_failed))) from None
         failed = group.subgroup(OSError)
         if failed is None:
             raise

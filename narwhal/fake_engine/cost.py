@@ -9,12 +9,13 @@ why one disaggregates at all), and a per-engine ``slowdown`` on every modelled c
 (prefill and the delay between generated tokens; a KV transfer is the link's speed and is
 not scaled). The engine does the waiting; this module only decides how long.
 
-Tokenisation is the fake engine's usual one (``generation.prompt_of``): a token per
-whitespace-separated word of the prompt (a word's id is its CRC-32), a list of token ids as
-given, and for chat the rendered messages, each four framing tokens (its role) followed by
-its content's words. Prompt blocks are vLLM's 16 tokens; a block's hash chains the hash of
-the block before it, so a block matches only under the same whole prefix, as in vLLM's
-prefix caching. Only full blocks are cached, and a hit never covers the last prompt token
+Tokenisation is the fake engine's usual one (``generation.prompt_of``, and the ids
+``/tokenize`` answers): a token per whitespace-separated word of the prompt (a word's id is
+its CRC-32 modulo a 32000-word vocabulary, as ``generation.prompt_ids``), a list of token
+ids as given, and for chat the rendered messages, each four framing tokens (its role)
+followed by its content's words. Prompt blocks are vLLM's 16 tokens; a block's hash chains
+the hash of the block before it, so a block matches only under the same whole prefix, as in
+vLLM's prefix caching. Only full blocks are cached, and a hit never covers the last prompt token
 (vLLM recomputes it to get the first output's logits). The cache is an LRU of block hashes:
 after a prompt is computed its blocks are touched from the last to the first, so the
 oldest prompt's tail is evicted first and its head last, as vLLM's free-block queue does.
@@ -36,7 +37,7 @@ import argparse
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 BLOCK_TOKENS = 16  # vLLM's default block size
 # A nominal block's KV in bytes, only for vllm:nixl_bytes_transferred: an 8B model in bf16
@@ -47,8 +48,12 @@ KV_BYTES_PER_BLOCK = BLOCK_TOKENS * 32 * 2 * 8 * 128 * 2
 _ROOT = 0x9E3779B97F4A7C15  # the parent hash of the first block
 
 
+VOCAB_SIZE = 32000  # a word's id is its CRC-32 modulo this (``generation.prompt_ids``)
+CHAT_FRAMING = ("<|start|>", "<|sep|>", "<|end_header|>")  # token strings of ids 1, 2, 3
+
+
 def _word_id(word: str) -> int:
-    return zlib.crc32(word.encode("utf-8", "surrogatepass"))
+    return zlib.crc32(word.encode("utf-8", "surrogatepass")) % VOCAB_SIZE
 
 
 def prompt_tokens(body: dict[str, Any], chat: bool) -> list[int]:
@@ -70,6 +75,28 @@ def prompt_tokens(body: dict[str, Any], chat: bool) -> list[int]:
             return list(prompt)
         prompt = " ".join(map(str, prompt))
     return list(map(_word_id, str(prompt).split())) or [0]
+
+
+def token_strs(body: dict[str, Any], chat: bool) -> list[str]:
+    """``prompt_tokens``' tokens as text (``/tokenize`` with ``return_token_strs``): the
+    words, and for chat each message's framing before its words; a prompt of ids has none
+    (empty strings), nor has the empty prompt's one token."""
+    if chat:
+        out: list[str] = []
+        for message in body.get("messages") or []:
+            role = message.get("role") if isinstance(message, dict) else None
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            start, separator, end = CHAT_FRAMING
+            out += (start, f"<|{role}|>", separator, end, *str(content or "").split())
+        return out
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        if all(isinstance(p, int) for p in prompt):
+            return [""] * len(prompt)
+        prompt = " ".join(map(str, prompt))
+    return str(prompt).split() or [""]
 
 
 def reply_tokens(body: dict[str, Any], chat: bool, prompt_text: str, reply: str) -> list[int]:
@@ -103,6 +130,15 @@ def block_hashes(tokens: Sequence[int], limit: int | None = None) -> list[int]:
         parent = hash((parent, *tokens[start : start + BLOCK_TOKENS]))
         out.append(parent)
     return out
+
+
+class Inserted(NamedTuple):
+    """What one ``PrefixCache.insert`` changed: the prompt's full blocks' hashes, the
+    indices (in order) of those that were not held before, and the hashes evicted."""
+
+    hashes: list[int]
+    new: list[int]
+    evicted: list[int]
 
 
 class PrefixCache:
@@ -141,17 +177,29 @@ class PrefixCache:
         self.hits += hit * BLOCK_TOKENS
         return hit * BLOCK_TOKENS, held
 
-    def insert(self, tokens: Sequence[int]) -> None:
+    def insert(self, tokens: Sequence[int]) -> Inserted:
         """The prompt has been computed: its full blocks become the most recently used, the
-        first block last, and the least recently used blocks beyond capacity are evicted."""
+        first block last, and the least recently used blocks beyond capacity are evicted
+        (this prompt's own tail among them when it is longer than the cache). Returns what
+        changed, for the engine's KV events."""
         if not self.enabled:
-            return
-        for block in reversed(block_hashes(tokens)):
+            return Inserted([], [], [])
+        hashes = block_hashes(tokens)
+        new = [i for i, block in enumerate(hashes) if block not in self.blocks]
+        for block in reversed(hashes):
             self.blocks[block] = None
             self.blocks.move_to_end(block)
+        evicted = []
         while len(self.blocks) > self.capacity:
-            self.blocks.popitem(last=False)
+            evicted.append(self.blocks.popitem(last=False)[0])
             self.evictions += 1
+        return Inserted(hashes, new, evicted)
+
+    def clear(self) -> int:
+        """Drop every block (vLLM's ``/reset_prefix_cache``); how many there were."""
+        held = len(self.blocks)
+        self.blocks.clear()
+        return held
 
 
 def prefill_seconds(

@@ -5,6 +5,10 @@ Start it in-process with ``url = await nursery.start(engine.serve)`` or from the
 ``engine.log`` (recent request bodies and backend ids), ``engine.store.events``; over HTTP:
 ``GET /fake/stats``, ``GET /fake/log``, ``POST /fake/faults``.
 
+With ``kv_events_endpoint`` set it publishes its prefix cache's changes as vLLM's KV events
+(``kv_events``: ZMQ, replay, ``GET /kv_event_sources``, ``POST /reset_prefix_cache``, and
+the fault knobs of ``POST /fake/kv_events``); ``engine.kv_events`` is then the publisher.
+
 An optional cost model (``cost``: slots and a FIFO queue, prefill time per uncached prompt
 token, a prefix cache on every role, a KV pull's time per block the consumer does not hold,
 prefill interference on running streams, a slowdown) makes load, prefix placement and
@@ -19,7 +23,6 @@ import itertools
 import secrets
 import time
 import uuid
-import zlib
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, Protocol
@@ -27,11 +30,12 @@ from typing import Any, Literal, Protocol
 import msgspec
 import trio
 
-from narwhal.fake_engine import answers, cost
+from narwhal.fake_engine import answers, cost, kv_events
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.faults import Fault, FaultQueue
 from narwhal.fake_engine.http import Exchange, Request, serve_connection
 from narwhal.fake_engine.kv_channel import KVPuller, KVStore, PullRequest
+from narwhal.fake_engine.kv_publisher import KvEventPublisher
 
 VERSION = "0.32.0"
 _FAULT_LIST = msgspec.json.Decoder(list[Fault])
@@ -75,6 +79,12 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # while prompts are computed here, streams' itl x (1 + this x the prompts computing)
     prefill_interference: float = 0.0
     slowdown: float = 1.0  # multiplier on prefill time and itl_s
+    # KV events (narwhal.fake_engine.kv_events), off without an endpoint
+    kv_events_endpoint: str = ""  # the PUB: "*" or port 0 binds, any other connects
+    kv_events_replay_endpoint: str = ""  # the replay ROUTER, always bound
+    kv_events_topic: str = "kv"
+    kv_events_encoding: Literal["map", "array"] = "map"
+    kv_events_buffer_steps: int = kv_events.DEFAULT_BUFFER_STEPS  # batches kept for replay
 
     @property
     def cost_model(self) -> bool:
@@ -110,7 +120,21 @@ class FakeEngine:
         self._streamed: trio.Event | None = None
         self._streamed_goal = 0
         self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
-        self.prefix_cache = cost.PrefixCache(cfg.prefix_cache_blocks)
+        if cfg.kv_events_replay_endpoint and not cfg.kv_events_endpoint:
+            raise ValueError("a KV-event replay endpoint needs a KV-event endpoint")
+        self.kv_events: KvEventPublisher | None = None
+        if cfg.kv_events_endpoint:
+            self.kv_events = KvEventPublisher(
+                cfg.kv_events_endpoint,
+                cfg.kv_events_replay_endpoint,
+                host=cfg.host,
+                topic=cfg.kv_events_topic,
+                encoding=cfg.kv_events_encoding,
+                buffer_steps=cfg.kv_events_buffer_steps,
+            )
+        # with events on, the cache is on too: by default the whole KV cache (kv_events)
+        blocks = cfg.prefix_cache_blocks or (cfg.kv_blocks if self.kv_events else 0)
+        self.prefix_cache = cost.PrefixCache(blocks)
         self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
         self.computing = 0  # prompts being computed now (prefill interference)
         self._idle = trio.Event()
@@ -124,6 +148,9 @@ class FakeEngine:
         try:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
+                if self.kv_events is not None:
+                    self.prefix_cache.clear()  # a new engine's cache is empty, seq from 0
+                    await nursery.start(self.kv_events.serve)
                 self.kv_port = await nursery.start(
                     self.store.serve, cfg.host, self.kv_port or cfg.kv_port
                 )
@@ -198,6 +225,13 @@ class FakeEngine:
         elif route == ("DELETE", "/fake/faults"):
             self.faults.clear()
             await ex.respond(200, b"{}")
+        elif route == ("POST", "/reset_prefix_cache"):
+            self.reset_prefix_cache()
+            await ex.respond(200, b"")
+        elif route == ("GET", "/kv_event_sources") and self.kv_events is not None:
+            await ex.respond(200, msgspec.json.encode(self.kv_events.sources()))
+        elif route == ("POST", "/fake/kv_events") and self.kv_events is not None:
+            await self._kv_knobs(req, ex, self.kv_events)
         else:
             await ex.respond(404, b'{"detail":"Not Found"}')
 
@@ -249,7 +283,38 @@ class FakeEngine:
                 "evictions": self.prefix_cache.evictions,
             },
             "faults_queued": len(self.faults),
+            **({"kv_events": self.kv_events.stats()} if self.kv_events else {}),
         }
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's ``POST /reset_prefix_cache``: every cached block dropped, and with KV
+        events an ``AllBlocksCleared``."""
+        self.prefix_cache.clear()
+        self.counters["prefix_cache_resets"] += 1
+        if self.kv_events is not None:
+            self.kv_events.cleared()
+
+    def _cache_insert(self, *token_lists: list[int]) -> None:
+        """Computed tokens join the prefix cache; their changes are one KV-event batch."""
+        events: list[kv_events.Event] = []
+        for tokens in token_lists:
+            change = self.prefix_cache.insert(tokens)
+            if self.kv_events is not None:
+                events += self.kv_events.stream.inserted(tokens, change)
+        if self.kv_events is not None:
+            self.kv_events.publish(events)
+
+    async def _kv_knobs(self, req: Request, ex: Exchange, publisher: KvEventPublisher) -> None:
+        """``POST /fake/kv_events``: the fault knobs of the event stream (kv_events)."""
+        try:
+            knobs = kv_events.KNOBS.decode(req.body)
+        except msgspec.MsgspecError as exc:
+            await ex.respond(400, gen.error_body(str(exc), "BadRequestError", 400))
+            return
+        if knobs.restart:
+            self.prefix_cache.clear()  # as a restarted engine's: empty, and no event says so
+        await publisher.apply(knobs)
+        await ex.respond(200, msgspec.json.encode(publisher.stats()))
 
     async def _push_faults(self, req: Request, ex: Exchange) -> None:
         try:
@@ -261,19 +326,19 @@ class FakeEngine:
         await ex.respond(200, msgspec.json.encode({"queued": len(self.faults)}))
 
     async def _tokenize(self, req: Request, ex: Exchange) -> None:
-        """vLLM's ``/tokenize``: count, max_model_len and token ids (whitespace words here),
-        the words themselves with ``return_token_strs``."""
+        """vLLM's ``/tokenize`` of a ``prompt`` or of chat ``messages``: count, max_model_len
+        and the prompt's token ids as the cost model has them (``cost.prompt_tokens``: the
+        ids whose blocks the prefix cache holds and KV events publish), their text with
+        ``return_token_strs``."""
         self._log_side_request(req)
         body = await self._side_body(req, ex)
         if body is None:
             return
-        text, count = gen.prompt_of(body, "messages" in body)
-        words = text.split()
-        tokens = [zlib.crc32(word.encode()) % 32000 for word in words][:count]
-        tokens += [1] * (count - len(tokens))
-        strs = (words + [""] * count)[:count] if body.get("return_token_strs") is True else None
+        chat = "messages" in body
+        tokens = cost.prompt_tokens(body, chat)
+        strs = cost.token_strs(body, chat) if body.get("return_token_strs") is True else None
         reply = {
-            "count": count,
+            "count": len(tokens),
             "max_model_len": self.config.max_model_len,
             "tokens": tokens,
             "token_strs": strs,
@@ -617,8 +682,7 @@ class FakeEngine:
         self, body: dict[str, Any], chat: bool, replies: list[tuple[str, str]]
     ) -> None:
         """Cache each finished (prompt text, reply) as the client's next turn will send it."""
-        for prompt_text, reply in replies:
-            self.prefix_cache.insert(cost.reply_tokens(body, chat, prompt_text, reply))
+        self._cache_insert(*(cost.reply_tokens(body, chat, t, reply) for t, reply in replies))
 
     async def _prompt(
         self, body: dict[str, Any], chat: bool, prompt_tokens: int, kv: dict[str, Any] | None
@@ -640,7 +704,7 @@ class FakeEngine:
             if cached:
                 self.counters["prompt_tokens_cached"] += cached
             await self._compute_prompt(prompt_tokens - cached)
-        cache.insert(tokens)
+        self._cache_insert(tokens)
         return True
 
     async def _compute_prompt(self, uncached_tokens: int) -> None:

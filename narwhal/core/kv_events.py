@@ -2,7 +2,8 @@
 
 An engine started with ``--kv-events-config`` publishes, on a ZMQ PUB socket, multipart
 messages ``[topic, 8-byte big-endian sequence, msgpack batch]``; a batch is the array
-``[timestamp, events, dp_rank]``. vLLM has written an event two ways: as a tagged array
+``[timestamp, events, dp_rank]`` (newer vLLM: the map ``{ts, events, data_parallel_rank}``,
+read too). vLLM has written an event two ways: as a tagged array
 (older: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
 medium, lora_name]``) and as a map tagged ``"type"`` (newer). Both are read here, into the
 map shape; fields either does not know are ignored, and so are event types (counted apart
@@ -85,11 +86,20 @@ class _Batch(Struct, frozen=True, gc=False, array_like=True):
     dp_rank: int | None = None
 
 
+class _MapBatch(Struct, frozen=True, gc=False):
+    """A batch as a map (newer vLLM's ``EventBatch`` without ``array_like``)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
 class _Tagged(Struct, frozen=True, gc=False):
     type: Any = None  # the tag of a map event this module does not know
 
 
 _batch = msgspec.msgpack.Decoder(_Batch)
+_map_batch = msgspec.msgpack.Decoder(_MapBatch)
 _maps = msgspec.msgpack.Decoder(Event)
 _arrays = msgspec.msgpack.Decoder(_ArrayStored | _ArrayRemoved | _ArrayCleared)
 _map_tag = msgspec.msgpack.Decoder(_Tagged)
@@ -129,8 +139,12 @@ def parse_message(frames: list[bytes]) -> Message | Rejected:
 
 def parse_replayed(frames: list[bytes]) -> Message | Rejected | None:
     """One answer of the replay socket, seen by a DEALER (its empty delimiter first):
-    a batch, or None for the end marker."""
+    a batch, or None for the end marker. vLLM has answered ``[seq, payload]`` and
+    ``[topic, seq, payload]`` after the delimiter; both are read."""
     if frames and frames[0] == b"":
+        frames = frames[1:]
+    topic = frames[0] if len(frames) == 3 else b""
+    if len(frames) == 3:
         frames = frames[1:]
     if len(frames) != 2 or len(frames[0]) != 8:
         return Rejected("frame", f"{len(frames)} replay frames")
@@ -138,7 +152,7 @@ def parse_replayed(frames: list[bytes]) -> Message | Rejected | None:
         return None
     if len(frames[1]) > MAX_BATCH_BYTES:
         return Rejected("too_large", f"{len(frames[1])} bytes")
-    return Message(b"", int.from_bytes(frames[0], "big", signed=True), frames[1])
+    return Message(topic, int.from_bytes(frames[0], "big", signed=True), frames[1])
 
 
 def replay_request(start_seq: int) -> list[bytes]:
@@ -149,10 +163,16 @@ def replay_request(start_seq: int) -> list[bytes]:
 
 def decode_batch(payload: bytes) -> Batch | Rejected:
     """A batch's events, each in the map shape; bad events are counted, not fatal."""
+    batch: _Batch | _MapBatch
     try:
-        batch = _batch.decode(payload)
+        array = _batch.decode(payload)
+        batch, rank = array, array.dp_rank
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return Rejected("batch", str(exc)[:200])
+        try:
+            batch = _map_batch.decode(payload)
+            rank = batch.data_parallel_rank
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return Rejected("batch", str(exc)[:200])
     events: list[Event] = []
     rejected = skipped = 0
     for raw in batch.events:
@@ -163,7 +183,7 @@ def decode_batch(payload: bytes) -> Batch | Rejected:
             rejected += 1
         else:
             events.append(event)
-    return Batch(events, rejected, skipped, batch.dp_rank)
+    return Batch(events, rejected, skipped, rank)
 
 
 def _event(data: bytes) -> Event | Rejected | None:

@@ -87,6 +87,21 @@ def test_replay_answers_and_the_end_marker() -> None:
     assert isinstance(parse_replayed([b"", b"x"]), Rejected)
 
 
+def test_the_replay_answer_with_a_topic_frame_is_read_too() -> None:
+    answer = parse_replayed([b"", b"kv", (4).to_bytes(8, "big"), b"p"])
+    assert answer == Message(b"kv", 4, b"p")
+    end = parse_replayed([b"", b"kv", (-1).to_bytes(8, "big", signed=True), b""])
+    assert end is None
+
+
+def test_a_batch_written_as_a_map_is_read() -> None:
+    payload = msgspec.msgpack.encode({"ts": 1.0, "events": [cleared()], "data_parallel_rank": 2})
+    decoded = decode_batch(payload)
+    assert isinstance(decoded, Batch)
+    assert decoded.events == [AllBlocksCleared()]
+    assert decoded.dp_rank == 2
+
+
 def test_event_sources_read_star_as_the_engine_host() -> None:
     body = msgspec.json.encode(
         [

@@ -246,8 +246,8 @@ class EventStream:
         if self.state is not StreamState.REPAIRING:
             return
         waiting, self.waiting = self.waiting, []
-        if waiting and self.last_seq is not None and waiting[0].seq == self.last_seq + 1:
-            self.repaired += 1
+        if waiting and self.last_seq is not None and self.last_seq + 1 >= waiting[0].seq:
+            self.repaired += 1  # the replay reached the first batch that waited, or past it
         else:
             self._lost()
         self.state = StreamState.LIVE

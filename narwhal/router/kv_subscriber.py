@@ -18,6 +18,7 @@ Nothing an engine sends ends a loop: a malformed message is counted and dropped.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -75,6 +76,13 @@ class KvSubscriber:
         self._topics: dict[bytes, str] = {}  # listen: a topic -> the engine publishing it
         # listen, under --workers N: the parent's relay of what it receives (narwhal.kv_relay)
         self.relay = ""
+        self._applied = trio.lowlevel.ParkingLot()  # woken after each helping is applied
+
+    async def wait_until(self, check: Callable[[], bool]) -> None:
+        """Return once ``check()`` holds, looking again after every helping applied (for
+        operators' tools and tests: the view is then as the events left it)."""
+        while not check():
+            await self._applied.park()
 
     @property
     def mode(self) -> str:
@@ -280,10 +288,9 @@ class KvSubscriber:
         """The stream's counters into the metrics, as the increments since last time."""
         engine_id = followed.engine.id
         metrics = self.router.metrics
-        if engine_id not in metrics.engines:
-            return
         stream = self.router.fleet.precise.streams.get(engine_id)
-        if stream is None:
+        if stream is None or engine_id not in metrics.engines:
+            self._applied.unpark_all()
             return
         counts = {
             "batches": stream.batches,
@@ -303,6 +310,7 @@ class KvSubscriber:
         followed.exported = counts
         metrics.kv_blocks.labels(engine_id).set(len(stream.blocks))
         metrics.kv_stream_live.labels(engine_id).set(int(stream.state is StreamState.LIVE))
+        self._applied.unpark_all()
 
 
 def _counter(metrics: Metrics, engine_id: str, name: str) -> Counter:

@@ -91,6 +91,17 @@ def test_a_gap_asks_for_a_replay_and_the_replay_repairs_it() -> None:
     assert stream.last_seq == 8
 
 
+def test_a_replay_that_also_brings_the_batch_that_waited_repairs_the_gap() -> None:
+    stream = live_stream(stored([11], None, PROMPT[:4], BS))
+    later = msg(7, stored([13], 12, PROMPT[8:12], BS))
+    assert stream.receive(later, 0.0) == Replay(6)
+    stream.replayed(msg(6, stored([12], 11, PROMPT[4:8], BS)), 0.0)
+    stream.replayed(later, 0.0)
+    stream.replay_ended(0.0)
+    assert stream.repaired == 1
+    assert held(stream, PROMPT) == 12
+
+
 def test_a_gap_the_replay_cannot_close_drops_the_engine_entries() -> None:
     stream = live_stream(stored([11, 12], None, PROMPT[:8], BS))
     assert stream.receive(msg(9, removed([99])), 0.0) == Replay(6)

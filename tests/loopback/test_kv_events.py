@@ -1,0 +1,181 @@
+"""The precise prefix index on loopback: fake engines publish their caches' changes as vLLM
+does, the router subscribes (real ZMQ sockets, real clock), and its view of each engine is
+what that engine's events say: after evictions, a reset, gaps, a restart and garbage."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from narwhal.core.config import AdmissionConfig, KvEventsConfig, PlacementConfig
+from tests.support.fleet import MODEL, Harness, finish, start_fleet
+
+WAIT_S = 10.0
+CACHE_BLOCKS = 8  # each engine's prefix cache: 8 blocks of 16 tokens
+
+
+def words(n: int, tag: str) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+@pytest.fixture
+async def kv_fleet(nursery: trio.Nursery) -> AsyncIterator[Harness]:
+    """A producer, two consumers, every engine publishing its cache's events, and a router
+    subscribed to them all (each engine's stream attached before the test begins)."""
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode", "d1": "decode"},
+        engine_config={
+            "kv_events_endpoint": "tcp://127.0.0.1:0",
+            "kv_events_replay_endpoint": "tcp://127.0.0.1:0",
+            "prefix_cache_blocks": CACHE_BLOCKS,
+        },
+        kv_events=KvEventsConfig(mode="subscribe"),
+        placement=PlacementConfig(metrics_interval_s=0),
+        admission=AdmissionConfig(queue=False),
+    )
+    with trio.fail_after(WAIT_S):
+        for engine in harness.engines.values():
+            assert engine.kv_events is not None
+            await engine.kv_events.wait_subscribed(1)
+    yield harness
+    await finish(harness)
+
+
+async def settle(harness: Harness, check: Callable[[], bool]) -> None:
+    with trio.move_on_after(WAIT_S):
+        await harness.router.kv_subscriber.wait_until(check)
+    views = {e: view(harness, e) for e in harness.engines}
+    caches = {e: len(engine.prefix_cache.blocks) for e, engine in harness.engines.items()}
+    assert check(), f"the router's view {views} of caches {caches}"
+
+
+def view(harness: Harness, engine_id: str) -> dict[str, Any]:
+    found: dict[str, Any] = msgspec.json.decode(harness.router.engines_view())
+    (engine,) = [e for e in found["engines"] if e["id"] == engine_id]
+    kv: dict[str, Any] = engine["kv_events"]
+    return kv
+
+
+def agrees(harness: Harness, engine_id: str) -> Callable[[], bool]:
+    """The router holds exactly the blocks the engine's cache holds."""
+    engine = harness.engines[engine_id]
+    stream = harness.router.fleet.precise.streams.get(engine_id)
+    return lambda: (
+        stream is not None
+        and stream.live
+        and len(stream.blocks) == len(engine.prefix_cache.blocks)
+        and not stream.waiting
+    )
+
+
+async def complete(harness: Harness, prompt: str) -> dict[str, Any]:
+    reply = await harness.post(
+        "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+    )
+    assert reply.status == 200, reply.body
+    body: dict[str, Any] = reply.json()
+    return body
+
+
+async def knob(harness: Harness, engine_id: str, **knobs: Any) -> None:
+    """Turn one of the engine's KV-event knobs (``POST /fake/kv_events``)."""
+    url = harness.router.fleet.by_id[engine_id].url + "/fake/kv_events"
+    answer = await harness.http.request("POST", url, content=msgspec.json.encode(knobs))
+    assert answer.status == 200, answer.content
+
+
+async def test_the_router_holds_what_each_engine_holds_past_evictions(kv_fleet: Harness) -> None:
+    for i in range(6):  # 6 prompts of 3 blocks each: more than 8 blocks, so the caches evict
+        await complete(kv_fleet, words(50, f"p{i}-"))
+    for engine_id in ("p0", "d0", "d1"):
+        await settle(kv_fleet, agrees(kv_fleet, engine_id))
+        assert view(kv_fleet, engine_id)["state"] == "live"
+    p0 = kv_fleet.engines["p0"]
+    assert p0.prefix_cache.evictions > 0
+    assert view(kv_fleet, "p0")["blocks"] == CACHE_BLOCKS
+
+
+async def test_placement_follows_what_the_events_say_not_what_was_sent(
+    kv_fleet: Harness,
+) -> None:
+    prompt = words(64, "conversation-")
+    await complete(kv_fleet, prompt)
+    journal = kv_fleet.router.journal
+    first = journal.lines[-1].attempts[0].consumer
+    assert first is not None
+    other = "d1" if first == "d0" else "d0"
+    fleet = kv_fleet.router.fleet
+    # the router sent the prompt to `first`; now `first` drops it and `other` computes it
+    # (a client that bypassed the router): only the engines' events know
+    for engine_id, path, body in (
+        (first, "/reset_prefix_cache", None),
+        (other, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}),
+    ):
+        content = None if body is None else msgspec.json.encode(body)
+        answer = await kv_fleet.http.request(
+            "POST", fleet.by_id[engine_id].url + path, content=content
+        )
+        assert answer.status == 200
+    await settle(kv_fleet, agrees(kv_fleet, first))
+    await settle(kv_fleet, agrees(kv_fleet, other))
+    for _ in range(3):
+        await complete(kv_fleet, prompt + " and more")
+        assert journal.lines[-1].attempts[0].consumer == other
+
+
+async def test_a_reset_clears_the_engine_in_the_router_too(kv_fleet: Harness) -> None:
+    await complete(kv_fleet, words(40, "reset-"))
+    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    assert view(kv_fleet, "p0")["blocks"] > 0
+    url = kv_fleet.router.fleet.by_id["p0"].url
+    reset = await kv_fleet.http.request("POST", url + "/reset_prefix_cache")
+    assert reset.status == 200
+    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["blocks"] == 0)
+
+
+async def test_a_gap_is_repaired_from_the_replay_socket(kv_fleet: Harness) -> None:
+    await complete(kv_fleet, words(40, "before-"))  # the stream is live from this batch
+    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    await knob(kv_fleet, "p0", drop_next=1)
+    await complete(kv_fleet, words(40, "lost-"))  # its batch never reaches the router
+    await complete(kv_fleet, words(40, "after-"))  # this one shows the gap
+    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["repaired"] == 1)
+    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    assert view(kv_fleet, "p0")["unrepaired"] == 0
+
+
+async def test_a_gap_the_replay_cannot_repair_drops_the_engine(kv_fleet: Harness) -> None:
+    p0 = kv_fleet.engines["p0"]
+    await complete(kv_fleet, words(40, "before-"))
+    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    await knob(kv_fleet, "p0", drop_next=1, forget=True)
+    await complete(kv_fleet, words(40, "lost-"))
+    await complete(kv_fleet, words(40, "after-"))
+    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["unrepaired"] == 1)
+    # what it held before the gap is gone from the router; only what came after is there
+    assert view(kv_fleet, "p0")["blocks"] < len(p0.prefix_cache.blocks)
+
+
+async def test_an_engine_that_restarts_is_dropped_then_rebuilt(kv_fleet: Harness) -> None:
+    await complete(kv_fleet, words(40, "old-"))
+    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    await knob(kv_fleet, "p0", restart=True)  # sequence from 0, the cache empty
+    await complete(kv_fleet, words(40, "new-"))
+    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["restarts"] == 1)
+    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+
+
+async def test_garbage_and_floods_are_counted_and_serving_goes_on(kv_fleet: Harness) -> None:
+    await knob(kv_fleet, "p0", garbage_next=1)
+    await complete(kv_fleet, words(40, "garbage-"))
+    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["rejected"].get("batch", 0) == 1)
+    await knob(kv_fleet, "p0", flood=20_000)
+    body = await complete(kv_fleet, words(10, "during-"))  # answered while the flood is read
+    assert body["choices"][0]["text"]
+    metrics = (await kv_fleet.get("/metrics")).body.decode()
+    assert 'narwhal_kv_events_rejected_total{engine="p0",why="batch"} 1.0' in metrics

@@ -146,7 +146,17 @@ class KvSubscriber:
             try:
                 source = followed.source = await self._source(engine)
                 if mode == "listen":
-                    self._topics[(source.topic or engine.id).encode()] = engine.id
+                    topic = (source.topic or engine.id).encode()
+                    taken = self._topics.setdefault(topic, engine.id)
+                    if taken != engine.id:  # two engines under one topic: neither is told
+                        log.error(
+                            "engines %s and %s publish under one topic %r: give each "
+                            "its own (listen mode)",
+                            taken,
+                            engine.id,
+                            topic.decode(),
+                        )
+                        self.router.fleet.precise.stream(engine.id).reject("topic")
                     await trio.sleep_forever()
                 await self._subscribe(followed, source)
             finally:

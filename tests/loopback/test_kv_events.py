@@ -4,6 +4,7 @@ what that engine's events say: after evictions, a reset, gaps, a restart and gar
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -12,10 +13,19 @@ import pytest
 import trio
 
 from narwhal.core.config import AdmissionConfig, KvEventsConfig, PlacementConfig
-from tests.support.fleet import MODEL, Harness, finish, start_fleet
+from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.router.service import Router
+from tests.support.fleet import MODEL, Harness, finish, fleet_config, serve_router, start_fleet
 
 WAIT_S = 10.0
 CACHE_BLOCKS = 8  # each engine's prefix cache: 8 blocks of 16 tokens
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def words(n: int, tag: str) -> str:
@@ -179,3 +189,41 @@ async def test_garbage_and_floods_are_counted_and_serving_goes_on(kv_fleet: Harn
     assert body["choices"][0]["text"]
     metrics = (await kv_fleet.get("/metrics")).body.decode()
     assert 'narwhal_kv_events_rejected_total{engine="p0",why="batch"} 1.0' in metrics
+
+
+async def test_listen_mode_reads_every_engine_through_one_bound_socket(
+    nursery: trio.Nursery,
+) -> None:
+    """The engines' publishers connect to the router (vLLM's endpoint without ``*``), each
+    under its own topic; the router binds one SUB socket and tells them apart by topic."""
+    port = free_port()
+    listen = f"tcp://127.0.0.1:{port}"
+    engines: dict[str, FakeEngine] = {}
+    urls: dict[str, tuple[str, str]] = {}
+    for engine_id, role in (("p0", "prefill"), ("d0", "decode")):
+        engine = FakeEngine(
+            FakeEngineConfig(
+                model=MODEL,
+                role=role,  # type: ignore[arg-type]
+                kv_events_endpoint=listen,
+                kv_events_topic=f"kv-{engine_id}",
+                prefix_cache_blocks=CACHE_BLOCKS,
+            )
+        )
+        urls[engine_id] = (await nursery.start(engine.serve), role)
+        engines[engine_id] = engine
+    config = fleet_config(
+        urls,
+        kv_events=KvEventsConfig(mode="listen", listen=listen),
+        placement=PlacementConfig(metrics_interval_s=0),
+    )
+    harness = await serve_router(nursery, Router(config), engines)
+    with trio.fail_after(WAIT_S):
+        for engine in engines.values():
+            assert engine.kv_events is not None
+            await engine.kv_events.wait_subscribed(1)
+    await complete(harness, words(40, "listen-"))
+    await settle(harness, agrees(harness, "p0"))
+    await settle(harness, agrees(harness, "d0"))
+    assert view(harness, "p0")["blocks"] > 0
+    await finish(harness)

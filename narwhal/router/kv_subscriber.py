@@ -71,7 +71,7 @@ class _Followed:
 class KvSubscriber:
     def __init__(self, router: KvHost) -> None:
         self.router = router
-        self._context = zmq.Context()
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None  # while a mode is on
         self._followed: dict[str, _Followed] = {}
         self._topics: dict[bytes, str] = {}  # listen: a topic -> the engine publishing it
         # listen, under --workers N: the parent's relay of what it receives (narwhal.kv_relay)
@@ -91,19 +91,16 @@ class KvSubscriber:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow every engine of the fleet while ``[kv_events]`` is on, and each one added
         later; a reload that changes the mode starts over."""
-        try:
-            async with trio.open_nursery() as nursery:
-                task_status.started()
-                while True:
-                    mode = self.mode
-                    if mode == "off":
-                        await trio.sleep(RESYNC_S)
-                        continue
-                    with trio.CancelScope() as scope:
-                        nursery.start_soon(self._watch_mode, mode, scope)
-                        await self._follow_all(mode)
-        finally:
-            self._context.destroy(linger=0)
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                mode = self.mode
+                if mode == "off":
+                    await trio.sleep(RESYNC_S)
+                    continue
+                with trio.CancelScope() as scope:
+                    nursery.start_soon(self._watch_mode, mode, scope)
+                    await self._follow_all(mode)
 
     async def _watch_mode(self, mode: str, scope: trio.CancelScope) -> None:
         """A reload that changes the mode ends the streams of the old one."""
@@ -114,6 +111,7 @@ class KvSubscriber:
                 return
 
     async def _follow_all(self, mode: str) -> None:
+        self._context = zmq.Context()
         try:
             async with trio.open_nursery() as nursery:
                 if mode == "listen":
@@ -126,6 +124,8 @@ class KvSubscriber:
                 self.router.fleet.precise.drop(followed.engine.id)
             self._followed.clear()
             self._topics.clear()
+            self._context.destroy(linger=0)
+            self._context = None
 
     def _sync(self, nursery: trio.Nursery, mode: str) -> None:
         """Start following engines new to the fleet; stop those that left it."""
@@ -288,6 +288,7 @@ class KvSubscriber:
             self._export(followed)
 
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        assert self._context is not None  # sockets are made while a mode is on
         sock: zmq.Socket[bytes] = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if kind == zmq.SUB:

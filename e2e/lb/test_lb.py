@@ -315,3 +315,156 @@ def test_a_rolling_restart_behind_haproxy_loses_no_request(logs: Path) -> None:
         assert phase.sent > 0, phase.name
         if "killed" not in phase.name:
             assert phase.ok == phase.sent, f"{phase.name}: {dict(phase.failed)}"
+
+
+EVENTS_FLEET = """\
+model = "{model}"
+
+[[engines]]
+id = "p0"
+url = "http://127.0.0.1:{p0}"
+role = "prefill"
+
+[[engines]]
+id = "d0"
+url = "http://127.0.0.1:{d0}"
+role = "decode"
+
+[[engines]]
+id = "d1"
+url = "http://127.0.0.1:{d1}"
+role = "decode"
+
+[engine]
+health_interval_s = 1.0
+
+[admission]
+queue = false
+
+[kv_events]
+mode = "subscribe"
+"""
+CONVERSATIONS = 6
+TURNS = 4
+
+
+def event_engine(logs: Path, name: str, role: str) -> tuple[Child, int]:
+    """A fake engine publishing its prefix cache's KV events on loopback (the router reads
+    where from its GET /kv_event_sources)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "narwhal", "fake-engine", "--port", str(port), "--role", role]
+    argv += ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
+    argv += ["--kv-events-replay-endpoint", "tcp://127.0.0.1:0", "--prefix-cache-blocks", "512"]
+    child = Child(argv, logs / f"events-{name}.log")
+    child.start()
+    wait_until(lambda: get(port, "/health") == 200, 30, f"fake {name} up")
+    return child, port
+
+
+def post(port: int, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        assert resp.status == 200, data[:300]
+        answer: dict[str, Any] = json.loads(data)
+        return answer
+    finally:
+        conn.close()
+
+
+def live(port: int) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/narwhal/engines")
+        engines = json.loads(conn.getresponse().read())["engines"]
+        return all(e["kv_events"]["state"] == "live" for e in engines)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    finally:
+        conn.close()
+
+
+def test_each_next_turn_goes_to_the_consumer_that_holds_it_whichever_replica(
+    logs: Path,
+) -> None:
+    """Two replicas behind HAProxy (round robin: consecutive turns land on different
+    replicas), one fleet publishing KV events: every replica subscribes on its own, so a
+    replica that never saw a conversation's last turn still sends the next one to the
+    consumer whose events say it holds that turn."""
+    haproxy = shutil.which("haproxy")
+    assert haproxy, "HAProxy is not installed: run `make e2e-lb` (it installs it)"
+    children: list[Child] = []
+    journals = [logs / "events-router-0.jsonl", logs / "events-router-1.jsonl"]
+    try:
+        ports = {}
+        for name, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+            child, ports[name] = event_engine(logs, name, role)
+            children.append(child)
+        fleet = logs / "events-fleet.toml"
+        fleet.write_text(EVENTS_FLEET.format(model=MODEL, **ports))
+        router_ports = [free_port(), free_port()]
+        for i, port in enumerate(router_ports):
+            argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(fleet)]
+            argv += ["--port", str(port), "--journal", str(journals[i])]
+            replica = Child(argv, logs / f"events-router-{i}.log")
+            replica.start()
+            children.append(replica)
+        for port in router_ports:
+            wait_until(lambda p=port: get(p, "/ready") == 200, 30, f"replica :{port} ready")
+        front = free_port()
+        servers = "\n".join(
+            f"    server r{i} 127.0.0.1:{port} check" for i, port in enumerate(router_ports)
+        )
+        config = logs / "events-haproxy.cfg"
+        config.write_text(HAPROXY.format(port=front, servers=servers))
+        lb = Child([haproxy, "-f", str(config), "-db"], logs / "events-haproxy.log")
+        lb.start()
+        children.append(lb)
+        wait_until(lambda: get(front, "/ready") == 200, 30, "HAProxy up")
+        # every replica's streams go live with the first batch it reads: one request each
+        for i, port in enumerate(router_ports):
+            post(port, {"model": MODEL, "prompt": f"warm {i}", "max_tokens": 2}, f"warm-{i}")
+        for port in router_ports:
+            wait_until(lambda p=port: live(p), 30, f"replica :{port} reads every engine")
+
+        prompts = {
+            c: f"conversation {c} opens with " + " ".join(f"w{c}x{k}" for k in range(60))
+            for c in range(CONVERSATIONS)
+        }
+        for turn in range(TURNS):
+            for c in range(CONVERSATIONS):
+                body = {"model": MODEL, "prompt": prompts[c], "max_tokens": 12}
+                answer = post(front, body, f"conv{c}-turn{turn}")
+                prompts[c] += answer["choices"][0]["text"] + f" and then turn {turn} asks more"
+    finally:
+        for child in reversed(children):
+            if child.proc is not None:
+                child.stop(signal.SIGTERM, timeout_s=GRACE_S + 5)
+
+    consumers: dict[str, tuple[int, str]] = {}
+    for i, journal in enumerate(journals):
+        for raw in journal.read_text().splitlines():
+            line = json.loads(raw)
+            if line["request_id"].startswith("conv"):
+                consumers[line["request_id"]] = (i, line["attempts"][-1]["consumer"])
+    replicas_seen = set()
+    for c in range(CONVERSATIONS):
+        first = consumers[f"conv{c}-turn0"][1]
+        for turn in range(1, TURNS):
+            replica, consumer = consumers[f"conv{c}-turn{turn}"]
+            replicas_seen.add(replica)
+            assert consumer == first, f"conversation {c} turn {turn} left {first}: {consumers}"
+    assert replicas_seen == {0, 1}, "HAProxy sent every turn to one replica"
+    table = [
+        f"| conv{c} | "
+        + " | ".join(
+            f"r{consumers[f'conv{c}-turn{t}'][0]}:{consumers[f'conv{c}-turn{t}'][1]}"
+            for t in range(TURNS)
+        )
+        + " |"
+        for c in range(CONVERSATIONS)
+    ]
+    print("\n" + "\n".join(table))

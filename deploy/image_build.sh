@@ -2,9 +2,10 @@
 # `make image`: the router's image from deploy/Containerfile, built with buildah on a Debian
 # base that mmdebstrap makes from Debian's own mirror (no container registry needed).
 #
-# The base rootfs is cached at $NARWHAL_IMAGE_CACHE/rootfs-bookworm.tar (default
-# ~/.cache/narwhal-image) and imported as $BASE; buildah's layer cache (--layers) keeps the
-# stages between builds. Every RUN step runs with --isolation chroot: machines where crun may
+# The base rootfs is cached at $NARWHAL_IMAGE_CACHE/rootfs-bookworm-KEY.tar (default
+# ~/.cache/narwhal-image; KEY: a hash of mmdebstrap's arguments) and imported as $BASE
+# (default localhost/debian-py:bookworm); buildah's layer cache (--layers) keeps the stages
+# between builds. Every RUN step runs with --isolation chroot: machines where crun may
 # not set RLIMIT_NOFILE (podman run fails there) still build.
 #
 #   deploy/image_build.sh [IMAGE]       default IMAGE: localhost/narwhal:<pyproject version>
@@ -17,7 +18,6 @@ VERSION=$(python3 -c "import tomllib; print(tomllib.load(open('pyproject.toml', 
 IMAGE=${1:-localhost/narwhal:$VERSION}
 BASE=${BASE:-localhost/debian-py:bookworm}
 CACHE=${NARWHAL_IMAGE_CACHE:-$HOME/.cache/narwhal-image}
-ROOTFS=$CACHE/rootfs-bookworm.tar
 SOURCE=${SOURCE:-$(git remote get-url origin 2>/dev/null || echo https://example.com/narwhal)}
 REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 
@@ -28,24 +28,35 @@ for tool in buildah podman mmdebstrap; do
     }
 done
 
+# the base: Debian bookworm's minbase with python3 (3.11), the Python the router runs on,
+# without documentation, manual pages and translations (as Debian's slim images); the dpkg
+# options stay in the base, so the build stage's apt-get honours them too
+MMDEBSTRAP=(--variant=minbase --include=python3
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*'
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-include=/usr/share/locale/locale.alias'
+    bookworm)
+# the cache's name and the base's label follow these arguments: change them, get a new base
+KEY=$(printf '%s\n' "${MMDEBSTRAP[@]}" | sha256sum | cut -c1-12)
+ROOTFS=$CACHE/rootfs-bookworm-$KEY.tar
+
 started=$(date +%s)
-# the base: Debian bookworm's minbase with python3 (3.11), the Python the router runs on
-if ! podman image exists "$BASE"; then
+if [ "$(podman image inspect --format '{{index .Labels "narwhal.rootfs"}}' "$BASE" 2>/dev/null)" != "$KEY" ]; then
     if [ ! -s "$ROOTFS" ]; then
         mkdir -p "$CACHE"
         echo "image: building the base rootfs with mmdebstrap ($ROOTFS)"
         t0=$(date +%s)
         # to a temporary name first: an interrupted run leaves no half-written cache
-        mmdebstrap --quiet --variant=minbase --include=python3 bookworm "$ROOTFS.partial"
+        mmdebstrap --quiet --format=tar "${MMDEBSTRAP[@]}" "$ROOTFS.partial"
         mv "$ROOTFS.partial" "$ROOTFS"
         echo "image: base rootfs built in $(($(date +%s) - t0)) s ($(du -h "$ROOTFS" | cut -f1))"
     else
         echo "image: base rootfs from the cache ($ROOTFS)"
     fi
-    podman import --quiet "$ROOTFS" "$BASE" >/dev/null
+    podman import --quiet --change "LABEL narwhal.rootfs=$KEY" "$ROOTFS" "$BASE" >/dev/null
     echo "image: imported as $BASE"
 else
-    echo "image: base $BASE present"
+    echo "image: base $BASE present (rootfs $KEY)"
 fi
 base_done=$(date +%s)
 

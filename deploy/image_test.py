@@ -166,6 +166,17 @@ class Service:
             time.sleep(0.1)
         raise Failed(f"{self.name}: no process under buildah run after {START_S} s")
 
+    def log_lines(self) -> list[dict[str, Any]]:
+        """The JSON lines of its output (--log-format json)."""
+        self.output.flush()
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                value = json.loads(line)
+                if isinstance(value, dict):
+                    out.append(value)
+        return out
+
     def tail(self, lines: int = 20) -> str:
         self.output.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -288,7 +299,7 @@ def run(image: str, work: Path) -> None:
     services: list[Service] = []
     try:
         version = container.run(["narwhal", "--version"])
-        say(f"narwhal --version: {version.stdout.strip()} {version.stderr.strip()}")
+        say(f"narwhal --version: {(version.stdout + version.stderr).strip()}")
         check(version.returncode == 0, "narwhal --version exits 0")
         check("compiled by mypyc" in version.stdout, "the image runs the compiled build")
         found = container.run(
@@ -333,7 +344,7 @@ def run(image: str, work: Path) -> None:
         command = probe[1:]
         env = f"NARWHAL_HEALTH_URL=http://{HOST}:{ports['router']}/health"
         ok = container.run(["env", env, *command])
-        check(ok.returncode == 0, f"the HEALTHCHECK command exits 0 ({ok.stderr.strip()[-200:]})")
+        check(ok.returncode == 0, f"the HEALTHCHECK command exits 0 {ok.stderr[-200:]}".strip())
         nobody = f"NARWHAL_HEALTH_URL=http://{HOST}:{free_port()}/health"
         refused = container.run(["env", nobody, *command])
         check(refused.returncode != 0, f"... and {refused.returncode} with no router there")
@@ -345,10 +356,17 @@ def run(image: str, work: Path) -> None:
             os.kill(pid, signal.SIGTERM)
             drain_started = time.monotonic()
             texts, done = read_stream(events)
-        check(done and len(texts) >= 50, f"the stream in flight ended whole ({len(texts)} chunks)")
+        chunks = 1 + len(texts)
+        check(done, f"the stream in flight ended with [DONE] ({chunks} chunks)")
         code = router.proc.wait(STOP_S)
         say(f"router exited {code}, {time.monotonic() - drain_started:.1f} s after SIGTERM")
         check(code == 0, "SIGTERM drains and the router exits 0")
+        logged = [line for line in router.log_lines() if line.get("logger") == "narwhal.requests"]
+        last = logged[-1] if logged else {}
+        check(
+            last.get("outcome") == "completed" and last.get("tokens") == 60,
+            f"the router logged the drained request completed with all its tokens: {last}",
+        )
         say("router log (last lines):\n" + router.tail(8))
     finally:
         for service in reversed(services):

@@ -18,7 +18,10 @@ VERSION=$(python3 -c "import tomllib; print(tomllib.load(open('pyproject.toml', 
 IMAGE=${1:-localhost/narwhal:$VERSION}
 BASE=${BASE:-localhost/debian-py:bookworm}
 CACHE=${NARWHAL_IMAGE_CACHE:-$HOME/.cache/narwhal-image}
-SOURCE=${SOURCE:-$(git remote get-url origin 2>/dev/null || echo https://example.com/narwhal)}
+# the source label: the git remote when it is a URL (a clone of a local path is not)
+origin=$(git remote get-url origin 2>/dev/null || true)
+case "$origin" in https://*) ;; *) origin=https://example.com/narwhal ;; esac
+SOURCE=${SOURCE:-$origin}
 REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 
 for tool in buildah podman mmdebstrap; do

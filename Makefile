@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BENCH_VENV ?= .bench-venv
 VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv compiled demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement bench-overload e2e-vllm e2e-lb faults soak fuzz clean
+.PHONY: venv compiled demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement bench-overload e2e-vllm e2e-lb image image-test faults soak fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,15 @@ bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies and condi
 
 bench-overload: venv $(BENCH_VENV)/.installed   ## flow control at 2x capacity vs no queue and the peers (~10 min)
 	$(PY) bench/overload.py --peers-venv $(BENCH_VENV)
+
+IMAGE ?= localhost/narwhal:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+# the router's image (deploy/Containerfile) with buildah on a Debian base that mmdebstrap
+# makes, cached in ~/.cache/narwhal-image; prints the build time and the image size
+image:
+	bash deploy/image_build.sh $(IMAGE)
+
+image-test: image    ## the image on loopback: compiled build, a stream through it, health check, uid, drain
+	$(PYTHON) deploy/image_test.py --image $(IMAGE)
 
 faults: venv         ## the fault matrix: every scenario, 200 requests at c=32, as a table
 	$(PY) -m tests.matrix.fault_matrix --requests 200 --concurrency 32

@@ -58,7 +58,9 @@ from tests.support.deploy import (
 from tests.support.fleet import MODEL, finish, start_fleet
 
 K8S = DEPLOY / "k8s"
-DOCKERFILE = DEPLOY / "Dockerfile"
+CONTAINERFILE = DEPLOY / "Containerfile"
+IGNOREFILE = DEPLOY / "Containerfile.dockerignore"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 UNIT = DEPLOY / "narwhal.service"
 ALERT_TESTS = DEPLOY / "alerts.test.yml"
 PROMETHEUS = DEPLOY / "prometheus.yml"
@@ -127,13 +129,13 @@ def example_serving() -> dict[str, Any]:
     return serving
 
 
-# --- the Dockerfile ---------------------------------------------------------------------
+# --- the Containerfile ------------------------------------------------------------------
 
 
-def dockerfile() -> list[tuple[str, str]]:
+def containerfile() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments), continuation lines joined, comments dropped."""
     joined, pending = [], ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in CONTAINERFILE.read_text().splitlines():
         if not pending and (not line.strip() or line.lstrip().startswith("#")):
             continue
         if line.rstrip().endswith("\\"):
@@ -141,7 +143,7 @@ def dockerfile() -> list[tuple[str, str]]:
             continue
         joined.append(pending + line)
         pending = ""
-    assert not pending, "the Dockerfile ends inside a continued line"
+    assert not pending, "the Containerfile ends inside a continued line"
     out = []
     for line in joined:
         word, _, rest = line.strip().partition(" ")
@@ -150,7 +152,7 @@ def dockerfile() -> list[tuple[str, str]]:
 
 
 def final_stage() -> list[tuple[str, str]]:
-    steps = dockerfile()
+    steps = containerfile()
     last = max(i for i, (word, _) in enumerate(steps) if word == "FROM")
     return steps[last:]
 
@@ -159,7 +161,7 @@ def exec_form(text: str, what: str) -> list[str]:
     try:
         argv = json.loads(text)
     except json.JSONDecodeError:
-        pytest.fail(f"Dockerfile {what} is not in exec (JSON) form: {text}")
+        pytest.fail(f"Containerfile {what} is not in exec (JSON) form: {text}")
     assert isinstance(argv, list), text
     assert all(isinstance(a, str) for a in argv), text
     return argv
@@ -179,8 +181,20 @@ def healthcheck_command() -> list[str]:
     return exec_form(command, "HEALTHCHECK CMD")
 
 
-def test_dockerfile_builds_a_wheel_then_a_slim_non_root_runtime() -> None:
-    steps = dockerfile()
+def global_args() -> dict[str, str]:
+    """The ARGs before the first FROM (what FROM lines may use), defaults expanded."""
+    out: dict[str, str] = {}
+    for word, rest in containerfile():
+        if word == "FROM":
+            break
+        if word == "ARG" and "=" in rest:
+            name, value = rest.split("=", 1)
+            out[name] = re.sub(r"\$\{(\w+)\}", lambda m: out[m.group(1)], value)
+    return out
+
+
+def test_containerfile_builds_a_wheel_then_a_slim_non_root_runtime() -> None:
+    steps = containerfile()
     froms = [args for word, args in steps if word == "FROM"]
     assert len(froms) >= 2, "not a multi-stage build"
     build = re.fullmatch(r"(\S+)\s+AS\s+(\w+)", froms[0], re.IGNORECASE)
@@ -189,7 +203,11 @@ def test_dockerfile_builds_a_wheel_then_a_slim_non_root_runtime() -> None:
     assert any("pip wheel" in args for word, args in steps if word == "RUN"), "no wheel built"
     final = final_stage()
     runtime = final[0][1]
-    assert "slim" in runtime, f"the runtime is not a slim image: {runtime}"
+    # one base for both stages, a build argument (make image passes its Debian base): the
+    # venv built in the first finds its Python at the same path in the second
+    assert runtime == build.group(1) == "${BASE}", (froms[0], runtime)
+    base = global_args().get("BASE", "")
+    assert "slim" in base, f"the default base is not a slim image: {base}"
     uses_build = [
         args
         for word, args in final
@@ -197,16 +215,15 @@ def test_dockerfile_builds_a_wheel_then_a_slim_non_root_runtime() -> None:
     ]
     assert uses_build, "the runtime stage takes nothing from the build stage"
     assert not any(word == "COPY" and "narwhal" in args.split()[:1] for word, args in final)
-    # the Python of the image is one the package supports
-    args = dict(a.split("=", 1) for word, a in steps if word == "ARG" and "=" in a)
-    version = args.get("PYTHON_VERSION", "")
-    required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert not any("apt-get install" in args for word, args in final if word == "RUN")
+    # the Python of the default base is one the package supports
+    version = re.fullmatch(r"python:(\d+\.\d+)-slim\S*", base)
+    assert version, f"the default base is not the python image: {base}"
+    required = PYPROJECT["project"]["requires-python"]
     floor = tuple(int(x) for x in required.removeprefix(">=").split("."))
-    assert tuple(int(x) for x in version.split(".")[:2]) >= floor, (version, required)
-    assert "${PYTHON_VERSION}" in runtime
-    assert "${PYTHON_VERSION}" in froms[0]
+    assert tuple(int(x) for x in version.group(1).split(".")) >= floor, (base, required)
     # what the build stage copies exists and is not excluded from the build context
-    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    ignore = IGNOREFILE.read_text().splitlines()
     for word, rest in steps:
         if word == "COPY" and not rest.startswith("--from"):
             for source in rest.split()[:-1]:
@@ -219,20 +236,33 @@ def test_dockerfile_builds_a_wheel_then_a_slim_non_root_runtime() -> None:
     assert dict(final).get("STOPSIGNAL") == "SIGTERM"
 
 
-def test_dockerfile_command_port_and_healthcheck_agree() -> None:
+def test_containerfile_command_port_and_healthcheck_agree() -> None:
     argv = image_command()
     assert argv[0] == "narwhal", argv
-    args = parse_serve(argv[1:], "Dockerfile ENTRYPOINT + CMD")
+    args = parse_serve(argv[1:], "Containerfile ENTRYPOINT + CMD")
     assert args.host == "0.0.0.0", "a container must listen beyond its loopback"
     assert Path(args.config).is_absolute()
     assert Path(args.config).parent != Path("/"), "mount a directory, not the root"
     exposed = [a for word, a in final_stage() if word == "EXPOSE"]
     assert exposed == [str(args.port)], f"EXPOSE {exposed} but --port {args.port}"
     health = healthcheck_command()
-    assert health[0] == "python", health
+    # python3: the python image has both names, a Debian base only python3
+    assert health[0] == "python3", health
     assert "urllib.request" in " ".join(health), "the slim image has no curl"
     urls = re.findall(r"https?://[^'\"\s]+", " ".join(health))
     assert [urlsplit(u)[1:3] for u in urls] == [(f"127.0.0.1:{args.port}", "/health")], urls
+
+
+def test_containerfile_labels_name_the_version_and_the_source() -> None:
+    """OCI labels from build arguments; the version's default is pyproject's (make image
+    passes it, a plain `docker build` gets the default)."""
+    final = final_stage()
+    defaults = dict(a.split("=", 1) for word, a in final if word == "ARG" and "=" in a)
+    assert defaults.get("VERSION") == PYPROJECT["project"]["version"], defaults
+    assert defaults.get("SOURCE", "").startswith("https://"), defaults
+    labels = " ".join(a for word, a in final if word == "LABEL")
+    assert 'org.opencontainers.image.version="${VERSION}"' in labels, labels
+    assert 'org.opencontainers.image.source="${SOURCE}"' in labels, labels
 
 
 async def test_the_image_healthcheck_command_reads_a_router(nursery: trio.Nursery) -> None:
@@ -525,7 +555,7 @@ def test_the_fleet_configmap_loads_with_narwhals_loader(tmp_path: Path) -> None:
 def served_paths() -> dict[str, str]:
     """Every path a deploy/ file asks the router for, with where it asks."""
     paths = {
-        "Dockerfile HEALTHCHECK": urlsplit(
+        "Containerfile HEALTHCHECK": urlsplit(
             re.findall(r"https?://[^'\"\s]+", " ".join(healthcheck_command()))[0]
         ).path
     }

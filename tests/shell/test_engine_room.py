@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import trio
 import trio.testing
 
@@ -80,6 +81,10 @@ async def test_a_saturated_engine_still_meters(nursery: trio.Nursery, autojump_c
     producer = fleet.router.fleet.by_id["p0"]
     assert producer.capacity == 2
     assert producer.saturation(trio.current_time(), INTERVAL, 1, 0.95) == "waiting"
+    # what an operator reads (/narwhal/engines): full, and why
+    view = msgspec.json.decode(fleet.router.engines_view())
+    p0 = next(e for e in view["engines"] if e["id"] == "p0")["saturation"]
+    assert (p0["saturated"], p0["capacity"], p0["free_room"], p0["room"]) == ("waiting", 2, 0, 0)
     for n in range(4):
         await clients.send(f"then{n}")
     assert fleet.router.admission.queued() == 4

@@ -210,6 +210,8 @@ def test_the_router_holds_what_each_engines_events_kept(events: EventFleet) -> N
     for engine_id in events.engines:
         kept = _settle(events, engine_id)
         assert kept <= CACHE_BLOCKS
+        # capped at the engine's own cache size (vllm:cache_config_info, scraped)
+        assert events.view(engine_id)["capacity"] == CACHE_BLOCKS
     evicted = [e.history()[1] for e in events.engines.values()]
     assert all(evicted), f"the engines evicted {evicted} blocks: the cache was never full"
 

@@ -24,7 +24,8 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
-_SERIES = (RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS)
+CACHE_CONFIG = "vllm:cache_config_info"  # its num_gpu_blocks label: the KV cache's size
+_SERIES = (RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG)
 _WANTED = tuple(f"{name}{end}" for name in _SERIES for end in ("{", " ", "_total{", "_total "))
 
 
@@ -41,6 +42,7 @@ class EngineReport:
     prefix_queries: float | None = None  # tokens looked up in the prefix cache, ever
     prefix_hits: float | None = None  # of them, found
     ours: int = 0  # this router's legs on the engine when the scrape was answered
+    kv_blocks: int | None = None  # its KV cache's size in blocks (vllm:cache_config_info)
 
     @property
     def others(self) -> float:
@@ -81,10 +83,13 @@ def parse_report(text: str, at: float, ours: int = 0) -> EngineReport:
     the text does not parse or has no queue series."""
     lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
     values: dict[str, list[float]] = {}
+    blocks: list[int] = []
     try:
         for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
-                if math.isfinite(sample.value):  # float: the parser gives an int for "3"
+                if sample.name == CACHE_CONFIG:
+                    blocks.extend(_blocks(sample.labels))
+                elif math.isfinite(sample.value):  # float: the parser gives an int for "3"
                     values.setdefault(sample.name.removesuffix("_total"), []).append(
                         float(sample.value)
                     )
@@ -106,4 +111,12 @@ def parse_report(text: str, at: float, ours: int = 0) -> EngineReport:
         prefix_queries=total(PREFIX_QUERIES),
         prefix_hits=total(PREFIX_HITS),
         ours=ours,
+        kv_blocks=sum(blocks) if blocks else None,
     )
+
+
+def _blocks(labels: dict[str, str]) -> list[int]:
+    """A ``vllm:cache_config_info`` sample's ``num_gpu_blocks`` (one per data-parallel
+    rank), when it is a plain count."""
+    raw = labels.get("num_gpu_blocks", "")
+    return [int(raw)] if raw.isdigit() and len(raw) <= 12 else []

@@ -422,6 +422,10 @@ class FakeEngine:
             f"vllm:num_requests_waiting{label} {self.waiting}",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{label} {self._kv_usage():.6f}",
+            # the cache its KV events describe, as vLLM labels its cache config
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="{cost.BLOCK_TOKENS}",'
+            f'num_gpu_blocks="{self.prefix_cache.capacity or self.config.kv_blocks}"}} 1.0',
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{label} {c['prompt_tokens']}",
             "# TYPE vllm:generation_tokens_total counter",

@@ -80,6 +80,9 @@ class Scraper:
                 pass
             else:
                 engine.note_report(report, mark)
+                stream = self.router.fleet.precise.streams.get(engine.id)
+                if stream is not None and report.kv_blocks:  # what its events can describe
+                    stream.set_capacity(report.kv_blocks)
                 engine.scrape_failures = 0
                 self._export(engine)
                 self.router.fleet.on_change()  # it may show room the queue waits for

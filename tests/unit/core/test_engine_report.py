@@ -86,3 +86,13 @@ def test_a_count_is_a_float_in_either_build() -> None:
     (``/narwhal/engines`` shows the same JSON under either build)."""
     report = parse_report("vllm:num_requests_waiting 3\nvllm:num_requests_running 2\n", at=0.0)
     assert (type(report.waiting), type(report.running)) == (float, float)
+
+
+def test_the_kv_cache_size_comes_from_cache_config_info() -> None:
+    text = (
+        'vllm:num_requests_running{model_name="m"} 1\n'
+        'vllm:cache_config_info{block_size="128",num_gpu_blocks="24",engine="0"} 1.0\n'
+    )
+    assert parse_report(text, at=0.0).kv_blocks == 24
+    odd = text.replace('"24"', '"lots"')
+    assert parse_report(odd, at=0.0).kv_blocks is None

@@ -256,28 +256,47 @@ class _SourceShape(Struct, frozen=True):
     data_parallel_rank: int | None = None
 
 
-_sources = msgspec.json.Decoder(list[_SourceShape] | _SourceShape)
+_any = msgspec.json.Decoder()
 
 
 def event_sources(body: bytes, host: str) -> Source | None:
-    """The engine's ``GET /kv_event_sources`` answer (a list, one source per
-    data-parallel rank; rank 0 is read), each address's ``*`` read as ``host``; None when
-    the answer says nothing usable."""
+    """The engine's ``GET /kv_event_sources`` answer, each address's ``*`` read as
+    ``host``; None when it says nothing usable. vLLM 0.32 answers its ``KVEventsConfig``
+    per data-parallel rank (``{"0": {...}}``); others a list of sources, or one: rank 0
+    (the first) is read."""
     try:
-        found = _sources.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        found = _any.decode(body)
+    except msgspec.DecodeError:
         return None
-    listed = found if isinstance(found, list) else [found]
-    ranked = sorted(listed, key=lambda s: s.data_parallel_rank or 0)
-    if not ranked or not ranked[0].endpoint.startswith("tcp://"):
-        return None
-    first = ranked[0]
-    replay = first.replay_endpoint
-    return Source(
-        _at(first.endpoint, host),
-        _at(replay, host) if replay and replay.startswith("tcp://") else None,
-        first.topic or "",
-    )
+    if isinstance(found, dict) and "endpoint" not in found:
+        ranked = sorted(found.items(), key=lambda kv: _rank(kv[0]))
+        listed: list[Any] = [value for _, value in ranked]
+    else:
+        listed = found if isinstance(found, list) else [found]
+        listed = sorted(listed, key=_listed_rank)
+    for item in listed[:1]:
+        try:
+            first = msgspec.convert(item, _SourceShape)
+        except msgspec.ValidationError:
+            return None
+        if not first.endpoint.startswith("tcp://"):
+            return None
+        replay = first.replay_endpoint
+        return Source(
+            _at(first.endpoint, host),
+            _at(replay, host) if replay and replay.startswith("tcp://") else None,
+            first.topic or "",
+        )
+    return None
+
+
+def _listed_rank(item: Any) -> int:
+    rank = item.get("data_parallel_rank") if isinstance(item, dict) else None
+    return rank if type(rank) is int else 0
+
+
+def _rank(key: str) -> int:
+    return int(key) if key.isdigit() and len(key) < 6 else 1 << 20
 
 
 def _at(endpoint: str, host: str) -> str:

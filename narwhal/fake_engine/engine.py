@@ -229,7 +229,8 @@ class FakeEngine:
             self.reset_prefix_cache()
             await ex.respond(200, b"")
         elif route == ("GET", "/kv_event_sources") and self.kv_events is not None:
-            await ex.respond(200, msgspec.json.encode(self.kv_events.sources()))
+            # vLLM 0.32 answers its KVEventsConfig per data-parallel rank
+            await ex.respond(200, msgspec.json.encode({"0": self.kv_events.sources()}))
         elif route == ("POST", "/fake/kv_events") and self.kv_events is not None:
             await self._kv_knobs(req, ex, self.kv_events)
         else:

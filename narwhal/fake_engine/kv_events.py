@@ -36,9 +36,10 @@ evicted; ``POST /reset_prefix_cache`` is a batch of one ``AllBlocksCleared``.
 
 Replay (vLLM's ROUTER socket, ``--kv-events-replay-endpoint``): a request
 ``[identity, b"", start]`` (what a REQ socket sends; a DEALER sends the empty frame itself;
-``start`` 8 big-endian bytes) is answered, for each buffered batch whose seq >= start, with
-``[identity, b"", seq, payload]``, then the end marker ``[identity, b"", -1 as 8 signed
-big-endian bytes, b""]``. The last ``--kv-events-buffer-steps`` batches (10000) are kept. A
+``start`` 8 big-endian bytes) is answered as vLLM 0.32 answers it: for each buffered batch
+whose seq >= start, ``[identity, b"", topic, seq, payload]``, then the end marker
+``[identity, b"", b"", -1 as 8 signed big-endian bytes, b""]``. ``GET /kv_event_sources``
+is vLLM 0.32's too: its ``KVEventsConfig`` per data-parallel rank (``{"0": {...}}``). The last ``--kv-events-buffer-steps`` batches (10000) are kept. A
 malformed request is ignored (no answer), logged at debug.
 
 Fault knobs (``POST /fake/kv_events``, a JSON object; every key optional, counts add up):
@@ -300,10 +301,15 @@ class EventStream:
             log.debug("kv events: malformed replay request of %d frames ignored", len(request))
             return None
         identity, start = request[0], int.from_bytes(request[2], "big")
-        out = [[identity, b"", seq.to_bytes(8, "big"), p] for seq, p in self.buffer if seq >= start]
+        # vLLM 0.32's answers: the topic before each batch, and an empty one at the end
+        out = [
+            [identity, b"", self.topic, seq.to_bytes(8, "big"), p]
+            for seq, p in self.buffer
+            if seq >= start
+        ]
         self.counters["replays"] += 1
         self.counters["replayed_batches"] += len(out)
-        return [*out, [identity, b"", END_SEQ, b""]]
+        return [*out, [identity, b"", b"", END_SEQ, b""]]
 
 
 def _runs(indices: list[int]) -> list[list[int]]:

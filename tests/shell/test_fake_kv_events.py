@@ -177,7 +177,8 @@ async def test_a_publisher_that_connects_reaches_the_subscriber_that_binds(
         async with kv_engine(nursery, kv_events_endpoint=address, kv_events_topic="e7") as e:
             with trio.fail_after(10):
                 await e.publisher.wait_subscribed()
-            status, sources = await e.call("GET", "/kv_event_sources")
+            status, answer = await e.call("GET", "/kv_event_sources")
+            sources = answer["0"]
             assert status == 200
             assert (sources["endpoint"], sources["mode"], sources["topic"]) == (
                 address,
@@ -194,7 +195,8 @@ async def test_kv_event_sources_names_the_addresses_a_router_can_use(
     nursery: trio.Nursery,
 ) -> None:
     async with kv_engine(nursery, kv_events_buffer_steps=50) as e:
-        status, sources = await e.call("GET", "/kv_event_sources")
+        status, answer = await e.call("GET", "/kv_event_sources")
+        sources = answer["0"]
         assert status == 200
         assert sources["enable_kv_cache_events"] is True
         assert sources["publisher"] == "zmq"
@@ -210,7 +212,8 @@ async def test_kv_event_sources_names_the_addresses_a_router_can_use(
         assert sources["endpoint"] == sources["bound_endpoint"] == e.publisher.endpoint
         assert sources["replay_endpoint"] == sources["bound_replay_endpoint"]
     async with kv_engine(nursery, kv_events_endpoint="tcp://*:0") as e:
-        _, sources = await e.call("GET", "/kv_event_sources")
+        _, answer = await e.call("GET", "/kv_event_sources")
+        sources = answer["0"]
         assert sources["endpoint"].startswith("tcp://*:")  # "*": the engine's own host
         assert sources["bound_endpoint"].startswith("tcp://127.0.0.1:")  # loopback only
         async with subscriber(nursery, e.engine) as sub:

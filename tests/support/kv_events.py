@@ -106,12 +106,12 @@ async def replay(endpoint: str, start: int, frames: list[bytes] | None = None) -
         out = []
         with trio.fail_after(WAIT_S):
             while True:
-                empty, seq, payload = await zmq_trio.recv_multipart(sock)
+                empty, topic, seq, payload = await zmq_trio.recv_multipart(sock)
                 assert empty == b""
                 if seq == kv_events.END_SEQ:
-                    assert payload == b""
+                    assert (topic, payload) == (b"", b"")
                     return out
-                out.append(Message(b"", int.from_bytes(seq, "big"), payload))
+                out.append(Message(topic, int.from_bytes(seq, "big"), payload))
     finally:
         zmq_trio.close(sock)
 

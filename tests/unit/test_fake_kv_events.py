@@ -110,13 +110,13 @@ def test_knobs_and_the_replay_buffer() -> None:
     assert [seq for seq, _ in stream.buffer] == [2, 3, 4]  # the last three batches
     answer = stream.replay([b"id", b"", (3).to_bytes(8, "big")])
     assert answer is not None
-    assert [frames[:3] for frames in answer] == [
-        [b"id", b"", (3).to_bytes(8, "big")],
-        [b"id", b"", (4).to_bytes(8, "big")],
-        [b"id", b"", kv_events.END_SEQ],
+    assert [frames[:4] for frames in answer] == [
+        [b"id", b"", b"kv", (3).to_bytes(8, "big")],
+        [b"id", b"", b"kv", (4).to_bytes(8, "big")],
+        [b"id", b"", b"", kv_events.END_SEQ],
     ]
-    assert answer[-1][3] == b""
-    assert _wire([b"kv", answer[0][2], answer[0][3]])[1][1] == [{"type": "AllBlocksCleared"}]
+    assert answer[-1][4] == b""
+    assert _wire([b"kv", answer[0][3], answer[0][4]])[1][1] == [{"type": "AllBlocksCleared"}]
     stream.set_knobs(Knobs(restart=True))
     assert (stream.seq, len(stream.buffer)) == (0, 0)
     assert _wire(stream.emit(cleared)[0])[0] == 0

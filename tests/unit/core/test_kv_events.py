@@ -102,6 +102,25 @@ def test_a_batch_written_as_a_map_is_read() -> None:
     assert decoded.dp_rank == 2
 
 
+def test_event_sources_as_vllm_032_answers_them_per_rank() -> None:
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:30533",
+        "replay_endpoint": "tcp://127.0.0.1:20093",
+        "buffer_steps": 10000,
+        "hwm": 100000,
+        "max_queue_size": 100000,
+        "topic": "kv-e1",
+    }
+    body = msgspec.json.encode({"1": {**config, "topic": "r1"}, "0": config})
+    found = event_sources(body, "127.0.0.1")
+    assert found is not None
+    assert found.endpoint == "tcp://127.0.0.1:30533"
+    assert found.replay == "tcp://127.0.0.1:20093"
+    assert found.topic == "kv-e1"
+
+
 def test_event_sources_read_star_as_the_engine_host() -> None:
     body = msgspec.json.encode(
         [
@@ -120,6 +139,7 @@ def test_event_sources_read_star_as_the_engine_host() -> None:
     assert found.replay == "tcp://10.1.2.3:5558"
     assert found.topic == "kv"
     assert event_sources(b"[]", "h") is None
+    assert event_sources(b"{}", "h") is None
     assert event_sources(b"{not json", "h") is None
     assert event_sources(b'{"endpoint": "ipc:///x"}', "h") is None
 

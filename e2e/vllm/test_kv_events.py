@@ -41,15 +41,17 @@ from .conftest import (
     MODEL,
     PATIENT_ENGINE,
     PATIENT_SERVING,
+    START_S,
     Engine,
     Fleet,
     Process,
+    _engine,
+    _vllm_dir,
     fleet_toml,
     free_port,
     http,
     restart,
     serve_router,
-    start_engine,
 )
 
 pytestmark = pytest.mark.vllm
@@ -141,10 +143,13 @@ def events(fleet: Fleet) -> Iterator[EventFleet]:
                 "replay_endpoint": replay,
                 "topic": f"kv-{engine_id}",
             }
-            extra = ("--num-gpu-blocks-override", str(CACHE_BLOCKS))
-            extra += ("--kv-events-config", json.dumps(config))
-            engine = start_engine(fleet, f"events-{engine_id}", "kv_both", extra)
+            engine = _engine(_vllm_dir(), fleet.logs, f"events-{engine_id}", "kv_both")
+            engine.argv += ["--num-gpu-blocks-override", str(CACHE_BLOCKS)]  # the last wins
+            engine.argv += ["--kv-events-config", json.dumps(config)]
+            engine.env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
             started[engine_id] = EventEngine(engine, engine_id, replay)
+            engine.start()
+            engine.wait_until(engine.url + "/health", START_S)
         journal = fleet.logs / "router-events.jsonl"
         text = fleet_toml(
             [(e.id, e.engine.url, "both") for e in started.values()],

@@ -21,7 +21,8 @@ back to the approximate index. A batch seen again (the same sequence) is ignored
 
 **Bounds.** Memory per engine is bounded by the blocks it reports, capped at its capacity
 (``vllm:cache_config_info``'s ``num_gpu_blocks`` when scraped, else ``DEFAULT_CAPACITY``):
-blocks past it are refused and counted (``over_capacity``), and so is a stored block whose
+a batch that leaves more is counted (``over_capacity``), and past twice it (an engine may
+store before it says what it evicted) blocks are refused, and so is a stored block whose
 parent the index does not hold (``unknown_parent``: it cannot be keyed). Cost: one event
 batch is a dict update per block (``bench/results/kv-events/``).
 """
@@ -114,7 +115,9 @@ class EngineBlocks:
             old = self.by_hash.get(engine_hash)
             if old == key:
                 continue
-            if old is None and len(self.by_hash) >= self.capacity:
+            # within a batch an engine may store before it says what it evicted: up to
+            # twice its capacity is held, past that a block is refused (memory's bound)
+            if old is None and len(self.by_hash) >= 2 * self.capacity:
                 rejects["over_capacity"] += len(event.block_hashes) - i
                 return
             if old is not None:
@@ -212,7 +215,8 @@ class EventStream:
         last = self.last_seq
         if last is None or self.state is StreamState.UNKNOWN:
             self._apply(message, now)
-            self.state = StreamState.LIVE
+            if self.last_seq is not None:  # live from the first batch that decodes
+                self.state = StreamState.LIVE
             return None
         if seq == last and hash(message.payload) == self.last_payload:
             self.rejects["duplicate"] += 1  # published twice, or seen through a replay
@@ -242,18 +246,24 @@ class EventStream:
 
     def replay_ended(self, now: float) -> None:
         """The replay is over (its end marker, or its time ran out): the gap is closed when
-        the batches it brought reach the first one that waited; else it is lost."""
+        the batches it brought reach the first one that waited; else it is lost (the
+        engine's entries dropped), and so is any hole left among the waiting batches."""
         if self.state is not StreamState.REPAIRING:
             return
         waiting, self.waiting = self.waiting, []
+        self.state = StreamState.LIVE
         if waiting and self.last_seq is not None and self.last_seq + 1 >= waiting[0].seq:
             self.repaired += 1  # the replay reached the first batch that waited, or past it
         else:
             self._lost()
-        self.state = StreamState.LIVE
+            self.last_seq = None  # on from the first batch that waited
         for message in waiting:
-            if self.last_seq is None or message.seq > self.last_seq:
-                self._apply(message, now)
+            last = self.last_seq
+            if last is not None and message.seq <= last:
+                continue  # the replay brought it already
+            if last is not None and message.seq != last + 1:
+                self._lost()
+            self._apply(message, now)
 
     def drop(self) -> None:
         """The engine's entries go (failed health checks, an ejection, a reload): it is
@@ -285,14 +295,17 @@ class EventStream:
         }
 
     def _apply(self, message: Message, now: float) -> None:
-        self.last_seq = message.seq
-        self.last_payload = hash(message.payload)
-        self.batches += 1
-        self.last_event_at = now
+        """Apply a batch. One that cannot be decoded is counted and not taken as read: its
+        events are lost to us, so the next batch shows the gap, and the replay asks for it
+        again (a batch that is garbage there too leaves the gap unrepaired)."""
         batch = decode_batch(message.payload)
         if isinstance(batch, Rejected):
             self.rejects[batch.why] += 1
             return
+        self.last_seq = message.seq
+        self.last_payload = hash(message.payload)
+        self.batches += 1
+        self.last_event_at = now
         self._events(batch)
 
     def _events(self, batch: Batch) -> None:
@@ -308,6 +321,8 @@ class EventStream:
                 blocks.remove(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 blocks.clear()
+        if len(blocks) > blocks.capacity:  # the engine says it holds more than it can
+            self.rejects["over_capacity"] += 1
 
     def _lost(self) -> None:
         self.unrepaired += 1

@@ -120,6 +120,17 @@ def test_without_replay_a_gap_drops_the_entries_at_once() -> None:
     assert held(stream, [5, 5, 5, 5]) == 4
 
 
+def test_a_batch_that_does_not_decode_is_a_gap_the_replay_repairs() -> None:
+    stream = live_stream(stored([11], None, PROMPT[:4], BS))
+    stream.receive(Message(b"kv", 6, b"\xc1 not msgpack"), 0.0)
+    assert stream.rejects["batch"] == 1
+    assert stream.receive(msg(7, stored([13], 12, PROMPT[8:12], BS)), 0.0) == Replay(6)
+    stream.replayed(msg(6, stored([12], 11, PROMPT[4:8], BS)), 0.0)
+    stream.replay_ended(0.0)
+    assert stream.repaired == 1
+    assert held(stream, PROMPT) == 12
+
+
 def test_a_sequence_that_goes_back_is_a_restart() -> None:
     stream = live_stream(stored([11, 12], None, PROMPT[:8], BS))
     stream.receive(msg(0, stored([31], None, [9, 9, 9, 9], BS)), 0.0)
@@ -143,11 +154,19 @@ def test_a_batch_seen_twice_is_applied_once() -> None:
 
 
 def test_an_engine_past_its_capacity_is_capped_and_counted() -> None:
-    stream = EventStream(capacity=2)
+    stream = EventStream(capacity=1)
     stream.receive(msg(0, stored([11, 12, 13, 14], None, PROMPT, BS)), 0.0)
-    assert len(stream.blocks) == 2
-    assert stream.rejects["over_capacity"] == 2
+    assert len(stream.blocks) == 2  # twice the capacity at most
+    assert stream.rejects["over_capacity"] == 3  # two blocks refused, one batch over
     assert held(stream, PROMPT) == 8
+
+
+def test_a_batch_that_stores_before_it_evicts_stays_within_bounds() -> None:
+    stream = EventStream(capacity=2)
+    stream.receive(msg(0, stored([11, 12], None, PROMPT[:8], BS)), 0.0)
+    stream.receive(msg(1, stored([13], 12, PROMPT[8:12], BS), removed([11])), 0.0)
+    assert len(stream.blocks) == 2
+    assert stream.rejects["over_capacity"] == 0
 
 
 def test_dropping_an_engine_makes_it_unknown_until_a_batch_comes() -> None:

@@ -39,8 +39,9 @@ Replay (vLLM's ROUTER socket, ``--kv-events-replay-endpoint``): a request
 ``start`` 8 big-endian bytes) is answered as vLLM 0.32 answers it: for each buffered batch
 whose seq >= start, ``[identity, b"", topic, seq, payload]``, then the end marker
 ``[identity, b"", b"", -1 as 8 signed big-endian bytes, b""]``. ``GET /kv_event_sources``
-is vLLM 0.32's too: its ``KVEventsConfig`` per data-parallel rank (``{"0": {...}}``). The last ``--kv-events-buffer-steps`` batches (10000) are kept. A
-malformed request is ignored (no answer), logged at debug.
+is vLLM 0.32's too: its ``KVEventsConfig`` per data-parallel rank (``{"0": {...}}``). The
+last ``--kv-events-buffer-steps`` batches (10000) are kept. A malformed request is ignored
+(no answer), logged at debug.
 
 Fault knobs (``POST /fake/kv_events``, a JSON object; every key optional, counts add up):
 

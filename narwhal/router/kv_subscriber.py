@@ -47,7 +47,11 @@ log = logging.getLogger("narwhal.kv_events")
 HELPING = 256  # messages read between checkpoints
 RCVHWM = 10_000  # messages ZMQ keeps for a slow reader before it drops (then: a gap)
 REPLAY_TIMEOUT_S = 2.0  # a replay that has not ended by then: what it brought is kept
-MAX_REPLAYED = 100_000  # batches one replay may bring
+MAX_REPLAYED = 20_000  # batches one replay may bring
+# the most batches read from one engine a second: a vLLM engine publishes one a scheduler
+# step (hundreds a second); past this a publisher floods, and what it sends beyond is
+# left to ZMQ's high-water mark (a gap) rather than to the router's event loop
+BATCHES_PER_S = 5_000
 RESYNC_S = 1.0  # how often the engine set is compared with the streams followed
 
 
@@ -66,6 +70,20 @@ class _Followed:
     scope: trio.CancelScope
     source: Source | None = None
     exported: dict[str, int] = field(default_factory=dict)
+    window: float = -1.0  # the second its reads are counted in, and how many so far
+    read: int = 0
+
+    async def pace(self, count: int) -> None:
+        """Count ``count`` batches read; past ``BATCHES_PER_S`` in this second, wait for
+        the next (a checkpoint either way: a flood takes its turn like any task)."""
+        now = trio.current_time()
+        if now - self.window >= 1.0:
+            self.window, self.read = now, 0
+        self.read += count
+        if self.read >= BATCHES_PER_S:
+            await trio.sleep_until(self.window + 1.0)
+        else:
+            await trio.lowlevel.checkpoint()
 
 
 class KvSubscriber:
@@ -196,7 +214,7 @@ class KvSubscriber:
                     for message in helping:
                         self._deliver(followed, stream, message, nursery)
                     self._export(followed)
-                    await trio.lowlevel.checkpoint()
+                    await followed.pace(len(helping))
         finally:
             zmq_trio.close(sock)
 
@@ -246,6 +264,7 @@ class KvSubscriber:
                         touched.add(followed.engine.id)
                     for engine_id in touched:
                         self._export(self._followed[engine_id])
+                        await self._followed[engine_id].pace(HELPING // max(1, len(touched)))
                     await trio.lowlevel.checkpoint()
         finally:
             zmq_trio.close(sock)
@@ -273,7 +292,9 @@ class KvSubscriber:
                 sock.connect(source.replay)
                 with trio.move_on_after(REPLAY_TIMEOUT_S):
                     await zmq_trio.send_multipart(sock, replay_request(start))
-                    for _ in range(MAX_REPLAYED):
+                    for n in range(MAX_REPLAYED):
+                        if n % HELPING == HELPING - 1:
+                            await followed.pace(HELPING)
                         answer = parse_replayed(await zmq_trio.recv_multipart(sock))
                         if answer is None:
                             break

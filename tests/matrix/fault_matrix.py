@@ -188,7 +188,7 @@ def _kv(name: str, knobs: dict[str, Any], every: int, expect: str) -> Scenario:
 
 SCENARIOS: list[Scenario] = [
     Scenario("healthy fleet"),
-    _kv("a publisher that floods", {"flood": 20_000}, 50, "flood"),
+    _kv("a publisher that floods", {"flood": 5_000}, 50, "flood"),
     _kv("garbage frames", {"garbage_next": 1}, 7, "batch"),
     _kv("a publisher that restarts mid-run", {"restart": True}, 40, "restarts"),
     _kv("a gap repaired by replay", {"drop_next": 1}, 9, "repaired"),

@@ -1202,8 +1202,7 @@ def pressure_met(rows: list[dict[str, Any]]) -> str:
         points = 100 * (hit - hit0)
         verdict = f"; target +15 points: {'met' if points >= 15 else 'NOT met'}"
         lines.append(
-            f"- hit rate, {label}: {hit:.1%} vs {hit0:.1%} ({points:+.1f} points"
-            f"{verdict})"
+            f"- hit rate, {label}: {hit:.1%} vs {hit0:.1%} ({points:+.1f} points{verdict})"
         )
     return "\n".join(lines)
 

@@ -74,7 +74,7 @@ ENGINES ?= fast   # fast: bench/fast_engine.py (aiohttp on uvloop); fake: narwha
 bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in bench/results/
 	$(PY) bench/peers.py --peers-venv $(BENCH_VENV) --engines $(strip $(ENGINES)) $(if $(strip $(BASELINE)),--baseline $(strip $(BASELINE))) $(if $(strip $(ROUNDS)),--rounds $(strip $(ROUNDS)))
 
-bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies and conditional disaggregation vs the peers, 5 workloads (~30 min)
+bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies and conditional disaggregation vs the peers, 6 workloads (~35 min)
 	$(PY) bench/placement.py --peers-venv $(BENCH_VENV)
 
 bench-overload: venv $(BENCH_VENV)/.installed   ## flow control at 2x capacity vs no queue and the peers (~10 min)

@@ -58,6 +58,22 @@ Workloads (30 s of arrivals each, 10 s with ``--quick``):
                  long enough for local prefills to land on them); unique prompts, 70% of
                  20-99 tokens and 30% of 2,001-2,600 (nothing to cache): short ones stuck
                  behind long prefills on the producers, unless kept on the consumer
+  cache pressure  (conditional, KV events) a chat service whose caches are too small for
+                 its prompts: 24 system prompts of 1,000-1,500 tokens (fixed texts), each
+                 conversation's drawn by Zipf popularity (s = 1: the first a quarter of
+                 conversations, the last 1%); 90 conversations (45 with ``--quick``) of 3
+                 turns on /v1/chat/completions as in multi-turn chat (50-token user
+                 messages, 100-token replies, the same closed loop and pauses), starting at
+                 3 a second. Every engine's prefix cache is a third of the working set
+                 (every system prompt and the conversations in flight: 728 blocks,
+                 ``pressure_cache_blocks``), so the LRU evicts the less popular system
+                 prompts between their uses while the router that sent them believes them
+                 held (the approximate index trusts a prefix for ``prefix_index_ttl_s``,
+                 120 s). Every engine publishes its KV events (``--kv-events-endpoint
+                 tcp://*:0 --kv-events-replay-endpoint tcp://*:0``: ephemeral loopback ports
+                 its ``/kv_event_sources`` names), for every target alike; with events the
+                 warm-up's prompts are one block each, so the streams are live before the
+                 measured phase
 
 Targets of the first three workloads:
   round_robin            ours, ``[placement] policy = "round_robin"``, no prefix affinity
@@ -71,6 +87,18 @@ Targets of the first three workloads:
                          ``--policy`` for both roles
   narwhal-0.7            narwhal-inference 0.7.0 with its own (profile-priced) placement and
                          the synthetic profiles of bench/narwhal07_config.py
+
+With ``--kv-events`` every workload's engines publish KV events, and each of our targets
+that places by prefix (the affinity ones, always-P/D, conditional N) is followed by a twin
+with ``[kv_events] mode = "subscribe"``, named with " precise" after it; the report adds
+each twin's TTFT p50 and p99 over its own target's in the same run.
+
+Targets of the cache pressure workload:
+  narwhal precise        ours, ``least_loaded``, prefix affinity, ``local_prefill_tokens =
+                         256`` (a follow-up turn's uncached part is about 60 tokens, a system
+                         prompt's 1,000 or more) and ``[kv_events] mode = "subscribe"``
+  narwhal approximate    the same with the precise index off (``mode = "off"``, the default)
+  vllm-router cache_aware   as above
 
 Targets of the conditional workloads:
   always-P/D             ours with its defaults (least_loaded, prefix affinity, every request
@@ -100,6 +128,11 @@ decisions; "—" for the peers and for a router without the counter); KV transfe
 over d0 and d1: transfers, the change of ``vllm:nixl_xfer_time_seconds_count``, and MiB, of
 ``vllm:nixl_bytes_transferred_sum``, "—" where the engines do not export it); the prefix
 cache hit rate of producers and of consumers apart.
+
+The cache pressure table has the conditional columns with TTFT p90, the hit rate of all
+four engines together, and how many of our router's KV-event streams were live at the end
+(``/narwhal/engines``; events it refused in brackets). Its targets: the precise index's TTFT
+p90 at most 0.5x the approximate one's, its hit rate at least 15 points higher.
 
 Nothing is asserted: the machine is shared and noisy; the issues' targets are checked on
 this run's figures and printed: for the conditional workloads, each ``conditional N``
@@ -166,6 +199,7 @@ CONSUMER_COST = (
     ("--prefill-interference", "0.5"),
 )
 CHAT, SHORT = "multi-turn chat", "short prompts"  # the conditional workloads' names
+PRESSURE = "cache pressure"  # the precise prefix index against the approximate one
 LOCAL_THRESHOLDS = (64, 256, 1024)  # [placement] local_prefill_tokens of our conditional targets
 CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_PER_SYSTEM = 32, 6, 8
 CHAT_SYSTEM_WORDS, CHAT_USER_WORDS, CHAT_REPLY_TOKENS = 1500, 50, 100
@@ -180,6 +214,15 @@ FLEET = [  # (name, role, slowdown)
     ("d1", "decode", 2.0),
 ]
 SYSTEM_PROMPTS, SYSTEM_WORDS, QUESTION_WORDS = 8, 1500, 40
+# cache pressure: many long system prompts under Zipf popularity, caches a third of the
+# working set, every engine publishing its KV events (see the docstring)
+PRESSURE_SYSTEMS, PRESSURE_SYSTEM_WORDS, PRESSURE_ZIPF = 24, (1000, 1500), 1.0
+PRESSURE_CONVERSATIONS, PRESSURE_TURNS, PRESSURE_START_RATE = 90, 3, 3.0
+PRESSURE_THINK_S = THINK_S  # the pause before the next turn (uniform)
+PRESSURE_LOCAL_TOKENS = 256  # both of our targets' [placement] local_prefill_tokens
+PRESSURE_CACHE_SHARE = 1 / 3  # of the working set, in every engine's prefix cache
+KV_EVENTS_ARGS = ("--kv-events-endpoint", "tcp://*:0", "--kv-events-replay-endpoint", "tcp://*:0")
+KV_SUBSCRIBE = '[kv_events]\nmode = "subscribe"\n'  # our precise targets' fleet-file section
 SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})? (\S+)$", re.M)  # summed by name
 DECISIONS = re.compile(
     r'^narwhal_placement_decisions_total\{leg="(\w+)",reason="(\w+)"\} (\S+)$', re.M
@@ -266,17 +309,29 @@ class ChatWorkload:
     start_rate: float
     conditional: bool = True
     tenant: Tenant | None = None
+    # cache pressure: the system prompts drawn per conversation by Zipf popularity (empty:
+    # CHAT_SYSTEM, one per CHAT_PER_SYSTEM conversations in order), every engine's prefix
+    # cache (0: the usual sizes) and the engines' KV events
+    systems: tuple[str, ...] = ()
+    zipf: float = 0.0
+    cache_blocks: int = 0
+    kv_events: bool = False
+    think_s: tuple[float, float] = THINK_S  # the pause after each reply (uniform)
 
     def plan(self, seed: int) -> list[Conversation]:
         """Every conversation's start, system prompt, user messages and pauses; the
         replies are the engines' (a function of the prompt's text, the same for every
         target as long as the router passes the messages through)."""
         rng = random.Random(seed)
+        popularity = [1 / (k + 1) ** self.zipf for k in range(len(self.systems))]
         at, out = 0.0, []
         for c in range(self.conversations):
             users = tuple(words(rng, CHAT_USER_WORDS, f"c{c}u{n}") for n in range(self.turns))
-            thinks = tuple(rng.uniform(*THINK_S) for _ in range(self.turns))
-            system = CHAT_SYSTEM[(c // CHAT_PER_SYSTEM) % len(CHAT_SYSTEM)]
+            thinks = tuple(rng.uniform(*self.think_s) for _ in range(self.turns))
+            if self.systems:
+                system = rng.choices(self.systems, popularity)[0]
+            else:
+                system = CHAT_SYSTEM[(c // CHAT_PER_SYSTEM) % len(CHAT_SYSTEM)]
             out.append(Conversation(at, system, users, thinks))
             at += rng.expovariate(self.start_rate)
         return out
@@ -306,6 +361,29 @@ CHAT_SYSTEM = [
 ]
 
 
+def pressure_systems() -> tuple[str, ...]:
+    """PRESSURE_SYSTEMS system prompts of 1,000-1,500 words (a fixed seed: the same texts
+    in every run), each from its first block on its own."""
+    rng = random.Random(PRESSURE_SYSTEMS)
+    return tuple(
+        " ".join(f"z{k}t{i % 89}" for i in range(rng.randint(*PRESSURE_SYSTEM_WORDS)))
+        for k in range(PRESSURE_SYSTEMS)
+    )
+
+
+def pressure_cache_blocks(systems: tuple[str, ...]) -> int:
+    """PRESSURE_CACHE_SHARE of the working set, in 16-token blocks: every system prompt,
+    and the conversations in flight at once (about the start rate x a conversation's
+    length, PRESSURE_TURNS turns of a reply and a pause) each with its own turns (user
+    messages and replies, four framing tokens a message). The same with ``--quick``."""
+    system_blocks = sum(s.count(" ") + 1 for s in systems) // 16
+    # a turn: its first token, its reply, the user's pause
+    turn_s = 0.2 + CHAT_REPLY_TOKENS * 0.005 + sum(PRESSURE_THINK_S) / 2
+    in_flight = PRESSURE_START_RATE * PRESSURE_TURNS * turn_s
+    own_blocks = PRESSURE_TURNS * (CHAT_USER_WORDS + CHAT_REPLY_TOKENS + 8) // 16
+    return round(PRESSURE_CACHE_SHARE * (system_blocks + in_flight * own_blocks))
+
+
 def short_or_long_prompt(rng: random.Random, i: int) -> str:
     """Unique prompts: 70% of 20-99 tokens, 30% of 2,001-2,600 (nothing cached)."""
     low, high = SHORT_WORDS if rng.random() < SHORT_SHARE else LONG_WORDS
@@ -317,6 +395,8 @@ def workloads(quick: bool) -> list[Workload | ChatWorkload]:
     count = int(RATE * 30 * scale)  # 30 s of arrivals per workload (10 s with --quick)
     # --quick: half the conversations (two system prompts), every turn
     chats = CHAT_CONVERSATIONS // 2 if quick else CHAT_CONVERSATIONS
+    pressure = PRESSURE_CONVERSATIONS // 2 if quick else PRESSURE_CONVERSATIONS
+    systems = pressure_systems()
     return [
         Workload("uniform", RATE, count, uniform_prompt),
         Workload("shared-prefix", RATE, count, shared_prompt),
@@ -337,6 +417,17 @@ def workloads(quick: bool) -> list[Workload | ChatWorkload]:
             max_tokens=SHORT_OUTPUT_TOKENS,
             conditional=True,
         ),
+        ChatWorkload(
+            PRESSURE,
+            pressure,
+            PRESSURE_TURNS,
+            PRESSURE_START_RATE,
+            systems=systems,
+            zipf=PRESSURE_ZIPF,
+            cache_blocks=pressure_cache_blocks(systems),
+            kv_events=True,
+            think_s=PRESSURE_THINK_S,
+        ),
     ]
 
 
@@ -348,12 +439,15 @@ Start = Callable[[list[str], list[str], Path], tuple[Proc, str]]
 PLACEMENT_KEYS: list[str] = []  # --set: more [placement] lines for every target of ours
 
 
-def ours(policy: str, affinity: bool, interval_s: float = 1.0, *keys: str) -> Start:
-    """Our router with these [placement] settings (``keys``: more lines of it)."""
+def ours(
+    policy: str, affinity: bool, interval_s: float = 1.0, *keys: str, precise: bool = False
+) -> Start:
+    """Our router with these [placement] settings (``keys``: more lines of it); with
+    ``precise``, ``[kv_events] mode = "subscribe"`` too (the engines must publish)."""
 
     def start(prefills: list[str], decodes: list[str], tmp: Path) -> tuple[Proc, str]:
         lines = [f"metrics_interval_s = {interval_s}", *keys, *PLACEMENT_KEYS]
-        extra = "".join(f"{line}\n" for line in lines)
+        extra = "".join(f"{line}\n" for line in lines) + (KV_SUBSCRIBE if precise else "")
         return serve_narwhal(
             f'model = "{MODEL}"\n' + engines_toml(prefills, decodes) + "[serving]\n"
             "max_inflight = 20000\n"
@@ -374,31 +468,65 @@ def vllm_router(policy: str) -> Start:
     return start
 
 
-TARGETS: list[tuple[str, Start]] = [
-    ("round_robin", ours("round_robin", False)),
-    ("least_loaded", ours("least_loaded", False)),
-    ("least_loaded+affinity", ours("least_loaded", True)),
+PRECISE = " precise"  # --kv-events: the suffix of our targets' twins that read KV events
+
+
+def targets(kv_events: bool) -> list[tuple[str, Start]]:
+    """The first three workloads' targets; with ``kv_events`` (``--kv-events``) each of
+    ours that places by prefix has a twin right after it, the same with the precise
+    index."""
+    out: list[tuple[str, Start]] = [
+        ("round_robin", ours("round_robin", False)),
+        ("least_loaded", ours("least_loaded", False)),
+    ]
     # the scrape's lag decides who meets a sudden burst first: the same at 4 scrapes a second
-    ("least_loaded+affinity 0.25s", ours("least_loaded", True, 0.25)),
-    ("vllm-router cache_aware", vllm_router("cache_aware")),
-    ("vllm-router power_of_two", vllm_router("power_of_two")),
-    ("narwhal-0.7", launch_narwhal07),
-]
+    for name, interval_s in (("least_loaded+affinity", 1.0), ("least_loaded+affinity 0.25s", 0.25)):
+        out.append((name, ours("least_loaded", True, interval_s)))
+        if kv_events:
+            out.append((name + PRECISE, ours("least_loaded", True, interval_s, precise=True)))
+    return [
+        *out,
+        ("vllm-router cache_aware", vllm_router("cache_aware")),
+        ("vllm-router power_of_two", vllm_router("power_of_two")),
+        ("narwhal-0.7", launch_narwhal07),
+    ]
+
+
 ALWAYS_PD = "always-P/D"
 
 
-def conditional_targets(thresholds: tuple[int, ...]) -> list[tuple[str, Start]]:
+def conditional_targets(thresholds: tuple[int, ...], kv_events: bool) -> list[tuple[str, Start]]:
     """The conditional workloads' targets: our default (every request disaggregated, as
     ``local_prefill_tokens = 0`` leaves it, unset so that a router without the key runs),
-    ours deciding by the consumer's uncached tokens at each threshold, and the peers."""
+    ours deciding by the consumer's uncached tokens at each threshold, and the peers; with
+    ``kv_events``, each of ours followed by its precise twin."""
+    out = []
+    for name, keys in (
+        (ALWAYS_PD, ()),
+        *((f"conditional {n}", (f"local_prefill_tokens = {n}",)) for n in thresholds),
+    ):
+        out.append((name, ours("least_loaded", True, 1.0, *keys)))
+        if kv_events:
+            out.append((name + PRECISE, ours("least_loaded", True, 1.0, *keys, precise=True)))
     return [
-        (ALWAYS_PD, ours("least_loaded", True)),
-        *(
-            (f"conditional {n}", ours("least_loaded", True, 1.0, f"local_prefill_tokens = {n}"))
-            for n in thresholds
-        ),
+        *out,
         ("vllm-router cache_aware", vllm_router("cache_aware")),
         ("narwhal-0.7", launch_narwhal07),
+    ]
+
+
+NARWHAL_PRECISE, NARWHAL_APPROXIMATE = "narwhal precise", "narwhal approximate"
+
+
+def pressure_targets() -> list[tuple[str, Start]]:
+    """The cache pressure workload's targets: ours deciding conditional disaggregation at
+    PRESSURE_LOCAL_TOKENS with the precise index and with the approximate one (otherwise
+    the same), and vllm-router's cache-aware policy."""
+    local = f"local_prefill_tokens = {PRESSURE_LOCAL_TOKENS}"
+    return [
+        (NARWHAL_PRECISE, ours("least_loaded", True, 1.0, local, precise=True)),
+        (NARWHAL_APPROXIMATE, ours("least_loaded", True, 1.0, local)),
+        ("vllm-router cache_aware", vllm_router("cache_aware")),
     ]
 
 
@@ -425,6 +553,11 @@ class Run(Result):
     kv_pulls: float | None = None  # the consumers' KV transfers
     kv_bytes: float | None = None  # None: the engines do not export it
     disaggregation: dict[str, float] | None = None  # ours: this run's decisions by kind
+    hit_rate_all: float | None = None  # every engine's, producers and consumers together
+    # ours: engines whose KV-event stream was live at the run's end, of those followed, and
+    # the events the router refused; None from a router without the precise index
+    kv_live: tuple[int, int] | None = None
+    kv_rejected: float | None = None
 
     def legs_saved(self) -> tuple[float, float] | None:
         """(producer legs saved, requests decided), from our router's counter."""
@@ -439,6 +572,7 @@ class Run(Result):
             "workload": self.scenario,
             "target": self.target,
             "ttft_p50_ms": _ms(pct(self.ttft, 0.5)),
+            "ttft_p90_ms": _ms(pct(self.ttft, 0.9)),
             "ttft_p99_ms": _ms(pct(self.ttft, 0.99)),
             "req_per_s": round(self.ok / self.wall_s, 2) if self.wall_s else None,
             "hit_rate": _rate(self.hit_rate),
@@ -447,6 +581,9 @@ class Run(Result):
             "ttft_long_p99_ms": _ms(pct(self.ttft_by.get("long", []), 0.99)),
             "itl_p99_ms": _ms(pct(self.gaps, 0.99)),
             "hit_rate_consumers": _rate(self.hit_rate_consumers),
+            "hit_rate_all": _rate(self.hit_rate_all),
+            "kv_live": None if self.kv_live is None else list(self.kv_live),
+            "kv_rejected": self.kv_rejected,
             "kv_pulls": self.kv_pulls,
             "kv_mib": None if self.kv_bytes is None else round(self.kv_bytes / 2**20, 2),
             "legs_saved": None if saved is None else saved[0],
@@ -510,6 +647,28 @@ def placements(url: str) -> dict[str, float]:
         return {}
     found = ((f"{m[1]}/{m[2]}", float(m[3])) for m in DECISIONS.finditer(text))
     return {key: value for key, value in found if value}
+
+
+REJECTED = re.compile(r"^narwhal_kv_events_rejected_total(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def kv_streams(url: str) -> tuple[tuple[int, int] | None, float | None]:
+    """Our router's KV-event streams: (live, followed) from ``/narwhal/engines``, and the
+    events it refused; (None, None) from a router without them (the peers) or with the
+    precise index off (no stream is followed: every state ``unknown``, no batch read)."""
+    try:
+        engines = json.loads(get(url, "/narwhal/engines"))
+        text = get(url, "/metrics")
+    except (OSError, ValueError):
+        return None, None
+    if isinstance(engines, dict):
+        engines = engines.get("engines", [])
+    # the mode off: each engine's ``kv_events`` is null
+    states = [e["kv_events"] for e in engines if isinstance(e, dict) and e.get("kv_events")]
+    if not any(s.get("batches") for s in states):
+        return None, None
+    live = sum(s.get("state") == "live" for s in states)
+    return (live, len(states)), sum(float(m[1]) for m in REJECTED.finditer(text))
 
 
 def pool_for(url: str, width: int = 1024) -> Pool:
@@ -668,7 +827,8 @@ async def converse(plan: list[Conversation], url: str, run: Run, engines: dict[s
                 await trio.sleep(think)
 
     turns = max(len(c.users) for c in plan)
-    limit = plan[-1].start_s + turns * (REQUEST_TIMEOUT_S + THINK_S[1]) + 30
+    pause = max(t for c in plan for t in c.thinks)
+    limit = plan[-1].start_s + turns * (REQUEST_TIMEOUT_S + pause) + 30
     with trio.move_on_after(limit) as scope:
         async with trio.open_nursery() as outer:
             outer.start_soon(sample_queues, engines, run)
@@ -681,16 +841,24 @@ async def converse(plan: list[Conversation], url: str, run: Run, engines: dict[s
     run.wall_s = last_done - t0
 
 
-def warm_up(url: str) -> None:
+def warm_up(url: str, kv_events: bool = False) -> None:
     """A few short requests through the target (connections, first scrapes); prompts
-    shorter than a block, so no cache is touched."""
-    body = {"model": MODEL, "prompt": "warm up", "max_tokens": 2, "stream": True}
+    shorter than a block, so no cache is touched. With ``kv_events`` each is one unique
+    block and a word (an engine publishes only full blocks): every engine a request lands
+    on publishes a batch, and a router that subscribes sees its stream live before the
+    measured phase; 8 blocks, the same for every target."""
+
+    def body(n: int) -> bytes:
+        prompt = words(random.Random(n), 17, f"warm{n}") if kv_events else "warm up"
+        return msgspec.json.encode(
+            {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True}
+        )
 
     async def main() -> None:
         pool = pool_for(url, 8)
         with trio.fail_after(60):
-            for _ in range(8):
-                await one_request(pool, msgspec.json.encode(body))
+            for n in range(8):
+                await one_request(pool, body(n))
 
     trio.run(main)
     time.sleep(1.5)  # a scrape of every engine has landed (our metrics_interval_s is 1 s)
@@ -701,12 +869,24 @@ def consumer_cost() -> list[str]:
     return [arg for pair in CONSUMER_COST for arg in pair]
 
 
-def start_fleet(tmp: Path, conditional: bool = False) -> tuple[list[Proc], dict[str, str]]:
+def start_fleet(
+    tmp: Path, conditional: bool = False, cache_blocks: int = 0, kv_events: bool = False
+) -> tuple[list[Proc], dict[str, str]]:
+    """The fake fleet, fresh; ``cache_blocks``: every engine's prefix cache (0: the usual
+    sizes); ``kv_events``: every engine publishes its KV events (on ephemeral loopback
+    ports its ``/kv_event_sources`` names)."""
     # the first three workloads keep the old consumers, so their rows stay comparable
     consumer = [*CONSUMER, *consumer_cost()] if conditional else CONSUMER
+    extra = [*KV_EVENTS_ARGS] if kv_events else []
+    if cache_blocks:  # the last --prefix-cache-blocks of a command line wins
+        extra += ["--prefix-cache-blocks", str(cache_blocks)]
     return start_fake_fleet(
         [
-            (name, role, [*(PRODUCER if role == "prefill" else consumer), "--slowdown", str(slow)])
+            (
+                name,
+                role,
+                [*(PRODUCER if role == "prefill" else consumer), "--slowdown", str(slow), *extra],
+            )
             for name, role, slow in FLEET
         ],
         tmp,
@@ -737,11 +917,16 @@ def play(
     trio.run(replay, workload.schedule(seed), url, run, tenant, urls, request)
 
 
+KV_EVENTS_EVERYWHERE: list[bool] = []  # --kv-events: every workload's engines publish
+
+
 def measure(
     workload: Workload | ChatWorkload, target: str, start: Start, tmp: Path, seed: int
 ) -> Run:
     run = Run(target, workload.name, conditional=workload.conditional)
-    engines, urls = start_fleet(tmp, workload.conditional)
+    blocks = workload.cache_blocks if isinstance(workload, ChatWorkload) else 0
+    events = bool(KV_EVENTS_EVERYWHERE) or getattr(workload, "kv_events", False)
+    engines, urls = start_fleet(tmp, workload.conditional, blocks, events)
     try:
         try:
             proc, url = start(
@@ -751,11 +936,12 @@ def measure(
             run.note = not_measured(exc)
             return run
         try:
-            warm_up(url)
+            warm_up(url, events)
             before, decided = counters(urls), disaggregation(url)
             play(workload, seed, url, run, urls)
             after = counters(urls)
             run.placements = placements(url)
+            run.kv_live, run.kv_rejected = kv_streams(url)
             run.disaggregation = since(decided, disaggregation(url))
         finally:
             proc.stop()
@@ -794,6 +980,7 @@ def tally(
     producers, consumers = of_role("prefill"), of_role("decode")
     run.hit_rate = hit_rate(delta, producers)
     run.hit_rate_consumers = hit_rate(delta, consumers)
+    run.hit_rate_all = hit_rate(delta, producers + consumers)
     run.kv_pulls = sum(delta[n].get(PULLS, 0.0) for n in consumers)
     if all(KV_BYTES in after[n] for n in consumers):  # a baseline tree's engine lacks it
         run.kv_bytes = sum(delta[n][KV_BYTES] for n in consumers)
@@ -818,12 +1005,20 @@ CD_HEADER = (
     "| ok/failed | load avg | note |"
 )
 
+PRESSURE_HEADER = (
+    "| target | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ITL p99 ms | producer legs saved "
+    "| KV transfers | KV MiB | hit rate producers | hit rate consumers | hit rate all "
+    "| event streams live | ok/failed | load avg | note |"
+)
+
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == workload]
         header, row = (CD_HEADER, cd_cells) if mine[0].get("conditional") else (HEADER, cells)
+        if workload == PRESSURE:
+            header, row = PRESSURE_HEADER, pressure_cells
         lines += [f"\n### {workload}\n", header, "|---" * (header.count("|") - 1) + "|"]
         lines += ["| " + " | ".join(row(r)) + " |" for r in mine]
     return "\n".join(lines)
@@ -880,6 +1075,25 @@ def cd_cells(r: dict[str, Any]) -> list[str]:
         f"{r['ok']}/{r['failed']}",
         fmt(r["load_avg"], 1, 1),
         row_notes(r),
+    ]
+
+
+def pressure_cells(r: dict[str, Any]) -> list[str]:
+    """One row of the cache pressure table: the conditional columns with TTFT p90, the
+    hit rate of all engines together and our router's live event streams."""
+    cd = cd_cells(r)
+    live = r.get("kv_live")
+    streams = "—" if live is None else f"{live[0]} of {live[1]}"
+    if r.get("kv_rejected"):
+        streams += f" ({r['kv_rejected']:.0f} events refused)"
+    return [
+        *cd[:2],
+        fmt(r.get("ttft_p90_ms"), 1, 1),
+        cd[2],
+        *cd[5:11],
+        percent(r.get("hit_rate_all")),
+        streams,
+        *cd[11:],
     ]
 
 
@@ -962,6 +1176,63 @@ def conditional_met(rows: list[dict[str, Any]]) -> str:
     return "\n### Targets (conditional disaggregation, ours vs always-P/D)\n\n" + "\n".join(lines)
 
 
+def pressure_met(rows: list[dict[str, Any]]) -> str:
+    """The precise index's targets on cache pressure, against the approximate one in this
+    run: TTFT p90 at most half, the hit rate 15 points higher or more (every engine's
+    together, and each role's)."""
+    by = {r["target"]: r for r in rows if r["workload"] == PRESSURE}
+    precise, approx = by.get(NARWHAL_PRECISE), by.get(NARWHAL_APPROXIMATE)
+    if precise is None or approx is None:
+        return ""
+    lines = ["\n### Targets (cache pressure, precise vs approximate)\n"]
+    p90, base = precise["ttft_p90_ms"], approx["ttft_p90_ms"]
+    if p90 is not None and base:
+        lines.append(
+            f"- TTFT p90 {p90:.1f} ms vs {base:.1f} ms ({p90 / base:.2f}x; target at most "
+            f"0.5x: {'met' if p90 <= 0.5 * base else 'NOT met'})"
+        )
+    for key, label in (
+        ("hit_rate_all", "all engines"),
+        ("hit_rate", "producers"),
+        ("hit_rate_consumers", "consumers"),
+    ):
+        hit, hit0 = precise[key], approx[key]
+        if hit is None or hit0 is None:
+            continue
+        points = 100 * (hit - hit0)
+        verdict = f"; target +15 points: {'met' if points >= 15 else 'NOT met'}"
+        lines.append(
+            f"- hit rate, {label}: {hit:.1%} vs {hit0:.1%} ({points:+.1f} points{verdict})"
+        )
+    return "\n".join(lines)
+
+
+def precise_ratios(rows: list[dict[str, Any]]) -> str:
+    """``--kv-events``: each precise twin's TTFT p50 and p99 over its approximate target's
+    in the same run (target: within 1.05x)."""
+    by = {(r["workload"], r["target"]): r for r in rows}
+    lines = []
+    for (workload, name), r in by.items():
+        base = by.get((workload, name.removesuffix(PRECISE)))
+        if not name.endswith(PRECISE) or base is None:
+            continue
+        cells = []
+        for key in ("ttft_p50_ms", "ttft_p99_ms"):
+            value, was = r[key], base[key]
+            ratio = None if value is None or not was else value / was
+            ok = ratio is not None and ratio <= 1.05
+            shown = "—" if ratio is None else f"{ratio:.2f}x ({'met' if ok else 'NOT met'})"
+            cells.append(shown)
+        lines.append(f"| {workload} | {name.removesuffix(PRECISE)} | {' | '.join(cells)} |")
+    if not lines:
+        return ""
+    return (
+        "\n### Precise index vs approximate, same run (target: within 1.05x)\n\n"
+        "| workload | target | TTFT p50 precise/approximate | TTFT p99 precise/approximate |\n"
+        "|---|---|---|---|\n" + "\n".join(lines)
+    )
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="shorter workloads (smoke)")
@@ -979,6 +1250,12 @@ def parse_args() -> argparse.Namespace:
         help="a [placement] line for our targets (TOML), e.g. affinity_load_factor=2.0",
     )
     parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="every workload's engines publish KV events, and each of our prefix-placing "
+        "targets has a twin with the precise index (its name ends in ' precise')",
+    )
+    parser.add_argument(
         "--thresholds",
         default=",".join(map(str, LOCAL_THRESHOLDS)),
         help="local_prefill_tokens of our conditional targets, comma-separated",
@@ -993,6 +1270,9 @@ def progress(run: Run) -> str:
         f"{run.scenario:16} {run.target:28} p50={fmt(r['ttft_p50_ms'], 1, 1)} "
         f"p99={fmt(r['ttft_p99_ms'], 1, 1)} hit={r['hit_rate']} "
     )
+    if run.scenario == PRESSURE:
+        line += f"p90={fmt(r['ttft_p90_ms'], 1, 1)} all hit={r['hit_rate_all']} "
+        line += f"kv live={r['kv_live']} rejected={r['kv_rejected']} "
     if run.conditional:
         line += (
             f"short p50={fmt(r['ttft_short_p50_ms'], 1, 1)} "
@@ -1016,8 +1296,13 @@ def run_all(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     for w_index, workload in enumerate(workloads(args.quick)):
         if args.only and not workload.name.startswith(args.only):
             continue
-        targets = conditional_targets(thresholds) if workload.conditional else TARGETS
-        for name, start in targets:
+        if workload.name == PRESSURE:
+            chosen = pressure_targets()
+        elif workload.conditional:
+            chosen = conditional_targets(thresholds, args.kv_events)
+        else:
+            chosen = targets(args.kv_events)
+        for name, start in chosen:
             if wanted is not None and name not in wanted:
                 continue
             run = measure(workload, name, start, tmp, args.seed * 100 + w_index)
@@ -1032,18 +1317,34 @@ def fleet_text(rows: list[dict[str, Any]]) -> str:
         "480 blocks; p1 2x slower), d0, d1 consumers (16 slots, 5 ms ITL; d1 2x slower), "
         "fresh for every run; see the docstring of bench/placement.py.\n"
     )
+    if KV_EVENTS_EVERYWHERE:
+        text += f"`--kv-events`: every engine also runs with `{' '.join(KV_EVENTS_ARGS)}`.\n"
     if not any(r["conditional"] for r in rows):
         return text
     text += (
-        f"Conditional workloads ({CHAT}, {SHORT}): the consumers also run with "
-        f"`{' '.join(consumer_cost())}`."
+        f"Conditional workloads ({CHAT}, {SHORT}, {PRESSURE}): the consumers also run with "
+        f"`{' '.join(consumer_cost())}`.\n"
     )
-    return text + "\n"
+    if any(r["workload"] == PRESSURE for r in rows):
+        blocks = next(
+            w.cache_blocks
+            for w in workloads(False)
+            if isinstance(w, ChatWorkload) and w.name == PRESSURE
+        )
+        text += (
+            f"{PRESSURE}: every engine with `--prefix-cache-blocks {blocks}` (a third of the "
+            f"working set) and `{' '.join(KV_EVENTS_ARGS)}`; ours with `[placement] "
+            f"local_prefill_tokens = {PRESSURE_LOCAL_TOKENS}`, {NARWHAL_PRECISE} also with "
+            '`[kv_events] mode = "subscribe"`.\n'
+        )
+    return text
 
 
 def main() -> int:
     args = parse_args()
     PLACEMENT_KEYS.extend(args.set)
+    if args.kv_events:
+        KV_EVENTS_EVERYWHERE.append(True)
     os.environ["PEERS_VENV"] = args.peers_venv
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="narwhal-placement-") as tmpdir:
@@ -1059,7 +1360,15 @@ def main() -> int:
         f"Mode: {'quick' if args.quick else 'full'}; {time.monotonic() - began:.0f} s in all.\n"
         + fleet_text(rows)
         + "\n".join(
-            part for part in (table(rows), targets_met(rows), conditional_met(rows)) if part
+            part
+            for part in (
+                table(rows),
+                targets_met(rows),
+                conditional_met(rows),
+                pressure_met(rows),
+                precise_ratios(rows),
+            )
+            if part
         )
     )
     print(report)

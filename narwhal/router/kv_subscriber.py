@@ -52,6 +52,7 @@ MAX_REPLAYED = 20_000  # batches one replay may bring
 # step (hundreds a second); past this a publisher floods, and what it sends beyond is
 # left to ZMQ's high-water mark (a gap) rather than to the router's event loop
 BATCHES_PER_S = 5_000
+EXPORT_S = 0.25  # a stream's metrics are brought up to date at most this often while it reads
 RESYNC_S = 1.0  # how often the engine set is compared with the streams followed
 
 
@@ -70,6 +71,7 @@ class _Followed:
     scope: trio.CancelScope
     source: Source | None = None
     exported: dict[str, int] = field(default_factory=dict)
+    exported_at: float = -1.0
     window: float = -1.0  # the second its reads are counted in, and how many so far
     read: int = 0
 
@@ -136,6 +138,8 @@ class KvSubscriber:
                     await nursery.start(self._listen)
                 while True:
                     self._sync(nursery, mode)
+                    for followed in self._followed.values():  # what a lazy export left
+                        self._export(followed)
                     await trio.sleep(RESYNC_S)
         finally:
             for followed in self._followed.values():
@@ -213,7 +217,7 @@ class KvSubscriber:
                     helping = [frames, *zmq_trio.recv_ready(sock, HELPING - 1)]
                     for message in helping:
                         self._deliver(followed, stream, message, nursery)
-                    self._export(followed)
+                    self._export(followed, lazily=True)
                     await followed.pace(len(helping))
         finally:
             zmq_trio.close(sock)
@@ -263,7 +267,7 @@ class KvSubscriber:
                         self._deliver(followed, stream, message, nursery)
                         touched.add(followed.engine.id)
                     for engine_id in touched:
-                        self._export(self._followed[engine_id])
+                        self._export(self._followed[engine_id], lazily=True)
                         await self._followed[engine_id].pace(HELPING // max(1, len(touched)))
                     await trio.lowlevel.checkpoint()
         finally:
@@ -316,8 +320,15 @@ class KvSubscriber:
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
         return sock
 
-    def _export(self, followed: _Followed) -> None:
-        """The stream's counters into the metrics, as the increments since last time."""
+    def _export(self, followed: _Followed, *, lazily: bool = False) -> None:
+        """The stream's counters into the metrics, as the increments since last time;
+        ``lazily`` (after a helping): at most every ``EXPORT_S``, the metrics' label
+        look-ups being most of what a small batch costs."""
+        now = trio.current_time()
+        if lazily and now - followed.exported_at < EXPORT_S:
+            self._applied.unpark_all()
+            return
+        followed.exported_at = now
         engine_id = followed.engine.id
         metrics = self.router.metrics
         stream = self.router.fleet.precise.streams.get(engine_id)

@@ -523,9 +523,10 @@ def _kv_events_problems(fleet: FleetConfig) -> list[str]:
         if problem:
             problems.append(f"kv_events.listen: {problem}")
     tokenizer = fleet.kv_events.tokenizer
-    if tokenizer != "engine":
+    if tokenizer != "engine" and not tokenizer.endswith(".json"):
         problems.append(
-            f"kv_events.tokenizer: must be 'engine' (the engine's own /tokenize), got {tokenizer!r}"
+            "kv_events.tokenizer: must be 'engine' (the engine's own /tokenize) or the path "
+            f"of a tokenizer.json, got {tokenizer!r}"
         )
     for i, spec in enumerate(fleet.engines):
         problem = spec.kv_events and zmq_endpoint_problem(spec.kv_events)

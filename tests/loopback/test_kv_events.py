@@ -5,14 +5,17 @@ what that engine's events say: after evictions, a reset, gaps, a restart and gar
 from __future__ import annotations
 
 import socket
+import zlib
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import trio
 
-from narwhal.core.config import AdmissionConfig, KvEventsConfig, PlacementConfig
+from narwhal.core.config import AdmissionConfig, ConfigError, KvEventsConfig, PlacementConfig
+from narwhal.fake_engine.cost import VOCAB_SIZE
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.router.service import Router
 from tests.support.fleet import MODEL, Harness, finish, fleet_config, serve_router, start_fleet
@@ -187,8 +190,12 @@ async def test_garbage_and_floods_are_counted_and_serving_goes_on(kv_fleet: Harn
     await knob(kv_fleet, "p0", flood=20_000)
     body = await complete(kv_fleet, words(10, "during-"))  # answered while the flood is read
     assert body["choices"][0]["text"]
-    metrics = (await kv_fleet.get("/metrics")).body.decode()
-    assert 'narwhal_kv_events_rejected_total{engine="p0",why="batch"} 1.0' in metrics
+    series = b'narwhal_kv_events_rejected_total{engine="p0",why="batch"} 1.0'
+    with trio.fail_after(WAIT_S):  # the metrics catch up within a second of the batch
+        await kv_fleet.router.kv_subscriber.wait_until(
+            lambda: series in kv_fleet.router.metrics.render()
+        )
+    assert series in (await kv_fleet.get("/metrics")).body
 
 
 async def test_listen_mode_reads_every_engine_through_one_bound_socket(
@@ -227,3 +234,59 @@ async def test_listen_mode_reads_every_engine_through_one_bound_socket(
     await settle(harness, agrees(harness, "d0"))
     assert view(harness, "p0")["blocks"] > 0
     await finish(harness)
+
+
+def _word_tokenizer(path: Path, words: list[str]) -> str:
+    """A tokenizer.json whose ids for ``words`` are the fake engine's (a word's CRC-32
+    within its vocabulary), so the router's own ids match what the engines publish."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": VOCAB_SIZE + 1}
+    vocab.update({w: zlib.crc32(w.encode()) % VOCAB_SIZE for w in words})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return str(path)
+
+
+async def test_a_local_tokenizer_json_places_text_prompts_without_asking_the_engines(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    prompt = words(64, "local-")
+    tokenizer = _word_tokenizer(tmp_path / "tokenizer.json", prompt.split())
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode", "d1": "decode"},
+        engine_config={
+            "kv_events_endpoint": "tcp://127.0.0.1:0",
+            "prefix_cache_blocks": CACHE_BLOCKS,
+        },
+        kv_events=KvEventsConfig(mode="subscribe", tokenizer=tokenizer),
+        placement=PlacementConfig(metrics_interval_s=0),
+        admission=AdmissionConfig(queue=False),
+    )
+    with trio.fail_after(WAIT_S):
+        for engine in harness.engines.values():
+            assert engine.kv_events is not None
+            await engine.kv_events.wait_subscribed(1)
+    # d1 computes the prompt outside the router: only its events say so
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    url = harness.router.fleet.by_id["d1"].url + "/v1/completions"
+    answer = await harness.http.request("POST", url, content=msgspec.json.encode(body))
+    assert answer.status == 200
+    await settle(harness, agrees(harness, "d1"))
+    await complete(harness, prompt)
+    assert harness.router.journal.lines[-1].attempts[0].consumer == "d1"
+    assert harness.router.tokens.asked == 0  # no /tokenize: the ids came from the file
+    await finish(harness)
+
+
+def test_a_tokenizer_json_that_cannot_be_read_refuses_the_fleet(tmp_path: Path) -> None:
+    config = fleet_config(
+        {"p0": ("http://127.0.0.1:9", "both")},
+        kv_events=KvEventsConfig(mode="subscribe", tokenizer=str(tmp_path / "none.json")),
+    )
+    with pytest.raises(ConfigError) as caught:
+        Router(config)
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"kv_events.tokenizer: cannot read {tmp_path / 'none.json'}")

@@ -237,3 +237,21 @@ def test_serve_exits_non_zero_with_the_list_not_a_traceback(tmp_path: Path) -> N
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read file"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_kv_events_keys_are_checked() -> None:
+    bad = (
+        b'model = "m"\n[[engines]]\nid = "e"\nurl = "http://h:1"\nkv_events = "udp://h:1"\n'
+        b'[kv_events]\nmode = "listen"\nlisten = "tcp://nohost"\ntokenizer = "vocab.txt"\n'
+    )
+    with pytest.raises(ConfigError) as caught:
+        parse_config(bad, fmt="toml")
+    assert caught.value.problems == [
+        "kv_events.listen: must be a tcp://host:port endpoint, got 'tcp://nohost'",
+        "kv_events.tokenizer: must be 'engine' (the engine's own /tokenize) or the path of a "
+        "tokenizer.json, got 'vocab.txt'",
+        "engines[0].kv_events: must be a tcp://host:port endpoint, got 'udp://h:1'",
+    ]
+    good = bad.replace(b"udp://h:1", b"tcp://h:5557").replace(b"tcp://nohost", b"tcp://*:5557")
+    fleet = parse_config(good.replace(b"vocab.txt", b"/m/tokenizer.json"), fmt="toml")
+    assert fleet.kv_events.tokenizer == "/m/tokenizer.json"

@@ -3,7 +3,8 @@ TTFT at c=1 and router CPU per request, against ``[kv_events]`` off, in one run.
 
     python bench/kv_tokenize.py [--requests 300] [--rounds 3] [--out bench/results/kv-events]
 
-Two fake engines publishing KV events (``narwhal fake-engine --kv-events-endpoint``) and
+Four fake engines (two producers, two consumers: placement has a choice, so the ids are
+asked for) publishing KV events (``narwhal fake-engine --kv-events-endpoint``) and
 the router as processes on 127.0.0.1 (so /proc gives the router's own CPU). Three router
 configurations, each started afresh every round, in turn: ``off`` (the approximate index
 only), ``engine`` (``tokenizer = "engine"``: one ``POST /tokenize`` per request before its
@@ -52,11 +53,14 @@ def tokenizer_json(directory: Path) -> Path:
     return path
 
 
+ROLES = ("prefill", "prefill", "decode", "decode")  # two of each: placement has a choice
+
+
 def fleet_file(directory: Path, urls: list[str], mode: str, tokenizer: str) -> Path:
-    text = [
-        'model = "fake-model"',
-        f'[[engines]]\nid = "p0"\nurl = "{urls[0]}"\nrole = "prefill"',
-        f'[[engines]]\nid = "d0"\nurl = "{urls[1]}"\nrole = "decode"',
+    text = ['model = "fake-model"']
+    for i, (url, role) in enumerate(zip(urls, ROLES, strict=True)):
+        text.append(f'[[engines]]\nid = "e{i}"\nurl = "{url}"\nrole = "{role}"')
+    text += [
         "[admission]\nqueue = false",
         f'[kv_events]\nmode = "{mode}"\ntokenizer = "{tokenizer}"',
     ]
@@ -111,7 +115,7 @@ def main() -> int:
         directory = Path(tmp)
         engines = []
         urls = []
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             proc, url = start(
                 "fake-engine", "--port", "0", "--role", role,
                 "--kv-events-endpoint", "tcp://127.0.0.1:0",

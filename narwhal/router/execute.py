@@ -375,7 +375,8 @@ class RequestRun(RunRecord):
     async def _attempts(self) -> None:
         metrics = self.router.metrics
         tokens = self.router.tokens
-        if self._indexing and self._tokens is None and tokens.wanted():
+        first = decode_first(self.config.placement)
+        if self._indexing and self._tokens is None and tokens.wanted(decode_first=first):
             self._tokens = await tokens.ids_of(self.req, self.rid)
         while True:
             metrics.attempts.inc()

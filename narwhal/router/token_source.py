@@ -22,7 +22,7 @@ import trio
 
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import RequestFault
-from narwhal.core.fleet import EngineState, Fleet
+from narwhal.core.fleet import LEGS, EngineState, Fleet
 from narwhal.core.precise_index import TokenPrompt
 from narwhal.core.requests import ClientRequest, spliceable
 from narwhal.core.token_ids import IdsCache, read_tokens, tokenize_body
@@ -78,10 +78,20 @@ class TokenSource:
             problem = f"kv_events.tokenizer: cannot read {path}: {exc}"
             raise ConfigError("<fleet>", [problem]) from None
 
-    def wanted(self) -> bool:
-        """Whether a request's ids would be read: events on, and some stream live."""
-        config = self.router.config.kv_events
-        return config.mode != "off" and self.router.fleet.precise.any_live()
+    def wanted(self, *, decode_first: bool) -> bool:
+        """Whether a request's ids could change what placement does: events on, and an
+        engine with a live stream among two or more candidates for a leg, or, decode first,
+        a live consumer (its uncached part decides whether the attempt is local). A fleet
+        of one producer and one consumer that always disaggregates pays nothing."""
+        if self.router.config.kv_events.mode == "off":
+            return False
+        fleet, now = self.router.fleet, trio.current_time()
+        for leg in LEGS:
+            candidates = fleet.placeable(leg, now)[0]
+            if len(candidates) >= 2 or (decode_first and leg == "decode"):
+                if any(fleet.precise.live(e.id) is not None for e in candidates):
+                    return True
+        return False
 
     async def ids_of(self, req: ClientRequest, rid: str) -> TokenPrompt | None:
         """The request's ids, or None when they cannot be had within the bound."""

@@ -88,9 +88,9 @@ class TokenSource:
         fleet, now = self.router.fleet, trio.current_time()
         for leg in LEGS:
             candidates = fleet.placeable(leg, now)[0]
-            if len(candidates) >= 2 or (decode_first and leg == "decode"):
-                if any(fleet.precise.live(e.id) is not None for e in candidates):
-                    return True
+            choice = len(candidates) >= 2 or (decode_first and leg == "decode")
+            if choice and any(fleet.precise.live(e.id) is not None for e in candidates):
+                return True
         return False
 
     async def ids_of(self, req: ClientRequest, rid: str) -> TokenPrompt | None:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -455,3 +456,39 @@ def test_restarts_are_bounded() -> None:
     assert not restart_allowed(exits, float(RESTARTS))  # one too many within the window
     assert restart_allowed(exits, RESTART_WINDOW_S + 2.0)  # the early ones have aged out
     assert [failure_status(c) for c in (0, 2, 8, -9, -15, 137)] == [1, 2, 8, 1, 1, 1]
+
+
+async def test_every_worker_reads_the_engines_events_in_listen_mode(tmp_path: Path) -> None:
+    """``[kv_events] mode = "listen"`` under ``--workers 2``: one process can bind the
+    address the engines' publishers connect to, so the parent does and hands every batch
+    to both workers; each worker's view of each engine goes live."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        listen = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    publish = ("--kv-events-endpoint", listen)
+    with (
+        running("fake-engine", "--port", "0", "--role", "prefill", *publish,
+                "--kv-events-topic", "kv-p0") as (_, p_url),
+        running("fake-engine", "--port", "0", "--role", "decode", *publish,
+                "--kv-events-topic", "kv-d0") as (_, d_url),
+    ):  # fmt: skip
+        fleet = _fleet(tmp_path / "fleet.toml", (p_url, d_url), 1.0)
+        fleet.write_text(fleet.read_text() + f'[kv_events]\nmode = "listen"\nlisten = "{listen}"\n')
+        async with serve_workers(fleet) as served:
+            prompt = " ".join(f"w{k}" for k in range(40))  # two full blocks: a batch each
+            states: dict[int, dict[str, str]] = {}
+            for i in range(50):  # bounded: a request a round, until both workers read both
+                body = {"model": MODEL, "prompt": f"{i} {prompt}", "max_tokens": 1}
+                async with httpcore.AsyncConnectionPool() as http:
+                    answer = await http.request(
+                        "POST", served.url + "/v1/completions", content=msgspec.json.encode(body)
+                    )
+                assert answer.status == 200
+                views = await _views(served.url)
+                states = {
+                    index: {e["id"]: e["kv_events"]["state"] for e in view["engines"]}
+                    for index, view in views.items()
+                }
+                if all(set(s.values()) == {"live"} for s in states.values()):
+                    break
+            assert states == {0: {"p0": "live", "d0": "live"}, 1: {"p0": "live", "d0": "live"}}

@@ -14,6 +14,11 @@ token, a prefix cache on every role, a KV pull's time per block the consumer doe
 prefill interference on running streams, a slowdown) makes load, prefix placement and
 conditional disaggregation measurable; its options default to off, and the engine is then
 as instant as ever.
+
+With ``models`` it serves a base model, its aliases and LoRA adapters (``lora``): their model
+list, an adapter's own text, ``max_loras`` adapter slots (swaps, a queue for a slot) and
+``vllm:lora_requests_info``; prefix-cache blocks and KV events per adapter, and no KV pulled
+across models.
 """
 
 from __future__ import annotations

@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     from narwhal.fake_engine import kv_events as fake_kv_events
 
     fake_kv_events.add_arguments(fake)  # --kv-events-endpoint, ...
+    from narwhal.fake_engine import lora as fake_lora
+
+    fake_lora.add_arguments(fake)  # --models, --max-loras, --lora-swap-ms
 
     check = add(
         "check", help="preflight: reach every engine, move KV across pairs", epilog=EXIT_STATUS_HELP
@@ -532,6 +535,7 @@ async def _signalled() -> None:
 def _fake_engine(args: argparse.Namespace) -> int:
     from narwhal.fake_engine import cost as fake_cost
     from narwhal.fake_engine import kv_events as fake_kv_events
+    from narwhal.fake_engine import lora as fake_lora
     from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
     from narwhal.fake_engine.kv_publisher import BindError
 
@@ -554,6 +558,7 @@ def _fake_engine(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             **fake_cost.config_fields(args),
             **fake_kv_events.config_fields(args),
+            **fake_lora.config_fields(args),
         )
     )
 

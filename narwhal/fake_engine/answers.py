@@ -12,7 +12,9 @@ prompt's token ids (``Prompt.ids``) and of its key (``Ask.key``): none when gree
 ``seed + j`` for the ``j``-th of ``n`` seeded samples (what the router's fan-out asks of its
 ``j``-th sub-request), ``j`` for unseeded sampling. So a prompt decoded after a KV handoff
 yields what it yields locally, sample ``j`` of ``n`` is the single sample seeded
-``seed + j``, and a continuation (``generation.script``) goes on with the same key.
+``seed + j``, and a continuation (``generation.script``) goes on with the same key. Under a
+LoRA adapter the key mixes in the adapter's name: the adapter says something else than the
+base model, as deterministically.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import msgspec
 
 from narwhal.fake_engine import generation as gen
+from narwhal.fake_engine import lora
 
 _encode = msgspec.json.encode
 _PIECES = re.compile(r"\s*\w+|\s*[^\w\s]+|\s+")  # a string's "tokens": words, punctuation runs
@@ -106,6 +109,7 @@ class Ask:
     # no limit (a chat without one, or one at the context's end): the script ends at the
     # default length after the original prompt, as a model stops at its end of sequence
     unlimited: bool = False
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
     @property
     def plain(self) -> bool:
@@ -122,18 +126,27 @@ class Ask:
         )
 
     def key(self, j: int) -> int | None:
-        """What sample ``j`` (of ``n``) is a function of, beside the prompt."""
+        """What sample ``j`` (of ``n``) is a function of, beside the prompt: under an
+        adapter, the adapter too (``lora.generation_salt``)."""
         if self.greedy:
-            return None
-        if self.seed is not None:
-            return self.seed + j
-        return j or None
+            key = None
+        elif self.seed is not None:
+            key = self.seed + j
+        else:
+            key = j or None
+        return key if self.adapter is None else lora.generation_salt(self.adapter, key)
 
 
 def ask_of(
-    body: dict[str, Any], chat: bool, default_max_tokens: int, context: int = 1 << 62
+    body: dict[str, Any],
+    chat: bool,
+    default_max_tokens: int,
+    context: int = 1 << 62,
+    *,
+    adapter: str | None = None,
 ) -> Ask:
-    """``context``: the engine's max_model_len; a limit that reaches its end is none."""
+    """``context``: the engine's max_model_len; a limit that reaches its end is none.
+    ``adapter``: the LoRA adapter the request runs under."""
     limit = body.get("max_completion_tokens") if chat else None
     count = limit or body.get("max_tokens") or default_max_tokens
     temperature = body.get("temperature")
@@ -165,6 +178,7 @@ def ask_of(
         continuous_usage=usage and options.get("continuous_usage_stats") is True,
         return_token_ids=body.get("return_token_ids") is True,
         unlimited=to_end or (chat and not limit and body.get("max_tokens") is None),
+        adapter=adapter,
     )
 
 

@@ -15,10 +15,12 @@ its CRC-32 modulo a 32000-word vocabulary, as ``generation.prompt_ids``), a list
 ids as given, and for chat the rendered messages, each four framing tokens (its role)
 followed by its content's words. Prompt blocks are vLLM's 16 tokens; a block's hash chains
 the hash of the block before it, so a block matches only under the same whole prefix, as in
-vLLM's prefix caching. Only full blocks are cached, and a hit never covers the last prompt token
-(vLLM recomputes it to get the first output's logits). The cache is an LRU of block hashes:
-after a prompt is computed its blocks are touched from the last to the first, so the
-oldest prompt's tail is evicted first and its head last, as vLLM's free-block queue does.
+vLLM's prefix caching; a prompt computed under a LoRA adapter chains from the adapter's own
+root, so adapters and the base model never share a block. Only full blocks are cached, and a
+hit never covers the last prompt token (vLLM recomputes it to get the first output's logits).
+The cache is an LRU of block hashes: after a prompt is computed its blocks are touched from
+the last to the first, so the oldest prompt's tail is evicted first and its head last, as
+vLLM's free-block queue does.
 
 Every role has the cache. A consumer caches a prompt it pulled (the blocks are then in its
 KV cache as if computed) and, after a generation that ran to its end, the prompt followed
@@ -121,15 +123,25 @@ def prompt_blocks(prompt_tokens: int) -> int:
     return max(1, -(-prompt_tokens // BLOCK_TOKENS))
 
 
-def block_hashes(tokens: Sequence[int], limit: int | None = None) -> list[int]:
-    """The chained hashes of the full 16-token blocks among the first ``limit`` tokens."""
+def block_hashes(
+    tokens: Sequence[int], limit: int | None = None, *, lora: str | None = None
+) -> list[int]:
+    """The chained hashes of the full 16-token blocks among the first ``limit`` tokens;
+    under a LoRA adapter the chain starts from a root of its own (``lora_root``), so no
+    block computed under it matches one of the base model or of another adapter."""
     count = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
     out: list[int] = []
-    parent = _ROOT
+    parent = _ROOT if lora is None else lora_root(lora)
     for start in range(0, count - count % BLOCK_TOKENS, BLOCK_TOKENS):
         parent = hash((parent, *tokens[start : start + BLOCK_TOKENS]))
         out.append(parent)
     return out
+
+
+def lora_root(lora: str) -> int:
+    """The parent hash of an adapter's first block: its name's CRC-32 mixed into the root
+    (vLLM mixes the adapter into its block hashes as an extra key)."""
+    return hash((_ROOT, zlib.crc32(lora.encode("utf-8", "surrogatepass"))))
 
 
 class Inserted(NamedTuple):
@@ -156,19 +168,20 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def lookup(self, tokens: Sequence[int]) -> int:
+    def lookup(self, tokens: Sequence[int], lora: str | None = None) -> int:
         """How many leading prompt tokens are cached (whole blocks, never the last token);
-        counted in ``queries`` and ``hits``. Looking up touches nothing."""
-        return self.probe(tokens)[0]
+        counted in ``queries`` and ``hits``. Looking up touches nothing. ``lora``: the
+        adapter the prompt is computed under (None: the base model), as for every method."""
+        return self.probe(tokens, lora)[0]
 
-    def probe(self, tokens: Sequence[int]) -> tuple[int, int]:
+    def probe(self, tokens: Sequence[int], lora: str | None = None) -> tuple[int, int]:
         """``lookup``'s hit, and how many leading full blocks the cache holds: all of them
         when the prompt fills its last block and every block is cached. The hit leaves the
         last token to compute (its logits); a KV pull needs only the blocks not held."""
         if not self.enabled:
             return 0, 0
         held = 0
-        for block in block_hashes(tokens):
+        for block in block_hashes(tokens, lora=lora):
             if block not in self.blocks:
                 break
             held += 1
@@ -177,14 +190,14 @@ class PrefixCache:
         self.hits += hit * BLOCK_TOKENS
         return hit * BLOCK_TOKENS, held
 
-    def insert(self, tokens: Sequence[int]) -> Inserted:
+    def insert(self, tokens: Sequence[int], lora: str | None = None) -> Inserted:
         """The prompt has been computed: its full blocks become the most recently used, the
         first block last, and the least recently used blocks beyond capacity are evicted
         (this prompt's own tail among them when it is longer than the cache). Returns what
         changed, for the engine's KV events."""
         if not self.enabled:
             return Inserted([], [], [])
-        hashes = block_hashes(tokens)
+        hashes = block_hashes(tokens, lora=lora)
         new = [i for i, block in enumerate(hashes) if block not in self.blocks]
         for block in reversed(hashes):
             self.blocks[block] = None

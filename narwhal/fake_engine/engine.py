@@ -14,6 +14,11 @@ token, a prefix cache on every role, a KV pull's time per block the consumer doe
 prefill interference on running streams, a slowdown) makes load, prefix placement and
 conditional disaggregation measurable; its options default to off, and the engine is then
 as instant as ever.
+
+With ``models`` it serves a base model, its aliases and LoRA adapters (``lora``): their model
+list, an adapter's own text, ``max_loras`` adapter slots (swaps, a queue for a slot) and
+``vllm:lora_requests_info``; prefix-cache blocks and KV events per adapter, and no KV pulled
+across models.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 import trio
 
-from narwhal.fake_engine import answers, cost, kv_events
+from narwhal.fake_engine import answers, cost, kv_events, lora
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.faults import Fault, FaultQueue
 from narwhal.fake_engine.http import Exchange, Request, serve_connection
@@ -55,6 +60,11 @@ class Network(Protocol):
 
 class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "fake-model"
+    # served names (``lora.Catalog``): "name" (the first: the base model, others its
+    # aliases) or "name:parent" (a LoRA adapter); empty: ``model`` alone
+    models: tuple[str, ...] = ()
+    max_loras: int = 1  # adapters loaded at once (vLLM's --max-loras)
+    lora_swap_ms: float | None = None  # an adapter's load; None: 0, or a default with costs
     role: Literal["prefill", "decode", "both"] = "both"
     engine_id: str = ""  # NIXL engine id; a fresh uuid when empty
     host: str = "127.0.0.1"
@@ -91,6 +101,14 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Whether any of the cost model's options is on."""
         costs = (self.prefill_ms_per_token, self.kv_ms_per_block, self.prefill_interference)
         return bool(self.slots or self.prefix_cache_blocks or any(costs)) or self.slowdown != 1.0
+
+    @property
+    def lora_swap_s(self) -> float:
+        """How long loading an adapter into a slot takes: ``lora_swap_ms``, or by default
+        instant, and ``lora.DEFAULT_COST_SWAP_MS`` with the cost model on."""
+        if self.lora_swap_ms is not None:
+            return self.lora_swap_ms / 1000
+        return lora.DEFAULT_COST_SWAP_MS / 1000 if self.cost_model else 0.0
 
 
 class FakeEngine:
@@ -139,6 +157,13 @@ class FakeEngine:
         self.computing = 0  # prompts being computed now (prefill interference)
         self._idle = trio.Event()
         self._idle.set()
+        self.catalog = lora.Catalog(cfg.models or (cfg.model,))
+        self.adapter_slots = lora.AdapterSlots(cfg.max_loras)
+        # vllm:lora_requests_info, as vLLM exports it with LoRA enabled
+        self.lora_info = (
+            lora.InfoSeries(cfg.max_loras, self.start_time) if self.catalog.adapters else None
+        )
+        self._lora_changed = trio.Event()  # set as adapter slots change (waiters retry)
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on loopback until ``stop()``; a restart reuses the same ports."""
@@ -285,6 +310,7 @@ class FakeEngine:
             },
             "faults_queued": len(self.faults),
             **({"kv_events": self.kv_events.stats()} if self.kv_events else {}),
+            **(self.adapter_slots.stats() if self.catalog.adapters else {}),
         }
 
     def reset_prefix_cache(self) -> None:
@@ -295,13 +321,15 @@ class FakeEngine:
         if self.kv_events is not None:
             self.kv_events.cleared()
 
-    def _cache_insert(self, *token_lists: list[int]) -> None:
-        """Computed tokens join the prefix cache; their changes are one KV-event batch."""
+    def _cache_insert(self, *token_lists: list[int], adapter: str | None = None) -> None:
+        """Computed tokens (under ``adapter``, or the base model) join the prefix cache;
+        their changes are one KV-event batch."""
         events: list[kv_events.Event] = []
+        tag = None if adapter is None else (self.catalog.models[adapter].lora_id, adapter)
         for tokens in token_lists:
-            change = self.prefix_cache.insert(tokens)
+            change = self.prefix_cache.insert(tokens, adapter)
             if self.kv_events is not None:
-                events += self.kv_events.stream.inserted(tokens, change)
+                events += self.kv_events.stream.inserted(tokens, change, tag)
         if self.kv_events is not None:
             self.kv_events.publish(events)
 
@@ -380,8 +408,8 @@ class FakeEngine:
         if body is None:
             return None
         model = body.get("model")
-        if model is not None and model != self.config.model:
-            msg = f"The model `{model}` does not exist. Valid aliases: {self.config.model}."
+        if model is not None and not self.catalog.serves(model):
+            msg = self.catalog.not_found(model)
             await ex.respond(404, gen.error_body(msg, "NotFoundError", 404, "model"))
             return None
         self.counters[req.path.strip("/")] += 1
@@ -399,19 +427,43 @@ class FakeEngine:
         return None
 
     def _models(self) -> bytes:
-        card = {
-            "id": self.config.model,
-            "object": "model",
-            "created": int(self.start_time),
-            "owned_by": "vllm",
-            "root": self.config.model,
-            "parent": None,
-            "max_model_len": self.config.max_model_len,
-        }
-        return msgspec.json.encode({"object": "list", "data": [card]})
+        """vLLM's model list: a card per name of the base model (its root the model's
+        path: here its name), then one per adapter (its parent the base, its root the
+        adapter's directory: here its name; and, as in vLLM, no max_model_len)."""
+        created = int(self.start_time)
+        cards = []
+        for model in self.catalog.models.values():
+            adapter = model.parent is not None
+            permission = {
+                "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, model.name).hex}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+            cards.append(
+                {
+                    "id": model.name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": model.name if adapter else self.catalog.base,
+                    "parent": model.parent,
+                    "max_model_len": None if adapter else self.config.max_model_len,
+                    "permission": [permission],
+                }
+            )
+        return msgspec.json.encode({"object": "list", "data": cards})
 
     def _metrics(self) -> bytes:
-        c, label = self.counters, f'{{model_name="{self.config.model}"}}'
+        c, label = self.counters, f'{{model_name="{self.catalog.base}"}}'
         pulled_bytes = c["kv_blocks_pulled"] * cost.KV_BYTES_PER_BLOCK  # nominal, see cost
         lines = [
             "# HELP process_start_time_seconds Start time of the process since unix epoch.",
@@ -446,6 +498,8 @@ class FakeEngine:
             "# TYPE vllm:nixl_num_failed_transfers counter",
             f"vllm:nixl_num_failed_transfers_total{label} {c['kv_pull_failed']}",
         ]
+        if self.lora_info is not None:
+            lines += self.lora_info.lines(time.time())
         return ("\n".join(lines) + "\n").encode()
 
     def _kv_usage(self) -> float:
@@ -502,7 +556,7 @@ class FakeEngine:
                 if fault is not None and fault.kind in ("status", "hang"):
                     await self._refuse(fault, ex)
                 else:
-                    async with self._admitted(body, chat):
+                    async with self._adapter_loaded(body), self._admitted(body, chat):
                         await self._generate(
                             body, backend_id, ex, chat=chat, leg=leg, fault=fault, entry=entry
                         )
@@ -522,9 +576,8 @@ class FakeEngine:
     def _validate(self, body: dict[str, Any], chat: bool) -> tuple[int, bytes] | None:
         """The same checks (and error bodies) as vLLM's OpenAI server, for what we model."""
         model = body.get("model")
-        if model != self.config.model:
-            msg = f"The model `{model}` does not exist. Valid aliases: {self.config.model}."
-            return 404, gen.error_body(msg, "NotFoundError", 404, "model")
+        if not self.catalog.serves(model):
+            return 404, gen.error_body(self.catalog.not_found(model), "NotFoundError", 404, "model")
         max_tokens = body.get("max_completion_tokens" if chat else "max_tokens")
         if max_tokens is None and chat:
             max_tokens = body.get("max_tokens")
@@ -577,6 +630,59 @@ class FakeEngine:
             return 400, gen.error_body(msg, "BadRequestError", 400)
         return None
 
+    def _served(self, body: dict[str, Any]) -> str:
+        """The served name a request asks for (a reclaim leg is not checked: the base)."""
+        model = body.get("model")
+        return model if isinstance(model, str) and self.catalog.serves(model) else self.catalog.base
+
+    @contextlib.asynccontextmanager
+    async def _adapter_loaded(self, body: dict[str, Any]) -> AsyncIterator[None]:
+        """Under a LoRA adapter, hold it in one of ``max_loras`` slots while answering
+        (``lora.AdapterSlots``): a request whose adapter is not loaded takes a free slot or
+        the least recently used idle adapter's (a swap), and pays ``lora_swap_s``; with
+        every slot's adapter running, it waits (in ``waiting`` and
+        ``waiting_lora_adapters``). The base model needs no slot."""
+        adapter = self.catalog.adapter(self._served(body))
+        if adapter is None:
+            yield
+            return
+        slots = self.adapter_slots
+        ticket = slots.arrive(adapter)
+        grant = slots.admit(ticket)
+        if grant is None:
+            self._lora_note()
+            self.waiting += 1
+            self._queued.set()  # wake wait_queued, then arm for the next arrival
+            self._queued = trio.Event()
+            try:
+                while grant is None:
+                    await self._lora_changed.wait()
+                    grant = slots.admit(ticket)
+            finally:
+                self.waiting -= 1
+                if grant is None:  # the client left while it waited
+                    slots.leave(ticket)
+                    self._lora_note()
+        self._lora_note()
+        if grant.evicted is not None:
+            self.counters["lora_swaps"] += 1
+        try:
+            if grant.load:
+                self.counters["lora_loads"] += 1
+                if self.config.lora_swap_s > 0:
+                    await trio.sleep(self.config.lora_swap_s)
+            yield
+        finally:
+            slots.release(adapter)
+            self._lora_note()
+
+    def _lora_note(self) -> None:
+        """The adapter slots changed: the gauge's labels follow, and waiters retry."""
+        if self.lora_info is not None:
+            self.lora_info.note(self.adapter_slots.labels(), time.time())
+        self._lora_changed.set()
+        self._lora_changed = trio.Event()
+
     @contextlib.asynccontextmanager
     async def _admitted(self, body: dict[str, Any], chat: bool) -> AsyncIterator[None]:
         """Hold one of ``slots`` while answering (the prefill, or the KV pull and the decode
@@ -625,27 +731,31 @@ class FakeEngine:
         cfg = self.config
         _, prompt_tokens = gen.prompt_of(body, chat)
         resp_id = ("chatcmpl-" if chat else "cmpl-") + (backend_id or secrets.token_hex(8))
-        shapes = gen.Shapes(resp_id, cfg.model, chat)
+        model = self._served(body)  # echoed, as vLLM echoes an adapter's name
+        adapter = self.catalog.adapter(model)
+        shapes = gen.Shapes(resp_id, model, chat)
         stream = body.get("stream") is True
         kv = body.get("kv_transfer_params")
         remote = isinstance(kv, dict) and kv.get("do_remote_prefill") is True
-        if not await self._prompt(body, chat, prompt_tokens, kv if remote else None):
+        if not await self._prompt(body, chat, prompt_tokens, kv if remote else None, model):
             await self._transfer_failed(ex, stream)
             return
         self.counters["prompt_tokens"] += prompt_tokens
         produce = leg == "prefill" and not stream and cfg.role != "decode"
         if produce:
             self.counters["prefill"] += 1
-        ask = answers.ask_of(body, chat, cfg.default_max_tokens, cfg.max_model_len)
+        ask = answers.ask_of(body, chat, cfg.default_max_tokens, cfg.max_model_len, adapter=adapter)
         # a decode's reply joins the prefix cache once it is whole (vLLM caches the output)
         remember = leg == "decode" and self.prefix_cache.enabled
         if stream:
             finished = fault is None or fault.kind == "slow_drip"
             plan, replies = self._stream_plan(ask, shapes, prompt_tokens, finished)
             if await self._stream(shapes, plan, prompt_tokens, ex, fault, entry) and remember:
-                self._remember_replies(body, chat, replies)
+                self._remember_replies(body, chat, replies, adapter)
             return
-        issued = self._produce(resp_id, prompt_tokens, chat, backend_id) if produce else None
+        issued = None
+        if produce:
+            issued = self._produce(resp_id, prompt_tokens, chat, backend_id, model)
         descriptor = issued
         if issued is not None and fault is not None:
             descriptor = _corrupt(issued, fault)
@@ -661,7 +771,8 @@ class FakeEngine:
         if issued is not None and descriptor is issued:
             self.store.delivered(issued["remote_request_id"])
         if remember:
-            self._remember_replies(body, chat, [(c.prompt.text, c.text) for c in choices])
+            replies = [(c.prompt.text, c.text) for c in choices]
+            self._remember_replies(body, chat, replies, adapter)
 
     def _stream_plan(
         self, ask: answers.Ask, shapes: gen.Shapes, prompt_tokens: int, finished: bool
@@ -684,32 +795,45 @@ class FakeEngine:
         return plan, [(prompt.text, "".join(gen.VOCAB[i] for i in ids))]
 
     def _remember_replies(
-        self, body: dict[str, Any], chat: bool, replies: list[tuple[str, str]]
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        replies: list[tuple[str, str]],
+        adapter: str | None,
     ) -> None:
         """Cache each finished (prompt text, reply) as the client's next turn will send it."""
-        self._cache_insert(*(cost.reply_tokens(body, chat, t, reply) for t, reply in replies))
+        tokens = (cost.reply_tokens(body, chat, t, reply) for t, reply in replies)
+        self._cache_insert(*tokens, adapter=adapter)
 
     async def _prompt(
-        self, body: dict[str, Any], chat: bool, prompt_tokens: int, kv: dict[str, Any] | None
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        prompt_tokens: int,
+        kv: dict[str, Any] | None,
+        model: str,
     ) -> bool:
-        """Compute the prompt, or pull its KV when ``kv`` is a descriptor (False: the pull
-        failed). With a prefix cache, only the tokens it does not hold cost prefill time,
-        and only the blocks it does not hold are pulled. A consumer's lookup is counted in
-        the cache's queries and hits too, as vLLM's scheduler looks up the local cache
-        before the connector loads the rest."""
+        """Compute the prompt for ``model`` (a served name), or pull its KV when ``kv`` is
+        a descriptor (False: the pull failed). With a prefix cache, only the tokens it does
+        not hold cost prefill time, and only the blocks it does not hold are pulled; blocks
+        are cached per adapter. A consumer's lookup is counted in the cache's queries and
+        hits too, as vLLM's scheduler looks up the local cache before the connector loads
+        the rest."""
         cfg = self.config
         cache = self.prefix_cache
+        adapter = self.catalog.adapter(model)
         tokens = cost.prompt_tokens(body, chat) if cache.enabled else []
-        cached, held = cache.probe(tokens)
+        cached, held = cache.probe(tokens, adapter)
         if kv is not None and cfg.role != "prefill":
-            if not await self._pull(kv, cost.prompt_blocks(prompt_tokens) - held):
+            blocks = cost.prompt_blocks(prompt_tokens) - held
+            if not await self._pull(kv, blocks, self.catalog.weights(model)):
                 return False
             self.counters["decode_remote"] += 1
         else:
             if cached:
                 self.counters["prompt_tokens_cached"] += cached
             await self._compute_prompt(prompt_tokens - cached)
-        self._cache_insert(tokens)
+        self._cache_insert(tokens, adapter=adapter)
         return True
 
     async def _compute_prompt(self, uncached_tokens: int) -> None:
@@ -724,11 +848,16 @@ class FakeEngine:
             finally:
                 self.computing -= 1
 
-    def _produce(self, resp_id: str, prompt_tokens: int, chat: bool, origin: str) -> dict[str, Any]:
-        """Hold the prompt's blocks under a lease; the descriptor exactly as vLLM 0.32 writes it."""
+    def _produce(
+        self, resp_id: str, prompt_tokens: int, chat: bool, origin: str, model: str
+    ) -> dict[str, Any]:
+        """Hold the prompt's blocks under a lease, marked with the weights ``model`` (a
+        served name) runs under; the descriptor exactly as vLLM 0.32 writes it (it names no
+        model: an adapter's is the same shape)."""
         suffix = secrets.token_hex(4)
         remote_request_id = f"{resp_id}-{suffix}" if chat else f"{resp_id}-0-{suffix}"
-        lease = self.store.issue(remote_request_id, prompt_tokens, origin=origin)
+        weights = self.catalog.weights(model)
+        lease = self.store.issue(remote_request_id, prompt_tokens, origin=origin, model=weights)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -746,16 +875,18 @@ class FakeEngine:
             "remote_prefill_cached_tokens": 0,
         }
 
-    async def _pull(self, kv: dict[str, Any], blocks: int) -> bool:
+    async def _pull(self, kv: dict[str, Any], blocks: int, weights: str) -> bool:
         """Pull the blocks named by the descriptor from the producer's side channel, of
         which ``blocks`` move (those the prefix cache does not hold): they cost
-        ``kv_ms_per_block`` each, and are counted in ``kv_blocks_pulled``."""
+        ``kv_ms_per_block`` each, and are counted in ``kv_blocks_pulled``. The producer
+        refuses KV computed under other weights than ``weights`` (``wrong_model``)."""
         host, port = kv.get("remote_host"), kv.get("remote_port")
         request = PullRequest(
             engine_id=str(kv.get("remote_engine_id")),
             request_id=str(kv.get("remote_request_id")),
             block_ids=kv.get("remote_block_ids"),
             consumer=self.engine_id,
+            model=weights,
         )
         if not isinstance(host, str) or type(port) is not int:
             reply_reason = "incomplete"

@@ -3,7 +3,11 @@
 It stands in for NIXL's side channel (``remote_host``/``remote_port`` in the descriptor):
 the consumer really connects to the producer the descriptor names and asks for the
 blocks, so a reused, expired, never-issued or forged descriptor fails on the consumer the
-way a real transfer would, and both sides count it. Wire format: one JSON object per line
+way a real transfer would, and both sides count it. A lease remembers the weights its KV was
+computed under (the base model, or a LoRA adapter: ``Catalog.weights``) and a pull for a
+request of other weights is refused (``wrong_model``): a real engine would read KV of other
+weights without an error and generate garbage; the fake fails the decode instead, so a
+handoff across adapters is visible. Wire format: one JSON object per line
 each way, on kept-alive TCP connections.
 """
 
@@ -29,6 +33,7 @@ class Lease(msgspec.Struct):
     # its descriptor went out intact in a whole response: a router holds a valid handoff
     # for these blocks, and only a decode or a reclaim (or the lease) frees them
     delivered: bool = False
+    model: str = ""  # the weights the KV was computed under (``Catalog.weights``)
 
 
 class PullRequest(msgspec.Struct):
@@ -39,6 +44,7 @@ class PullRequest(msgspec.Struct):
     # no transfer: the consumer refused the request before admission and tells the
     # producer to free the blocks (vLLM's notice since vllm#41269)
     release_only: bool = False
+    model: str = ""  # the weights the consumer decodes under (``Catalog.weights``)
 
 
 class PullReply(msgspec.Struct):
@@ -60,7 +66,13 @@ class KVStore:
         self.events: list[dict[str, Any]] = []
 
     def issue(
-        self, request_id: str, prompt_tokens: int, block_size: int = 16, *, origin: str = ""
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        block_size: int = 16,
+        *,
+        origin: str = "",
+        model: str = "",
     ) -> Lease:
         self.expire()
         count = max(1, -(-prompt_tokens // block_size))
@@ -69,6 +81,7 @@ class KVStore:
             [[next(self._next_block) for _ in range(count)]],
             trio.current_time() + self.lease_s,
             origin,
+            model=model,
         )
         self.leases[request_id] = lease
         self.counters["kv_leases_issued"] += 1
@@ -135,6 +148,8 @@ class KVStore:
             return "reused" if holder is not None else "unknown"
         if req.block_ids != lease.block_ids:
             return "forged"
+        if req.model != lease.model and not req.release_only:
+            return "wrong_model"  # KV of other weights: a real engine would decode garbage
         return ""
 
     def _remember(self, request_id: str, consumer: str) -> None:

@@ -27,7 +27,9 @@ and in the ``array`` encoding (older vLLM: tagged arrays, the tag first)::
 One ``BlockStored`` carries a run of consecutive blocks the cache did not hold: their hashes,
 the concatenation of their 16 token ids each (exactly the ids ``/tokenize`` gives for the
 prompt), and the parent's hash (the block before the run; None for a prompt's first block).
-Only full blocks are stored. A block's published hash is a salted 64-bit hash of the cache's
+Only full blocks are stored. Blocks computed under a LoRA adapter carry its ``lora_id`` (1 for
+the first adapter of ``--models``, as vLLM numbers them) and ``lora_name``; the base model's
+carry None for both. A block's published hash is a salted 64-bit hash of the cache's
 own chained key (``BlockNames``), non-negative (it fits in uint64), with a salt drawn at each
 engine start: as vLLM's default sha256 of pickled data, nobody outside can reproduce it, so
 a router must key blocks by their token ids. One insertion (a computed prompt, a finished
@@ -224,9 +226,13 @@ class EventStream:
 
     # ---- events ----------------------------------------------------------------------
 
-    def inserted(self, tokens: Sequence[int], change: Inserted) -> list[Event]:
+    def inserted(
+        self, tokens: Sequence[int], change: Inserted, lora: tuple[int, str] | None = None
+    ) -> list[Event]:
         """The events of one ``PrefixCache.insert``: a ``BlockStored`` per run of
-        consecutive new blocks, then a ``BlockRemoved`` for the evicted ones."""
+        consecutive new blocks, then a ``BlockRemoved`` for the evicted ones. ``lora``: the
+        adapter (its ``lora_int_id`` and name) the blocks were computed under."""
+        lora_id, lora_name = lora if lora is not None else (None, None)
         out: list[Event] = []
         name, hashes = self.names, change.hashes
         for run in _runs(change.new):
@@ -237,9 +243,9 @@ class EventStream:
                     parent_block_hash=name(hashes[first - 1]) if first else None,
                     token_ids=list(tokens[first * BLOCK_TOKENS : (last + 1) * BLOCK_TOKENS]),
                     block_size=BLOCK_TOKENS,
-                    lora_id=None,
+                    lora_id=lora_id,
                     medium=MEDIUM,
-                    lora_name=None,
+                    lora_name=lora_name,
                 )
             )
         if change.evicted:

@@ -130,9 +130,12 @@ class KvEventPublisher:
 
     # ---- publishing ------------------------------------------------------------------
 
-    def inserted(self, tokens: Sequence[int], change: Inserted) -> None:
-        """Publish one prefix-cache insertion (nothing when it changed nothing)."""
-        self.publish(self.stream.inserted(tokens, change))
+    def inserted(
+        self, tokens: Sequence[int], change: Inserted, lora: tuple[int, str] | None = None
+    ) -> None:
+        """Publish one prefix-cache insertion (nothing when it changed nothing); ``lora``:
+        the adapter's id and name when the blocks were computed under one."""
+        self.publish(self.stream.inserted(tokens, change, lora))
 
     def cleared(self) -> None:
         self.publish(self.stream.cleared())

@@ -77,13 +77,17 @@ def view(harness: Harness, engine_id: str) -> dict[str, Any]:
 def agrees(harness: Harness, engine_id: str) -> Callable[[], bool]:
     """The router holds exactly the blocks the engine's cache holds."""
     engine = harness.engines[engine_id]
-    stream = harness.router.fleet.precise.streams.get(engine_id)
-    return lambda: (
-        stream is not None
-        and stream.live
-        and len(stream.blocks) == len(engine.prefix_cache.blocks)
-        and not stream.waiting
-    )
+
+    def check() -> bool:
+        stream = harness.router.fleet.precise.streams.get(engine_id)  # made by its 1st batch
+        return (
+            stream is not None
+            and stream.live
+            and len(stream.blocks) == len(engine.prefix_cache.blocks)
+            and not stream.waiting
+        )
+
+    return check
 
 
 async def complete(harness: Harness, prompt: str) -> dict[str, Any]:

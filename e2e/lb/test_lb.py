@@ -163,6 +163,22 @@ backend routers
 """
 
 
+def start_haproxy(haproxy: str, logs: Path, ports: list[int], name: str) -> tuple[Child, int]:
+    """HAProxy in front of the replicas on ``ports``, up; it and its front port."""
+    front = free_port()
+    servers = "\n".join(f"    server r{i} 127.0.0.1:{port} check" for i, port in enumerate(ports))
+    config = logs / f"{name}haproxy.cfg"
+    config.write_text(HAPROXY.format(port=front, servers=servers))
+    lb = Child([haproxy, "-f", str(config), "-db"], logs / f"{name}haproxy.log")
+    lb.start()
+    try:
+        wait_until(lambda: get(front, "/ready") == 200, 30, "HAProxy up")
+    except BaseException:
+        lb.stop(signal.SIGTERM, timeout_s=5)
+        raise
+    return lb, front
+
+
 @dataclass
 class Phase:
     name: str
@@ -269,16 +285,8 @@ def test_a_rolling_restart_behind_haproxy_loses_no_request(logs: Path) -> None:
             children.append(r)
         for port in ports:
             wait_until(lambda p=port: get(p, "/ready") == 200, 30, f"replica :{port} ready")
-        front = free_port()
-        servers = "\n".join(
-            f"    server r{i} 127.0.0.1:{port} check" for i, port in enumerate(ports)
-        )
-        config = logs / "haproxy.cfg"
-        config.write_text(HAPROXY.format(port=front, servers=servers))
-        lb = Child([haproxy, "-f", str(config), "-db"], logs / "haproxy.log")
-        lb.start()
+        lb, front = start_haproxy(haproxy, logs, ports, "")
         children.append(lb)
-        wait_until(lambda: get(front, "/ready") == 200, 30, "HAProxy up")
 
         load = Load(front)
         load.phase("steady")
@@ -414,16 +422,8 @@ def test_each_next_turn_goes_to_the_consumer_that_holds_it_whichever_replica(
             children.append(replica)
         for port in router_ports:
             wait_until(lambda p=port: get(p, "/ready") == 200, 30, f"replica :{port} ready")
-        front = free_port()
-        servers = "\n".join(
-            f"    server r{i} 127.0.0.1:{port} check" for i, port in enumerate(router_ports)
-        )
-        config = logs / "events-haproxy.cfg"
-        config.write_text(HAPROXY.format(port=front, servers=servers))
-        lb = Child([haproxy, "-f", str(config), "-db"], logs / "events-haproxy.log")
-        lb.start()
+        lb, front = start_haproxy(haproxy, logs, router_ports, "events-")
         children.append(lb)
-        wait_until(lambda: get(front, "/ready") == 200, 30, "HAProxy up")
         # a replica's stream of an engine goes live with the first batch it reads: prompt
         # every engine directly until both replicas have read each (their SUBs connect
         # in the background)

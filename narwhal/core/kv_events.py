@@ -5,8 +5,8 @@ messages ``[topic, 8-byte big-endian sequence, msgpack batch]``; a batch is the 
 ``[timestamp, events, dp_rank]`` (newer vLLM: the map ``{ts, events, data_parallel_rank}``,
 read too). vLLM has written an event two ways: as a tagged array
 (older: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-medium, lora_name]``) and as a map tagged ``"type"`` (newer). Both are read here, into the
-map shape; fields either does not know are ignored, and so are event types (counted apart
+medium, lora_name]``) and as a map tagged ``"type"`` (newer). Both are read here, as the
+same classes; fields either does not know are ignored, and so are event types (counted apart
 by the caller), so a newer vLLM does not stop the index.
 
 What is refused, with the reason a metric carries (``Rejected.why``): a message that is not
@@ -61,22 +61,17 @@ class AllBlocksCleared(Struct, frozen=True, gc=False, tag_field="type", tag="All
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class _ArrayStored(Struct, frozen=True, gc=False, array_like=True, tag="BlockStored"):
-    block_hashes: list[EngineHash]
-    parent_block_hash: EngineHash | None
-    token_ids: list[TokenId]
-    block_size: BlockSize
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+# the older encoding: the same events as tagged arrays (the tag first, then the fields in
+# order); subclasses, so an event decoded either way is a ``BlockStored`` and so on
+class _ArrayStored(BlockStored, frozen=True, array_like=True):
+    pass
 
 
-class _ArrayRemoved(Struct, frozen=True, gc=False, array_like=True, tag="BlockRemoved"):
-    block_hashes: list[EngineHash]
-    medium: str | None = None
+class _ArrayRemoved(BlockRemoved, frozen=True, array_like=True):
+    pass
 
 
-class _ArrayCleared(Struct, frozen=True, gc=False, array_like=True, tag="AllBlocksCleared"):
+class _ArrayCleared(AllBlocksCleared, frozen=True, array_like=True):
     pass
 
 
@@ -193,7 +188,7 @@ def _event(data: bytes) -> Event | Rejected | None:
     first = data[0]
     is_map = 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
     try:
-        event = _maps.decode(data) if is_map else _from_array(_arrays.decode(data))
+        event: Event = _maps.decode(data) if is_map else _arrays.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None if _tag_of(data, is_map) not in KNOWN | {None} else Rejected("event")
     if isinstance(event, BlockStored) and not _adds_up(event):
@@ -211,22 +206,6 @@ def _tag_of(data: bytes, is_map: bool) -> object:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     return tag if isinstance(tag, str) else None
-
-
-def _from_array(event: _ArrayStored | _ArrayRemoved | _ArrayCleared) -> Event:
-    if isinstance(event, _ArrayStored):
-        return BlockStored(
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            event.medium,
-            event.lora_name,
-        )
-    if isinstance(event, _ArrayRemoved):
-        return BlockRemoved(event.block_hashes, event.medium)
-    return AllBlocksCleared()
 
 
 def _adds_up(event: BlockStored) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,9 @@ def words(n: int, tag: str) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
 
 
-@pytest.fixture
-async def kv_fleet(nursery: trio.Nursery) -> AsyncIterator[Harness]:
+async def start_kv_fleet(nursery: trio.Nursery, tokenizer: str = "engine") -> Harness:
     """A producer, two consumers, every engine publishing its cache's events, and a router
-    subscribed to them all (each engine's stream attached before the test begins)."""
+    subscribed to them all (each engine's stream attached before it returns)."""
     harness = await start_fleet(
         nursery,
         {"p0": "prefill", "d0": "decode", "d1": "decode"},
@@ -47,14 +46,25 @@ async def kv_fleet(nursery: trio.Nursery) -> AsyncIterator[Harness]:
             "kv_events_replay_endpoint": "tcp://127.0.0.1:0",
             "prefix_cache_blocks": CACHE_BLOCKS,
         },
-        kv_events=KvEventsConfig(mode="subscribe"),
+        kv_events=KvEventsConfig(mode="subscribe", tokenizer=tokenizer),
         placement=PlacementConfig(metrics_interval_s=0),
         admission=AdmissionConfig(queue=False),
     )
+    await attached(harness.engines.values())
+    return harness
+
+
+async def attached(engines: Iterable[FakeEngine]) -> None:
+    """Every engine's publisher has seen its subscriber: no batch from now on is lost."""
     with trio.fail_after(WAIT_S):
-        for engine in harness.engines.values():
+        for engine in engines:
             assert engine.kv_events is not None
             await engine.kv_events.wait_subscribed(1)
+
+
+@pytest.fixture
+async def kv_fleet(nursery: trio.Nursery) -> AsyncIterator[Harness]:
+    harness = await start_kv_fleet(nursery)
     yield harness
     await finish(harness)
 
@@ -229,10 +239,7 @@ async def test_listen_mode_reads_every_engine_through_one_bound_socket(
         placement=PlacementConfig(metrics_interval_s=0),
     )
     harness = await serve_router(nursery, Router(config), engines)
-    with trio.fail_after(WAIT_S):
-        for engine in engines.values():
-            assert engine.kv_events is not None
-            await engine.kv_events.wait_subscribed(1)
+    await attached(engines.values())
     await complete(harness, words(40, "listen-"))
     await settle(harness, agrees(harness, "p0"))
     await settle(harness, agrees(harness, "d0"))
@@ -258,21 +265,7 @@ async def test_a_local_tokenizer_json_places_text_prompts_without_asking_the_eng
 ) -> None:
     prompt = words(64, "local-")
     tokenizer = _word_tokenizer(tmp_path / "tokenizer.json", prompt.split())
-    harness = await start_fleet(
-        nursery,
-        {"p0": "prefill", "d0": "decode", "d1": "decode"},
-        engine_config={
-            "kv_events_endpoint": "tcp://127.0.0.1:0",
-            "prefix_cache_blocks": CACHE_BLOCKS,
-        },
-        kv_events=KvEventsConfig(mode="subscribe", tokenizer=tokenizer),
-        placement=PlacementConfig(metrics_interval_s=0),
-        admission=AdmissionConfig(queue=False),
-    )
-    with trio.fail_after(WAIT_S):
-        for engine in harness.engines.values():
-            assert engine.kv_events is not None
-            await engine.kv_events.wait_subscribed(1)
+    harness = await start_kv_fleet(nursery, tokenizer)
     # d1 computes the prompt outside the router: only its events say so
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
     url = harness.router.fleet.by_id["d1"].url + "/v1/completions"

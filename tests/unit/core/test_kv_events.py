@@ -38,8 +38,9 @@ def test_map_and_array_events_decode_alike() -> None:
         assert first.block_hashes == [7, 8]
         assert first.token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
         assert first.lora_name == "ad"
-        assert second == BlockRemoved([7], "GPU")
-        assert third == AllBlocksCleared()
+        assert isinstance(second, BlockRemoved)
+        assert (second.block_hashes, second.medium) == ([7], "GPU")
+        assert isinstance(third, AllBlocksCleared)
 
 
 def test_unknown_event_types_and_fields_are_skipped_not_refused() -> None:

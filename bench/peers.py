@@ -7,8 +7,6 @@ Targets, measured in turn per scenario over the same pair of fake engines:
   lower-bound   a minimal client doing prefill then decode itself (kept-alive connections)
   narwhal       this router (``narwhal serve``), the build ``narwhal --version`` names
   narwhal-pure  this router's pure-Python build (NARWHAL_PURE=1, docs/build.md)
-  narwhal-noqueue  this router with ``[admission] queue = false`` (what flow control costs;
-                with ``--baseline``, narwhal-main-noqueue too): only when ``--targets`` names it
   vllm-router   vllm-router 0.1.17 (``--vllm-pd-disaggregation``), from the peers venv
   narwhal-0.7   narwhal-inference 0.7.0, from the peers venv, when it can be configured
   narwhal-main  with ``--baseline PATH``: the narwhal of another checkout (today's main),
@@ -379,12 +377,10 @@ def start_narwhal(
     root: str | None = None,
     pure: bool = False,
     launcher: tuple[str, ...] = ("-m", "narwhal"),
-    queue: bool = True,
 ) -> tuple[Proc, str]:
     """This tree's narwhal, or with ``root`` the narwhal of that checkout (``--baseline``);
     ``pure``: its pure-Python build (NARWHAL_PURE=1, docs/build.md); ``launcher``: what
-    the interpreter runs, the command line's arguments after it; ``queue``: False for
-    ``[admission] queue = false`` (every request dispatched at once: what flow control costs)."""
+    the interpreter runs, the command line's arguments after it."""
     return serve_narwhal(
         f'model = "{MODEL}"\n'
         + engines_toml([p_url], [d_url])
@@ -392,7 +388,7 @@ def start_narwhal(
         # the peers have no first-token timeout: measure routing, not our 2.5 s default;
         # the engines' 480 s KV lease (start_engines), stated on this side too
         "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n"
-        f"kv_lease_s = {BENCH_KV_LEASE_S}\n" + ("" if queue else "[admission]\nqueue = false\n"),
+        f"kv_lease_s = {BENCH_KV_LEASE_S}\n",
         tmp,
         name=name,
         root=root,
@@ -531,13 +527,6 @@ TARGETS = [
     Target("narwhal-pure", partial(start_narwhal, name="narwhal-pure", pure=True)),
     Target("vllm-router", start_vllm_router),
     Target("narwhal-0.7", start_narwhal07),
-]
-
-
-# measured only when --targets names them: flow control's cost, the same router with the
-# admission queue off (and with --baseline, the baseline's, as narwhal-main-noqueue)
-OPTIONAL_TARGETS = [
-    Target("narwhal-noqueue", partial(start_narwhal, name="narwhal-noqueue", queue=False)),
 ]
 
 
@@ -843,15 +832,11 @@ def main() -> int:
     if args.only:
         scenarios = [s for s in scenarios if s.name.startswith(tuple(args.only.split(",")))]
     targets = list(TARGETS)
-    optional = list(OPTIONAL_TARGETS)
     if args.baseline:
         start = partial(start_narwhal, name="narwhal-main", root=args.baseline)
         targets.insert(2, Target("narwhal-main", start))
-        start = partial(start_narwhal, name="narwhal-main-noqueue", root=args.baseline, queue=False)
-        optional.append(Target("narwhal-main-noqueue", start))
     if args.targets:
-        names = args.targets.split(",")
-        targets = [t for t in targets + optional if t.name in names]
+        targets = [t for t in targets if t.name in args.targets.split(",")]
     rounds = args.rounds or (5 if args.baseline else 1)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="narwhal-bench-") as tmpdir:

@@ -3,11 +3,9 @@
 A second consumer is started with ``--max-num-seqs 2`` (two sequences at once; vLLM queues
 the rest in ``vllm:num_requests_waiting``) and paired with the session's producer. A router
 of its own runs with ``engine_waiting_limit = 1``: eight concurrent long requests are more
-than the consumer's room. The first such burst teaches the router the consumer's capacity
-(SPEC 4.5: the most it ran while some waited; until a report shows it full an engine is not
-metered); in the second the router holds what the consumer has no room for
-(``narwhal_queue_depth`` on its ``/metrics``), the consumer's own waiting queue stays at or
-below the limit, and every request completes with all its tokens.
+than the consumer's room, so the router holds them (``narwhal_queue_depth`` on its
+``/metrics``), the consumer's own waiting queue stays at or below the limit, and every
+request completes with all its tokens.
 
 Runs last but for test_stream_resume (file order): its second consumer pairs with the
 session's producer, and the suites before it never meet a consumer that has come and gone.
@@ -69,49 +67,6 @@ def _scalar(text: str, series: str) -> float:
     )
 
 
-def _burst(
-    url: str, consumer: Engine, first: int
-) -> tuple[list[tuple[int, Any]], dict[str, float], list[tuple[float, float, float, float]]]:
-    """CLIENTS concurrent long requests through the router at ``url``: their answers, and
-    the peaks and timeline of the router's queue and the consumer's own gauges."""
-    answers: list[tuple[int, Any]] = []
-
-    def client(i: int) -> None:
-        body = {
-            "model": MODEL,
-            "prompt": f"request {i} tells a long story about",
-            "max_tokens": TOKENS,
-            "min_tokens": TOKENS,  # every request runs its whole length: long, as asked
-            "temperature": 0,
-        }
-        status, raw = http("POST", url + "/v1/completions", body, timeout=HANDOFF_S * 4)
-        answers.append((status, json.loads(raw) if status == 200 else raw[:300]))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(first, first + CLIENTS)]
-    peaks = {"router_queued": 0.0, "engine_waiting": 0.0, "engine_running": 0.0}
-    timeline: list[tuple[float, float, float, float]] = []
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + HANDOFF_S * 4
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-        # sampling gauges through the run, bounded by the clients' own timeout
-        ours = http("GET", url + "/metrics", timeout=30)[1].decode()
-        theirs = http("GET", consumer.url + "/metrics", timeout=30)[1].decode()
-        sample = (
-            _scalar(ours, "narwhal_queue_depth"),
-            _scalar(theirs, "vllm:num_requests_waiting"),
-            _scalar(theirs, "vllm:num_requests_running"),
-        )
-        timeline.append((round(time.monotonic() - start, 2), *sample))
-        for key, value in zip(peaks, sample, strict=True):
-            peaks[key] = max(peaks[key], value)
-        time.sleep(SAMPLE_S)
-    for t in threads:
-        t.join(timeout=30)
-    return answers, peaks, timeline
-
-
 def test_what_the_consumer_has_no_room_for_waits_in_the_router(
     fleet: Fleet, small_consumer: Engine
 ) -> None:
@@ -128,16 +83,42 @@ def test_what_the_consumer_has_no_room_for_waits_in_the_router(
     )
     router: Process = serve_router(fleet, "router-flow", text)
     url = router.url  # type: ignore[attr-defined]
+    answers: list[tuple[int, Any]] = []
+
+    def client(i: int) -> None:
+        body = {
+            "model": MODEL,
+            "prompt": f"request {i} tells a long story about",
+            "max_tokens": TOKENS,
+            "min_tokens": TOKENS,  # every request runs its whole length: long, as asked
+            "temperature": 0,
+        }
+        status, raw = http("POST", url + "/v1/completions", body, timeout=HANDOFF_S * 4)
+        answers.append((status, json.loads(raw) if status == 200 else raw[:300]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    peaks = {"router_queued": 0.0, "engine_waiting": 0.0, "engine_running": 0.0}
+    timeline: list[tuple[float, float, float, float]] = []
+    start = time.monotonic()
     try:
-        # the first burst: the consumer has never shown itself full, so nothing meters it
-        # (its queue takes what it cannot run); its reports then show two running while
-        # the rest wait, and the router learns it runs two at once
-        learning, _, _ = _burst(url, small_consumer, 0)
-        assert [status for status, _ in learning] == [200] * CLIENTS, learning
-        engines = json.loads(http("GET", url + "/narwhal/engines", timeout=30)[1])
-        small = next(e for e in engines["engines"] if e["id"] == "d-small")
-        assert small["saturation"]["capacity"] == 2, small
-        answers, peaks, timeline = _burst(url, small_consumer, CLIENTS)
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + HANDOFF_S * 4
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            # sampling gauges through the run, bounded by the clients' own timeout
+            ours = http("GET", url + "/metrics", timeout=30)[1].decode()
+            theirs = http("GET", small_consumer.url + "/metrics", timeout=30)[1].decode()
+            sample = (
+                _scalar(ours, "narwhal_queue_depth"),
+                _scalar(theirs, "vllm:num_requests_waiting"),
+                _scalar(theirs, "vllm:num_requests_running"),
+            )
+            timeline.append((round(time.monotonic() - start, 2), *sample))
+            for key, value in zip(peaks, sample, strict=True):
+                peaks[key] = max(peaks[key], value)
+            time.sleep(SAMPLE_S)
+        for t in threads:
+            t.join(timeout=30)
     finally:
         router.stop()
     print(f"\nflow control on real vLLM: peaks {peaks}, statuses {[s for s, _ in answers]}")

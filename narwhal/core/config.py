@@ -153,9 +153,8 @@ class AdmissionConfig(Struct, frozen=True, forbid_unknown_fields=True):
     queue: bool = True  # false: dispatch at once, the engines' queues take the burst
     max_queued: PositiveInt = 4096
     max_queue_wait_s: NonNegativeFloat = 30.0  # never past the request's deadline
-    # an engine is saturated when its predicted waiting queue (scraped waiting, plus this
-    # router's legs since that scrape, less the room it had free: its learned capacity less
-    # what it ran; without scrapes, our legs not started) reaches this ...
+    # an engine is saturated when its scraped waiting queue, plus this router's legs sent to
+    # it since that scrape and not yet started, reaches this ...
     engine_waiting_limit: PositiveInt = 2
     kv_usage_limit: Annotated[float, Meta(gt=0, le=1)] = 0.95  # ... or, for a consumer, this
     priority_from: Literal["header", "key"] = "header"

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from narwhal.core.breaker import Breaker
 from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
-from narwhal.core.flow import UNMETERED, Saturation, free_room, learn_capacity, room_left
+from narwhal.core.flow import Saturation, room_left
 from narwhal.core.policies import PrefixRing
 from narwhal.core.precise_index import PreciseIndex
 from narwhal.core.prefix_index import PrefixIndex
@@ -28,17 +28,19 @@ HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engin
 class EngineState:
     __slots__ = (
         "breaker",
-        "capacity",
         "checked_at",
         "decoding",
+        "decoding_at_mark",
         "failed_as",
         "failed_with",
         "health_failures",
         "inflight",
         "inflight_gauges",
         "mark",
+        "prefilling",
         "report",
         "scrape_failures",
+        "sent",
         "spec",
         "up",
     )
@@ -60,81 +62,58 @@ class EngineState:
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
-        # the requests it runs at once, learned from its reports (``learn_capacity``);
-        # None until a report showed it full
-        self.capacity: int | None = None
-        # This router's legs to it that it has not started (a decode before its first
-        # token; a prefill shows no start, only its end): without a fresh report they are
-        # its waiting queue as this router knows it.
+        # This router's legs to it that it has not started (SPEC 4.5), the queue a report
+        # cannot show yet or shows late (vLLM's gauges trail its requests by an engine
+        # step or more). A decode has started at its first token: every decode before it
+        # counts (``decoding``), and the report's waiting queue counts only beyond the ones
+        # it may hold already (``decoding_at_mark``, when its scrape went out). A prefill
+        # shows no start, only its end: those sent since the scrape went out count
+        # (numbered as sent; ``prefilling`` holds the numbers of those not ended, ``mark``
+        # how many had been sent when the scrape went out).
         self.decoding = 0
-        # What its last report may count of ours (SPEC 4.5), taken when its scrape went
-        # out: (our legs on it, of which decodes not started). vLLM's gauges trail its
-        # requests by an engine step or more, so a decode not started then is taken as not
-        # in the report's running count, and as in its waiting count only up to how many
-        # it shows waiting (counted twice at worst, until the next scrape: never less).
-        self.mark = (0, 0)
+        self.decoding_at_mark = 0
+        self.sent = 0
+        self.prefilling: set[int] = set()
+        self.mark = 0
 
     def scrape_mark(self) -> tuple[int, int]:
         """What the scrape going out now may count of ours (for ``note_report``)."""
-        return self.load, self.decoding
+        return self.sent, self.decoding
 
     def note_report(self, report: EngineReport | None, mark: tuple[int, int] = (0, 0)) -> None:
         """A new account of its load, from a scrape sent at ``mark`` (``scrape_mark``);
-        None: scraping stopped, every leg not started counts again, and its capacity is to
-        be learned anew."""
+        None: scraping stopped, and every leg not started counts again."""
         self.report = report
-        if report is None:
-            self.mark, self.capacity = (0, 0), None
-            return
-        self.mark = mark
-        self.capacity = learn_capacity(self.capacity, report.running, report.waiting)
+        self.mark, self.decoding_at_mark = mark if report is not None else (0, 0)
 
     @property
     def pending(self) -> int:
-        """This router's legs it has not started: every decode before its first token,
-        every prefill before its end (all a router without fresh reports counts)."""
-        return self.decoding + self.inflight["prefill"]
+        """This router's legs it has not started and its last report may not show: every
+        decode before its first token, the prefills sent since the scrape went out."""
+        mark = self.mark
+        return self.decoding + sum(1 for number in self.prefilling if number > mark)
 
-    @property
-    def since_report(self) -> int:
-        """Our legs on it now that its last report did not count, less those it counted
-        that have ended since (negative when more ended than were sent)."""
-        legs, not_started = self.mark
-        return self.load - (legs - not_started)
+    def _ours(self, fresh: bool) -> int:
+        """Our legs not started that count: without a fresh report, every one."""
+        return self.pending if fresh else self.decoding + len(self.prefilling)
 
     def _others_waiting(self, report: EngineReport) -> float:
         """The report's waiting queue less what of it may be our own decodes."""
-        return max(0.0, report.waiting - self.mark[1])
-
-    def _fresh(self, now: float, interval_s: float) -> EngineReport | None:
-        report = self.report
-        return report if report is not None and report.fresh(now, interval_s) else None
+        return max(0.0, report.waiting - self.decoding_at_mark)
 
     def room(
         self, now: float, interval_s: float, waiting_limit: int, kv_limit: float, leg: Leg
     ) -> tuple[int, Saturation | None]:
-        """How many more legs it takes before it is saturated, and why it is, for ``leg``
-        (SPEC 4.5, ``room_left``): from its fresh report, its waiting queue as predicted
-        (what it showed waiting, plus our legs since, less the room it had free); without
-        one, this router's legs it has not started."""
-        report = self._fresh(now, interval_s)
-        if report is None:
-            return room_left(
-                None,
-                self.pending,
-                None,
-                waiting_limit=waiting_limit,
-                kv_limit=kv_limit,
-                consumer=leg == "decode",
-            )
+        """How many more legs it takes before it is saturated, and why it is, for ``leg``."""
+        report = self.report
+        fresh = report is not None and report.fresh(now, interval_s)
         return room_left(
-            self._others_waiting(report),
-            self.since_report,
-            report.kv_usage,
+            self._others_waiting(report) if fresh and report is not None else None,
+            self._ours(fresh),
+            report.kv_usage if fresh and report is not None else None,
             waiting_limit=waiting_limit,
             kv_limit=kv_limit,
             consumer=leg == "decode",
-            free=free_room(report.running, report.waiting, self.capacity),
         )
 
     def note_health(self, ok: bool, now: float) -> str | None:
@@ -144,7 +123,6 @@ class EngineState:
             self.health_failures = 0
             if not self.up:
                 self.up = True
-                self.capacity = None  # it may have restarted with other limits
                 return "joined"
             return None
         self.health_failures += 1
@@ -167,24 +145,13 @@ class EngineState:
     def saturation_view(
         self, now: float, interval_s: float, waiting_limit: int, kv_limit: float
     ) -> dict[str, object]:
-        """The operator's view of its saturation (``/narwhal/engines``): why it is
-        saturated, its learned capacity (null: not learned yet), the room it had free at
-        its fresh report (null: unknown capacity, or no fresh report), and the legs it
-        takes before it is saturated (null: not metered)."""
-        report = self._fresh(now, interval_s)
-        legs = [leg for leg, able in zip(LEGS, self._serves(), strict=True) if able]
-        room = min(self.room(now, interval_s, waiting_limit, kv_limit, leg)[0] for leg in legs)
+        """The operator's view of its saturation (``/narwhal/engines``)."""
+        report = self.report
+        fresh = report is not None and report.fresh(now, interval_s)
         return {
             "saturated": self.saturation(now, interval_s, waiting_limit, kv_limit),
-            "capacity": self.capacity,
-            "free_room": None
-            if report is None
-            else free_room(report.running, report.waiting, self.capacity),
-            "room": None if room >= UNMETERED else room,
-            "metered_by": "own_legs" if report is None else "reports",
-            "waiting_scraped": None if report is None else report.waiting,
-            "ours_not_started": self.pending,
-            "ours_since_report": None if report is None else self.since_report,
+            "waiting_scraped": report.waiting if fresh and report is not None else None,
+            "ours_not_started": self._ours(fresh),
             "waiting_limit": waiting_limit,
         }
 
@@ -240,7 +207,8 @@ class EngineState:
 class Reservation:
     """One in-flight leg on one engine, held for the leg's whole life."""
 
-    __slots__ = ("claim", "engine", "leg", "on_change", "waiting")
+    __slots__ = ("claim", "engine", "leg", "number", "on_change", "waiting")
+    # number: a prefill's, as sent (``EngineState.prefilling``)
 
     def __init__(
         self,
@@ -253,6 +221,7 @@ class Reservation:
         self.leg = leg
         self.on_change = on_change  # room may have freed: the admission queue looks
         self.claim = claim
+        self.number = 0
         self.waiting = False
 
     async def __aenter__(self) -> EngineState:
@@ -263,6 +232,10 @@ class Reservation:
             engine.decoding += 1
             if self.claim is not None:  # the same step: the room is never counted free
                 self.claim.handed()
+        else:
+            engine.sent += 1
+            self.number = engine.sent
+            engine.prefilling.add(self.number)
         gauge = engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.inc()
@@ -274,6 +247,8 @@ class Reservation:
             self.waiting = False
             if self.leg == "decode":
                 self.engine.decoding -= 1
+            else:
+                self.engine.prefilling.discard(self.number)
             self.on_change()
 
     async def __aexit__(
@@ -293,12 +268,10 @@ class Reservation:
 
 
 class DecodeClaim:
-    """A request between its prefill and its decode leg: its decode will take one leg's
-    worth of a consumer's room (one of the requests it runs at once, or a place in its
-    waiting queue when it is full), so the admission queue counts that before the leg is
-    sent (a prefill's end must not look like room for another request). Held by ``with``;
-    handed over by the decode leg's reservation, or given back when the attempt ends
-    without one."""
+    """A request between its prefill and its decode leg: its decode will take a consumer's
+    room, so the admission queue counts it before the leg is sent (a prefill's end must not
+    look like room for another request). Held by ``with``; handed over by the decode leg's
+    reservation, or given back when the attempt ends without one."""
 
     __slots__ = ("fleet", "held")
 
@@ -399,10 +372,8 @@ class Fleet:
         """How many more requests the fleet takes before its placeable producers or its
         placeable consumers are saturated (SPEC 4.5): the lesser of the producers' summed
         room and the consumers', where every request between its prefill and its decode
-        leg takes one leg of the consumers' room already (``DecodeClaim``: its decode
-        follows within moments, and a decode sent to a full consumer waits in its queue;
-        a consumer whose capacity is not known yet is not metered, so claims take nothing
-        from it). None: a role
+        leg takes a consumer's room already (``DecodeClaim``: its decode follows within
+        moments, and a decode sent to a full consumer waits in its queue). None: a role
         has no placeable engine at all, which is not saturation: the request goes on and
         is answered 503 at once. ``consumers_only``: for a request its consumer may serve
         alone (conditional disaggregation), whose dispatch needs no producer's room."""

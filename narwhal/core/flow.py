@@ -2,9 +2,7 @@
 ones leave, and why. The shell holds the clock and the sockets: it offers a request the
 fleet cannot take now, sheds what ``expire(now)`` returns (on the timer ``next_expiry()``
 sets, and before dispatching), asks ``next(now)`` while ``room_left`` says the fleet has
-room (and ``next_local(now)`` while only the consumers have room: a request a consumer
-serves alone is never held behind one that needs a busy producer), removes a request
-whose client left, and drains the queue on SIGTERM.
+room, removes a request whose client left, and drains the queue on SIGTERM.
 
 Rules the queue keeps:
 * strict priority between classes: interactive, then default, then batch;
@@ -20,9 +18,8 @@ Rules the queue keeps:
 * every offered request leaves exactly once, by one of the ``Exit``s.
 
 Cost, with n requests queued: ``offer`` O(log n) (one push on the expiry heap), ``next``
-O(1) plus the heap's amortized clean-up, ``next_local`` O(keys of a class), ``remove``
-O(1), ``expire`` O(log n) for each request it sheds, ``next_expiry`` amortized O(1),
-``depth`` and ``len`` O(1), ``drain``
+O(1) plus the heap's amortized clean-up, ``remove`` O(1), ``expire`` O(log n) for each
+request it sheds, ``next_expiry`` amortized O(1), ``depth`` and ``len`` O(1), ``drain``
 O(n). Requests that leave another way stay on the expiry heap until they reach its top,
 or until dead ones outnumber live ones and the heap is rebuilt (amortized O(1)), so the
 heap stays within about twice the queue.
@@ -111,21 +108,17 @@ class Displaced(Struct, frozen=True):
 class _Band:
     """One class's queued requests."""
 
-    __slots__ = ("by_key", "local", "order")
+    __slots__ = ("by_key", "order")
 
     def __init__(self) -> None:
         # the rotation: the key at the front is served next; each key's requests in order
         self.by_key: OrderedDict[str, OrderedDict[Hashable, Entry]] = OrderedDict()
         # the whole class in order of arrival: its newest is the one a displacement takes
         self.order: OrderedDict[Hashable, Entry] = OrderedDict()
-        # of them, those a consumer may serve alone, per key in order (``Entry.local``)
-        self.local: dict[str, OrderedDict[Hashable, Entry]] = {}
 
     def add(self, entry: Entry) -> None:
         self.order[entry.id] = entry
         self.by_key.setdefault(entry.key, OrderedDict())[entry.id] = entry
-        if entry.local:
-            self.local.setdefault(entry.key, OrderedDict())[entry.id] = entry
 
     def take(self, entry: Entry) -> None:
         del self.order[entry.id]
@@ -133,8 +126,6 @@ class _Band:
         del queue[entry.id]
         if not queue:
             del self.by_key[entry.key]
-        if entry.local:
-            self._forget_local(entry)
 
     def pop_next(self) -> Entry:
         key, queue = next(iter(self.by_key.items()))
@@ -144,30 +135,7 @@ class _Band:
             self.by_key.move_to_end(key)
         else:
             del self.by_key[key]
-        if entry.local:
-            self._forget_local(entry)
         return entry
-
-    def pop_local(self) -> Entry | None:
-        """The first request a consumer may serve alone, in the order of service: the
-        first key in the rotation that has one, its oldest; that key was served."""
-        if not self.local:
-            return None
-        for key in self.by_key:
-            mine = self.local.get(key)
-            if mine:
-                entry = next(iter(mine.values()))
-                self.take(entry)
-                if key in self.by_key:
-                    self.by_key.move_to_end(key)
-                return entry
-        return None
-
-    def _forget_local(self, entry: Entry) -> None:
-        mine = self.local[entry.key]
-        del mine[entry.id]
-        if not mine:
-            del self.local[entry.key]
 
     def newest(self) -> Entry:
         return next(reversed(self.order.values()))
@@ -237,21 +205,6 @@ class FlowQueue:
             band = self._bands[cls]
             if band.order:
                 entry = band.pop_next()
-                self._forget(entry.id)
-                return entry
-        return None
-
-    def next_local(self, now: float) -> Entry | None:
-        """Dispatch past a head that needs a busy producer: the first request in the order
-        of service that its consumer may serve alone (``Entry.local``), removed from the
-        queue; None when there is none. Strict priority and the rotation of keys hold among
-        such requests; the head keeps its place."""
-        due = self.next_expiry()
-        if due is not None and due <= now:
-            raise ValueError("a queued request is due to leave: call expire(now) first")
-        for cls in BY_RANK:
-            entry = self._bands[cls].pop_local()
-            if entry is not None:
                 self._forget(entry.id)
                 return entry
         return None
@@ -337,39 +290,6 @@ class FlowQueue:
 
 Saturation = Literal["waiting", "kv_usage"]
 SATURATIONS: tuple[Saturation, ...] = ("waiting", "kv_usage")
-# The room of an engine that meters nothing: its capacity is unknown and its last report
-# shows nothing waiting (``free_room``). Any count of legs a router sends is below it.
-UNMETERED = 1 << 30
-
-
-def learn_capacity(capacity: int | None, running: float, waiting: float) -> int | None:
-    """An engine's capacity (the requests it runs at once) after one report of it.
-
-    The most it reported running while some waited: it was full then. A report that shows
-    it running more than that, waiting or not, raises it too (it evidently runs that many;
-    after a restart with a larger ``--max-num-seqs``, say). A report that runs nothing while
-    some wait tells nothing of its capacity. It only rises: an engine that now runs fewer
-    while some wait (a KV cache that filled first) has that room counted free, which is
-    bounded (capacity less running) and, on a consumer, ``kv_usage_limit`` meters anyway.
-    """
-    ran = math.ceil(running)
-    if ran < 1:
-        return capacity
-    if waiting > 0 or (capacity is not None and ran > capacity):
-        return ran if capacity is None else max(capacity, ran)
-    return capacity
-
-
-def free_room(running: float, waiting: float, capacity: int | None) -> int | None:
-    """The requests an engine could still have started at once when it reported:
-    ``capacity`` less ``running``, not below 0. None: its capacity is not known yet and it
-    queued nothing, so it has room (a burst is not metered). Safe because the shortfall is
-    one scrape's worth at most: the first report that shows waiting teaches the capacity
-    (the most running while some waited), and from then on the queue meters. With its
-    capacity unknown an engine that queues has nothing free."""
-    if capacity is None:
-        return 0 if waiting > 0 else None
-    return max(0, capacity - math.ceil(running))
 
 
 def room_left(
@@ -380,26 +300,18 @@ def room_left(
     waiting_limit: int,
     kv_limit: float,
     consumer: bool,
-    free: int | None = 0,
 ) -> tuple[int, Saturation | None]:
     """How many more legs an engine takes before it is saturated, and why it is when that
     is 0 (SPEC 4.5).
 
-    Its predicted waiting queue is ``waiting_scraped`` (its ``vllm:num_requests_waiting``
-    as last scraped, None without a usable scrape) plus ``sent_since_scrape`` (this
-    router's legs on it now that that scrape did not count, less those it counted that
-    have ended since: negative when more ended than were sent; without scrapes, the
-    router's own legs not started, all that counts) less ``free`` (the room it had free
-    when it reported, ``free_room``; 0 without a usable scrape; None: unknown, and it has
-    room). It is saturated when that reaches ``waiting_limit``, or, for a consumer, when
-    ``kv_usage`` (its ``vllm:kv_cache_usage_perc``, 0..1) reaches ``kv_limit``.
+    ``waiting_scraped``: its ``vllm:num_requests_waiting`` as last scraped, None without a
+    usable scrape; ``sent_since_scrape``: this router's legs sent to it since that scrape
+    and not yet started (without scrapes, the router's own legs are all that counts);
+    ``kv_usage``: its ``vllm:kv_cache_usage_perc`` (0..1), which only saturates a consumer.
     """
-    if free is None:
-        waiting = None
-    else:
-        waiting = math.ceil(waiting_scraped or 0) + sent_since_scrape - free
-        if waiting >= waiting_limit:
-            return 0, "waiting"
+    waiting = math.ceil(waiting_scraped or 0) + sent_since_scrape
+    if waiting >= waiting_limit:
+        return 0, "waiting"
     if consumer and kv_usage is not None and kv_usage >= kv_limit:
         return 0, "kv_usage"
-    return (UNMETERED if waiting is None else waiting_limit - waiting), None
+    return waiting_limit - waiting, None

@@ -12,9 +12,7 @@ holding no engine resource. The order is ``narwhal.core.flow.FlowQueue``'s.
 A queued request waits in its own task, on its own event, under a cancel scope that ends
 at the time the queue would shed it: waiting costs no other task and no timer. Room is
 looked for (``pump``) when it may have freed: a leg started or ended, a scrape came in, an
-engine joined or was readmitted, a request ended. When the request next in order needs a
-producer that has no room, a queued request that its consumer may serve alone (decode
-first) and that the consumers have room for goes past it. With nothing queued ``pump`` returns at
+engine joined or was readmitted, a request ended. With nothing queued ``pump`` returns at
 once, so the queue costs nothing while there is room. Requests to a completion endpoint
 are counted on arrival too (``received``): each one, admitted or not, ends in exactly one
 journal line.
@@ -182,16 +180,9 @@ class Admission:
         now = trio.current_time()
         for entry, exit in self._queue.expire(now):
             self._let_go(entry, exit)
-        while (head := self._queue.peek()) is not None:
-            if self._room(head.local):
-                taken = self._queue.next(now)
-            elif not head.local and self._room(local=True):
-                # the head needs a busy producer: one a consumer serves alone goes past it
-                taken = self._queue.next_local(now)
-            else:
-                taken = None
-            if taken is None:
-                break
+        while (head := self._queue.peek()) is not None and self._room(head.local):
+            taken = self._queue.next(now)
+            assert taken is not None
             self.dispatched += 1
             self._handed += 1
             self._let_go(taken, Exit.DISPATCHED)

@@ -288,14 +288,11 @@ SCENARIOS: list[Scenario] = [
     ),
     # flow control (invariant 11): two slots per engine and a queue that lets one leg wait
     # on each, so most requests wait in the router; some wait past max_queue_wait_s (429),
-    # the others' clients leave while they wait or stream. Unscraped, the router meters by
-    # its own legs not started: with scrapes, engines never shown full take the whole
-    # burst at once (SPEC 4.5; tests/shell/test_engine_room.py meters by their reports)
+    # the others' clients leave while they wait or stream
     Scenario(
         "saturated fleet, queued",
         engine_config={"slots": 2, "itl_s": 0.02},
         admission=AdmissionConfig(engine_waiting_limit=1, max_queue_wait_s=0.2),
-        placement=PlacementConfig(metrics_interval_s=0.0),
         # a stream (40 tokens, 0.8 s) outlasts the client's patience (0.5 s): each request
         # is shed, or cut while waiting or streaming, never finished as its client leaves
         max_tokens=40,

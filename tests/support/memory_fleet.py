@@ -115,27 +115,18 @@ async def memory_fleet(
     prefill_delay: float = 0.0,
     consumers: int = 1,
     sockets: bool = False,
-    scrape: bool = False,
-    producer_fields: dict[str, Any] | None = None,
-    consumer_fields: dict[str, Any] | None = None,
     **sections: Any,
 ) -> MemoryFleet:
-    """``scrape``: the router scrapes its engines' ``/metrics`` every
-    ``placement.metrics_interval_s``, as ``narwhal serve`` does; ``producer_fields`` and
-    ``consumer_fields``: more of the fake engines' settings (``slots``, say)."""
     net = MemoryNetwork(nursery, sockets=sockets)
     engines = []
     names = [("producer", "prefill")] + [(f"consumer{i}", "decode") for i in range(consumers)]
     for name, role in names:
-        fields = (producer_fields if role == "prefill" else consumer_fields) or {}
-        settings: dict[str, Any] = {
-            "model": MODEL,
-            "role": role,
-            "itl_s": itl_s,
-            "prefill_delay_per_token_s": prefill_delay,
-            **fields,
-        }
-        cfg = FakeEngineConfig(**settings)
+        cfg = FakeEngineConfig(
+            model=MODEL,
+            role=role,
+            itl_s=itl_s,
+            prefill_delay_per_token_s=prefill_delay,  # type: ignore[arg-type]
+        )
         engine = FakeEngine(cfg, network=net)
         engine.attach(name)
         engines.append(engine)
@@ -145,7 +136,5 @@ async def memory_fleet(
     router = Router(config, connect=net.open_stream, journal=Journal(keep=100))
     # checks and probes; over sockets, the reactor that parks decode streams too
     services = [router.health.run, *([router.reactor.run] if sockets else [])]
-    if scrape:
-        services.append(router.scraper.run)
     await nursery.start(router.background.run, services)
     return MemoryFleet(router, engines[0], engines[1], engines[2:], config, net)

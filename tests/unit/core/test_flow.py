@@ -182,29 +182,6 @@ def test_priority_names_and_ranks() -> None:
         Priority("urgent")
 
 
-def test_a_request_its_consumer_serves_alone_goes_past_a_head_that_needs_a_producer() -> None:
-    queue = FlowQueue(max_queued=10, max_queue_wait_s=30.0)
-    arrivals = [
-        ("needs", D, "a", False),
-        ("a-local", D, "a", True),
-        ("b-local", D, "b", True),
-        ("b-local2", D, "b", True),
-        ("batch-local", B, "a", True),
-        ("hi-needs", HI, "a", False),
-    ]
-    for id, cls, key, local in arrivals:
-        queue.offer(Entry(id, cls, key, arrival=0.0, deadline=600.0, local=local), now=0.0)
-    # strict priority, then the rotation of keys, among the ones that may go alone
-    assert queue.next_local(0.0).id == "a-local"  # type: ignore[union-attr]
-    assert queue.next_local(0.0).id == "b-local"  # type: ignore[union-attr]
-    assert queue.next_local(0.0).id == "b-local2"  # type: ignore[union-attr]
-    assert queue.next_local(0.0).id == "batch-local"  # type: ignore[union-attr]
-    assert queue.next_local(0.0) is None
-    # the heads kept their places
-    assert [e.id for e in dispatch_all(queue)] == ["hi-needs", "needs"]
-    assert len(queue) == 0
-
-
 def saturated(
     waiting: float | None, sent: int, kv_usage: float | None, **limits: Any
 ) -> Saturation | None:

@@ -247,7 +247,7 @@ def _count(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> float:
+def non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
@@ -271,7 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-ms-per-token",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         help="prefill time per prompt token the prefix cache does not hold, in ms",
     )
@@ -283,14 +283,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-ms-per-block",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         help="KV pull time per 16-token prompt block the consumer's prefix cache does not "
         "hold, in ms (the link's speed: not scaled by --slowdown)",
     )
     parser.add_argument(
         "--kv-pull-ms",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         help="the fixed cost of every KV pull, in ms: vLLM's consumer waits for the load "
         "in WAITING_FOR_REMOTE_KVS and schedules the request at its next step, so a remote "
@@ -298,7 +298,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-interference",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         help="while prompts are computed here, each running stream's delay between tokens "
         "is multiplied by 1 + this x the prompts being computed (0: no interference)",

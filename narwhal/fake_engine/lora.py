@@ -25,6 +25,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from narwhal.fake_engine.cost import non_negative
+
 # the swap time with the cost model on and no --lora-swap-ms: an adapter of rank 8 copied
 # from vLLM's CPU cache into a GPU slot (a few MiB), plus the step it is scheduled in
 DEFAULT_COST_SWAP_MS = 20.0
@@ -239,13 +241,6 @@ def _slots(text: str) -> int:
     return value
 
 
-def _ms(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--models``, ``--max-loras`` and ``--lora-swap-ms``."""
     parser.add_argument(
@@ -265,7 +260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lora-swap-ms",
-        type=_ms,
+        type=non_negative,
         default=None,
         help="how long loading an adapter takes, in ms (default: 0, or "
         f"{DEFAULT_COST_SWAP_MS:g} with the cost model on)",

@@ -7,7 +7,9 @@ chat, whose template only the engine renders.
 
 Asked only while some engine's KV-event stream is live (else nothing would read them),
 once per request before its first placement, of a placeable engine over the data pool,
-bounded by ``engine.health_timeout_s``; a prompt sent again is answered from a bounded
+bounded by ``TOKENIZE_TIMEOUT_S`` (or ``engine.health_timeout_s`` when shorter), and not
+asked again for ``BACKOFF_S`` after a failure: an engine whose ``/tokenize`` hangs costs one
+request that bound, not every request; a prompt sent again is answered from a bounded
 cache. Any failure leaves the request on the approximate index: placement never waits on
 this past its bound, and a tokenizer that fails never fails a request.
 """
@@ -29,6 +31,8 @@ from narwhal.core.token_ids import IdsCache, read_tokens, tokenize_body
 from narwhal.engines.client import EngineClient
 
 _encode = msgspec.json.Encoder().encode
+TOKENIZE_TIMEOUT_S = 0.5  # vLLM tokenizes a long prompt in milliseconds; past this, estimate
+BACKOFF_S = 5.0  # after a failed /tokenize, requests go on the estimate this long
 
 
 class TokenHost(Protocol):
@@ -62,6 +66,7 @@ class TokenSource:
         self._pick = pick  # a placeable engine: every one tokenizes alike
         self.cache = IdsCache()
         self.asked = self.failed = 0
+        self._quiet_until = -1.0  # a failure's back-off: no call before then
         self.local: LocalTokenizer | None = None
         self.configure(router.config)
 
@@ -83,9 +88,9 @@ class TokenSource:
         engine with a live stream among two or more candidates for a leg, or, decode first,
         a live consumer (its uncached part decides whether the attempt is local). A fleet
         of one producer and one consumer that always disaggregates pays nothing."""
-        if self.router.config.kv_events.mode == "off":
-            return False
         fleet, now = self.router.fleet, trio.current_time()
+        if self.router.config.kv_events.mode == "off" or now < self._quiet_until:
+            return False
         for leg in LEGS:
             candidates = fleet.placeable(leg, now)[0]
             choice = len(candidates) >= 2 or (decode_first and leg == "decode")
@@ -107,13 +112,16 @@ class TokenSource:
         ids = await self._ask(payload, rid)
         if ids is None:
             self.failed += 1
+            self._quiet_until = trio.current_time() + BACKOFF_S
             return None
         self.cache.put(payload, ids)
         return TokenPrompt(ids)
 
     async def _ask(self, payload: bytes, rid: str) -> Sequence[int] | None:
         self.asked += 1
-        with trio.move_on_after(self.router.config.engine.health_timeout_s):
+        with trio.move_on_after(
+            min(TOKENIZE_TIMEOUT_S, self.router.config.engine.health_timeout_s)
+        ):
             try:
                 engine = self._pick()
                 data = await self.router.client.pass_through(

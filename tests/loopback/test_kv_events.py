@@ -17,7 +17,9 @@ import trio
 from narwhal.core.config import AdmissionConfig, ConfigError, KvEventsConfig, PlacementConfig
 from narwhal.fake_engine.cost import VOCAB_SIZE
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.faults import Fault
 from narwhal.router.service import Router
+from narwhal.router.token_source import TOKENIZE_TIMEOUT_S
 from tests.support.fleet import MODEL, Harness, finish, fleet_config, serve_router, start_fleet
 
 WAIT_S = 10.0
@@ -287,3 +289,20 @@ def test_a_tokenizer_json_that_cannot_be_read_refuses_the_fleet(tmp_path: Path) 
         Router(config)
     (problem,) = caught.value.problems
     assert problem.startswith(f"kv_events.tokenizer: cannot read {tmp_path / 'none.json'}")
+
+
+async def test_a_tokenizer_that_hangs_costs_one_request_its_bound_then_none(
+    kv_fleet: Harness,
+) -> None:
+    await complete(kv_fleet, words(40, "warm-"))
+    await settle(kv_fleet, kv_fleet.router.fleet.precise.any_live)
+    for engine in kv_fleet.engines.values():
+        engine.faults.push(Fault(kind="hang", leg="tokenize", rate=1.0))
+    tokens = kv_fleet.router.tokens
+    asked = tokens.asked
+    started = trio.current_time()
+    await complete(kv_fleet, words(40, "hung-"))  # answered: placement goes on the estimate
+    assert trio.current_time() - started < TOKENIZE_TIMEOUT_S + 2.0
+    assert (tokens.asked, tokens.failed) == (asked + 1, 1)
+    await complete(kv_fleet, words(40, "after-"))  # within the back-off: nobody is asked
+    assert tokens.asked == asked + 1

@@ -28,6 +28,7 @@ from .ports import free_port, http, start_in_session, stop_group  # http: 120 s 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 MODEL = "tiny"
+LORA = "tinylora"  # the name engines started with lora_args() serve setup.sh's adapter under
 START_S = 400.0  # an engine is ready in 40-130 s on the 2-core machine; slack for a busy one
 HANDOFF_S = 120.0  # handoffs sometimes stall 15-30 s (NIXL's lease); never assert latency
 KV_LEASE_S = 60.0  # the producer's kv_lease_duration (vLLM 0.32's default is 30 s)
@@ -213,24 +214,47 @@ def start_engine(fleet: Fleet, name: str, role: str, extra: tuple[str, ...] = ()
     """One more engine beside the session's pair (``extra``: arguments for ``vllm serve``,
     the last of a repeated one wins), healthy; on a port clash once more on fresh ports.
     The caller stops it."""
+    (engine,) = start_engines(fleet, [(name, role, extra)])
+    return engine
+
+
+def start_engines(fleet: Fleet, specs: list[tuple[str, str, tuple[str, ...]]]) -> list[Engine]:
+    """Several more engines, each (name, role, extra) as for ``start_engine``, loading at
+    once (a start-up is mostly waiting), all healthy; on a port clash all once more on
+    fresh ports. The caller stops them."""
     vllm = _vllm_dir()
     for attempt in (1, 2):
         suffix = "" if attempt == 1 else f"-{attempt}"
-        engine = _engine(vllm, fleet.logs, name + suffix, role)
-        engine.argv += extra
-        engine.start()
+        engines: list[Engine] = []
         try:
-            engine.wait_until(engine.url + "/health", START_S)
-            return engine
+            for name, role, extra in specs:
+                engine = _engine(vllm, fleet.logs, name + suffix, role)
+                engine.argv += extra
+                engines.append(engine)
+                engine.start()
+            for engine in engines:
+                engine.wait_until(engine.url + "/health", START_S)
+            return engines
         except PortClash as clash:
-            engine.stop()
+            for engine in engines:
+                engine.stop()
             if attempt == 2:
                 pytest.fail(str(clash))
-            print(f"\n{clash}\nstarting {name} again on fresh ports")
+            print(f"\n{clash}\nstarting {', '.join(s[0] for s in specs)} again on fresh ports")
         except BaseException:
-            engine.stop()
+            for engine in engines:
+                engine.stop()
             raise
     raise AssertionError("unreachable")
+
+
+def lora_args() -> tuple[str, ...]:
+    """``vllm serve`` arguments that serve setup.sh's adapter (DIR/tiny-lora: rank 8 on
+    ``q_proj`` and ``v_proj``) as ``LORA`` beside the base model."""
+    adapter = _vllm_dir() / "tiny-lora"
+    if not (adapter / "adapter_model.safetensors").exists():
+        pytest.fail(f"no LoRA adapter in {adapter}: run `make e2e-vllm` (setup.sh writes it)")
+    return ("--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA}={adapter}")
 
 
 def restart(engine: Engine) -> None:

@@ -55,11 +55,19 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in 20000-{end}")
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tuple[int, bytes]:
-    """One JSON request; (status, body), an HTTP error status included."""
+def http(
+    method: str,
+    url: str,
+    body: Any = None,
+    timeout: float = 120.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes]:
+    """One JSON request (and ``headers``); (status, body), an HTTP error status included."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
+    for name, value in (headers or {}).items():
+        req.add_header(name, value)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()

@@ -170,17 +170,20 @@ class Metrics:
             "narwhal_prefill_completion_seconds",
             "Arrival to the producer's answer (prefill done): the journal's ttft_s.",
             TTFT_BUCKETS,
+            ("model",),
         )
         self.time_to_first_token = histogram(
             "narwhal_time_to_first_token_seconds",
             "Arrival to the first generated token relayed to the client (vLLM's and Dynamo's "
             "time to first token): the journal's first_byte_s.",
             TTFT_BUCKETS,
+            ("model",),
         )
         self.kv_transfer = histogram(
             "narwhal_kv_transfer_seconds",
             "Time to first token less prefill completion: KV transfer plus decode queueing.",
             TRANSFER_BUCKETS,
+            ("model",),
         )
         self.in_flight = gauge(
             "narwhal_requests_in_flight",
@@ -340,6 +343,12 @@ class Metrics:
             engine,
             "livemax",
         )
+        self.model_lists_refused = counter(
+            "narwhal_engine_model_lists_refused",
+            "Model lists (GET /v1/models) the engine answered that were refused: not a "
+            "list, too large, or with names out of bounds; its last good list stays.",
+            engine,
+        )
         self.scrape_failures = counter(
             "narwhal_engine_scrape_failures",
             "Scrapes of the engine's /metrics that failed or timed out (placement then "
@@ -436,7 +445,7 @@ class Metrics:
         self.queue_depth = gauge(
             "narwhal_queue_depth",
             "Requests waiting in the admission queue for the fleet to have room.",
-            ("class",),
+            ("class", "model"),
             "livesum",
         )
         self.queue_wait = histogram(
@@ -444,19 +453,19 @@ class Metrics:
             "Time a request waited in the admission queue before it was dispatched or shed "
             "(0 for one dispatched on arrival).",
             QUEUE_WAIT_BUCKETS,
-            ("class",),
+            ("class", "model"),
         )
         self.queue_dispatched = counter(
             "narwhal_queue_dispatched",
             "Requests that went on to the engines, on arrival or from the queue.",
-            ("class",),
+            ("class", "model"),
         )
         self.queue_shed = counter(
             "narwhal_queue_shed",
             "Requests that left the admission queue without being dispatched, by why: "
             "queue_full, displaced, max_queue_wait, deadline (429), drained (503), "
             "cancelled (the client left).",
-            ("class", "reason"),
+            ("class", "reason", "model"),
         )
         self.engine_saturated = gauge(
             "narwhal_engine_saturated",
@@ -477,14 +486,20 @@ class Metrics:
         self.queue_wait_of = Children(self.queue_wait)
         self.queue_depth_of = Children(self.queue_depth)
         self.queue_shed_of = Children(self.queue_shed)
-        self.model_generation_tokens = self.generation_tokens.labels(self.model)
-        self.model_prompt_tokens = self.prompt_tokens.labels(self.model)
+        self.generation_tokens_of = Children(self.generation_tokens)
+        self.prompt_tokens_of = Children(self.prompt_tokens)
+        self.prefill_completion_of = Children(self.prefill_completion)
+        self.time_to_first_token_of = Children(self.time_to_first_token)
+        self.kv_transfer_of = Children(self.kv_transfer)
 
     def _initialise(self, engine_ids: list[str]) -> None:
         for endpoint in ENDPOINTS.values():
             self.requests.labels(self.model, endpoint, "completed", "200")
         self.generation_tokens.labels(self.model)
         self.prompt_tokens.labels(self.model)
+        self.prefill_completion.labels(self.model)
+        self.time_to_first_token.labels(self.model)
+        self.kv_transfer.labels(self.model)
         for reason in DENIALS:
             self.retries_denied.labels(reason)
         for phase in PHASES:
@@ -505,11 +520,11 @@ class Metrics:
         for outcome in RESUME_OUTCOMES:
             self.resumes.labels(outcome)
         for cls in CLASSES:
-            self.queue_depth.labels(cls).set(0)
-            self.queue_wait.labels(cls)
-            self.queue_dispatched.labels(cls)
+            self.queue_depth.labels(cls, self.model).set(0)
+            self.queue_wait.labels(cls, self.model)
+            self.queue_dispatched.labels(cls, self.model)
             for shed in SHEDS:
-                self.queue_shed.labels(cls, shed)
+                self.queue_shed.labels(cls, shed, self.model)
         for engine in engine_ids:
             self.add_engine(engine)
 
@@ -526,6 +541,7 @@ class Metrics:
         self.ejections.labels(engine)
         self.readmissions.labels(engine)
         self.scrape_failures.labels(engine)
+        self.model_lists_refused.labels(engine)
         self.kv_stream_live.labels(engine).set(0)
         for why in SATURATIONS:
             self.engine_saturated.labels(engine, why).set(0)
@@ -556,6 +572,7 @@ class Metrics:
                     self.engine_kv_usage,
                     self.engine_prefix_hit_ratio,
                     self.scrape_failures,
+                    self.model_lists_refused,
                     self.kv_event_batches,
                     self.kv_events,
                     self.kv_events_skipped,

@@ -10,7 +10,8 @@ For a greedy 128-token completion, a greedy 128-token chat and a greedy chat wit
 * the reference: the request once, streamed and uninterrupted, through the same router;
 * the same request streamed again; at its first token the router's ``/narwhal/engines``
   says which consumer holds its decode leg (the one whose ``inflight.decode`` is 1; the
-  engines' ``vllm:num_requests_running`` if the router's view is ambiguous), and once
+  engines' running and waiting requests if the router's view is ambiguous, asked again for
+  a few seconds), and once
   ``KILL_AT`` text chunks have reached the client that consumer's process group gets
   SIGKILL. The router continues the stream (a prefill of the prompt's ids and the ids sent,
   a decode on the other consumer): the client's text equals the reference exactly, one
@@ -79,6 +80,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat, no limit": ("/v1/chat/completions", {"messages": MESSAGES}),
 }
 RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,7 @@ def consumers(fleet: Fleet) -> Iterator[dict[str, Engine]]:
     second = start_engine(fleet, "consumer-b", "kv_consumer")
     try:
         warm_pair(fleet.producer, second)
+        warm_paths(second)
         yield {"d0": fleet.consumer, "d1": second}
     finally:
         second.stop()
@@ -122,6 +125,23 @@ def engines_view(url: str) -> dict[str, dict[str, Any]]:
     return {e["id"]: e for e in json.loads(body)["engines"]}
 
 
+def warm_paths(engine: Engine) -> None:
+    """Each case's shape streamed once straight to a fresh engine. The first chat an
+    engine's server renders is slow (its template and detokenizer start up), and while it
+    is, the engine goes on decoding and merges the outputs: the whole stream then reaches
+    the client in a few chunks, done before the kill at ``KILL_AT`` could land."""
+    for case in CASES:
+        path, body = body_of(case)
+        stream = SSE(engine.url, path, {**body, "max_tokens": 4})
+        try:
+            assert stream.response.status == 200
+            events = list(stream.events())
+        finally:
+            stream.close()
+        assert events, (engine.name, case, stream.cut)
+        assert events[-1].data == "[DONE]", (engine.name, case, stream.cut)
+
+
 def every_consumer_serving(
     fleet: Fleet, router_url: str, consumers: dict[str, Engine], budget_s: float = 120.0
 ) -> None:
@@ -131,6 +151,7 @@ def every_consumer_serving(
         if engine.proc is None or engine.proc.poll() is not None:
             restart(engine)
             warm_pair(fleet.producer, engine)  # its first pull redoes the NIXL handshake
+            warm_paths(engine)
     deadline = time.monotonic() + budget_s
     while True:
         view = engines_view(router_url)
@@ -141,16 +162,23 @@ def every_consumer_serving(
         time.sleep(1.0)  # health checks and probes run on their own; bounded by budget_s
 
 
-def serving_consumer(router_url: str, consumers: dict[str, Engine]) -> str:
+def serving_consumer(router_url: str, consumers: dict[str, Engine], budget_s: float = 10.0) -> str:
     """The consumer holding the one decode leg in flight: the router's view, or, if that
-    is ambiguous, the engine that says it runs a request."""
-    view = engines_view(router_url)
-    busy = [i for i in consumers if view[i]["inflight"]["decode"] > 0]
-    if len(busy) == 1:
-        return busy[0]
-    running = [i for i, e in consumers.items() if e.metric(RUNNING) > 0]
-    assert len(running) == 1, f"no single serving consumer: router {busy}, engines {running}"
-    return running[0]
+    is ambiguous, the engine that says it runs or holds a request. Asked again for up to
+    ``budget_s``: the first text can reach the client a moment before the decode leg is
+    counted, and a consumer pulling KV holds the request as waiting, not running."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        view = engines_view(router_url)
+        busy = [i for i in consumers if view[i]["inflight"]["decode"] > 0]
+        if len(busy) == 1:
+            return busy[0]
+        held = [i for i, e in consumers.items() if e.metric(RUNNING) + e.metric(WAITING) > 0]
+        if len(held) == 1:
+            return held[0]
+        if time.monotonic() > deadline:
+            pytest.fail(f"no single serving consumer: router {busy}, engines {held}")
+        time.sleep(0.05)  # bounded by budget_s; the stream waits in the socket meanwhile
 
 
 def text_of(chunk: dict[str, Any]) -> str:

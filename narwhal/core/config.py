@@ -142,6 +142,9 @@ class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True):
     local_prefill_when_busy: bool = False
     # how long the router trusts that an engine still caches a prefix it sent there
     prefix_index_ttl_s: PositiveFloat = 120.0
+    # a request for a LoRA adapter prefers engines that have it loaded, then engines with a
+    # free adapter slot (their vllm:lora_requests_info), before the load and prefix rules
+    adapter_affinity: bool = True
 
 
 Priority: TypeAlias = Literal["interactive", "default", "batch"]
@@ -191,6 +194,8 @@ class FleetConfig(Struct, frozen=True, forbid_unknown_fields=True):
     admission: AdmissionConfig = AdmissionConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
     engine_contract: EngineContract | None = None
+    # a client's model name -> the served name it stands for (a base model or an adapter)
+    aliases: dict[str, str] = {}
 
 
 class ConfigError(Exception):
@@ -277,6 +282,8 @@ def _check_fleet(doc: dict[str, Any], problems: list[str]) -> FleetConfig | None
     else:
         values["model"] = _convert_field(FleetConfig, "model", doc["model"], "model", problems)
     discovers = doc.get("discover") not in (None, [])  # a wrong one is its own problem
+    if "aliases" in doc:
+        values["aliases"] = _check_aliases(doc["aliases"], problems)
     values["engines"] = _check_engines(doc.get("engines"), problems, discovers=discovers)
     values["discover"] = _check_discover(doc.get("discover"), problems)
     for name, cls in _SECTIONS.items():
@@ -295,6 +302,36 @@ def _check_fleet(doc: dict[str, Any], problems: list[str]) -> FleetConfig | None
     problems.extend(cross_field_problems(fleet))
     problems.extend(_ca_file_problems(fleet.engine.ca_file))
     return fleet
+
+
+MAX_ALIASES = 1024  # a table of names, not a database: it is copied into every answer
+
+
+def _check_aliases(value: object, problems: list[str]) -> dict[str, str]:
+    """``[aliases]``: non-empty names to non-empty names, none an alias of an alias (one
+    lookup resolves a name), none naming itself."""
+    if not isinstance(value, dict):
+        problems.append(f"aliases: must be a table of names, got {type(value).__name__}")
+        return {}
+    if len(value) > MAX_ALIASES:
+        problems.append(f"aliases: at most {MAX_ALIASES} names, got {len(value)}")
+        return {}
+    kept: dict[str, str] = {}
+    for name, target in value.items():
+        if not isinstance(target, str) or not target:
+            got = type(target).__name__ if not isinstance(target, str) else "an empty string"
+            problems.append(f"aliases.{name}: must be a served model's name, got {got}")
+        elif not name:
+            problems.append("aliases: an alias must not be empty")
+        elif target == name:
+            problems.append(f"aliases.{name}: names itself")
+        elif target in value:
+            problems.append(
+                f"aliases.{name}: {target!r} is an alias too (an alias names a served model)"
+            )
+        else:
+            kept[name] = target
+    return kept
 
 
 def _cross_field_over_valid_keys(doc: dict[str, Any], found: list[str]) -> list[str]:
@@ -537,6 +574,8 @@ def _kv_events_problems(fleet: FleetConfig) -> list[str]:
 def cross_field_problems(fleet: FleetConfig) -> list[str]:
     """Rules that span keys (SPEC section 2)."""
     problems = _kv_events_problems(fleet)
+    if fleet.model and fleet.model in fleet.aliases:
+        problems.append(f"aliases.{fleet.model}: the fleet's model is a served name, not an alias")
     limit = fleet.serving.request_timeout_s
     for path, value in (
         ("serving.prefill_timeout_s", fleet.serving.prefill_timeout_s),

@@ -25,8 +25,33 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 CACHE_CONFIG = "vllm:cache_config_info"  # its num_gpu_blocks label: the KV cache's size
-_SERIES = (RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG)
+# the adapters it runs and waits on, and its slots: one series per change of them, the
+# newest (its value is when it was set) the one that holds
+LORA_INFO = "vllm:lora_requests_info"
+_SERIES = (RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG, LORA_INFO)
+MAX_ADAPTER_LABEL = 64 * 1024  # a label of adapter names: more is not a list of them
 _WANTED = tuple(f"{name}{end}" for name in _SERIES for end in ("{", " ", "_total{", "_total "))
+
+
+@dataclass(frozen=True, slots=True)
+class LoraInfo:
+    """Its LoRA adapters, as its newest ``vllm:lora_requests_info`` series says."""
+
+    running: frozenset[str]
+    waiting: frozenset[str]
+    max_lora: int
+
+    @property
+    def loaded(self) -> frozenset[str]:
+        """The adapters in its slots (or about to be): those its requests run or wait on."""
+        return self.running | self.waiting
+
+    def view(self) -> dict[str, object]:
+        return {
+            "running": sorted(self.running),
+            "waiting": sorted(self.waiting),
+            "max_lora": self.max_lora,
+        }
 
 
 class ReportError(ValueError):
@@ -43,6 +68,7 @@ class EngineReport:
     prefix_hits: float | None = None  # of them, found
     ours: int = 0  # this router's legs on the engine when the scrape was answered
     kv_blocks: int | None = None  # its KV cache's size in blocks (vllm:cache_config_info)
+    lora: LoraInfo | None = None  # None: it exports no adapter series (LoRA off)
 
     @property
     def others(self) -> float:
@@ -72,6 +98,7 @@ class EngineReport:
             "ours": self.ours,
             "kv_cache_usage": round(self.kv_usage, 4),
             "prefix_cache_hit_ratio": None if ratio is None else round(ratio, 4),
+            "lora": None if self.lora is None else self.lora.view(),
             "age_s": round(now - self.at, 3),
             "stale": not self.fresh(now, interval_s),
         }
@@ -84,11 +111,17 @@ def parse_report(text: str, at: float, ours: int = 0) -> EngineReport:
     lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
     values: dict[str, list[float]] = {}
     blocks: list[int] = []
+    lora: tuple[float, LoraInfo] | None = None
     try:
         for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
                 if sample.name == CACHE_CONFIG:
                     blocks.extend(_blocks(sample.labels))
+                elif sample.name == LORA_INFO:
+                    info = _lora(sample.labels)
+                    newest = lora is None or sample.value >= lora[0]
+                    if info is not None and math.isfinite(sample.value) and newest:
+                        lora = (sample.value, info)
                 elif math.isfinite(sample.value):  # float: the parser gives an int for "3"
                     values.setdefault(sample.name.removesuffix("_total"), []).append(
                         float(sample.value)
@@ -112,7 +145,22 @@ def parse_report(text: str, at: float, ours: int = 0) -> EngineReport:
         prefix_hits=total(PREFIX_HITS),
         ours=ours,
         kv_blocks=sum(blocks) if blocks else None,
+        lora=None if lora is None else lora[1],
     )
+
+
+def _lora(labels: dict[str, str]) -> LoraInfo | None:
+    """A ``vllm:lora_requests_info`` sample's adapters and slots (None: not that series)."""
+    raw = labels.get("max_lora", "")
+    if not raw.isdigit() or len(raw) > 6:
+        return None
+    names = []
+    for key in ("running_lora_adapters", "waiting_lora_adapters"):
+        label = labels.get(key, "")
+        if len(label) > MAX_ADAPTER_LABEL:
+            return None
+        names.append(frozenset(n for n in label.split(",") if n))
+    return LoraInfo(names[0], names[1], int(raw))
 
 
 def _blocks(labels: dict[str, str]) -> list[int]:

@@ -18,6 +18,7 @@ from narwhal.core.flow import Saturation, room_left
 from narwhal.core.policies import PrefixRing
 from narwhal.core.precise_index import PreciseIndex
 from narwhal.core.prefix_index import PrefixIndex
+from narwhal.core.served_models import Catalog, Served, default_served
 
 # the two legs of an attempt; an engine serves either, as its role allows
 Leg = Literal["prefill", "decode"]
@@ -37,10 +38,12 @@ class EngineState:
         "inflight",
         "inflight_gauges",
         "mark",
+        "models_refused",
         "prefilling",
         "report",
         "scrape_failures",
         "sent",
+        "served",
         "spec",
         "up",
     )
@@ -62,6 +65,10 @@ class EngineState:
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
+        # the names it serves, from its last good /v1/models (None: it never gave one, and
+        # serves the fleet's model); lists refused since it was added
+        self.served: Served | None = None
+        self.models_refused = 0
         # This router's legs to it that it has not started (SPEC 4.5), the queue a report
         # cannot show yet or shows late (vLLM's gauges trail its requests by an engine
         # step or more). A decode has started at its first token: every decode before it
@@ -197,6 +204,8 @@ class EngineState:
             else round(now - self.checked_at, 3),
             "report": None if self.report is None else self.report.view(now, interval_s),
             "scrape_failures": self.scrape_failures,
+            "models": None if self.served is None else self.served.view(),
+            "models_refused": self.models_refused,
             "last_probe": b.last_probe,
             "last_probe_ago_s": None
             if b.last_probe_at is None
@@ -273,14 +282,16 @@ class DecodeClaim:
     look like room for another request). Held by ``with``; handed over by the decode leg's
     reservation, or given back when the attempt ends without one."""
 
-    __slots__ = ("fleet", "held")
+    __slots__ = ("fleet", "held", "model")
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, model: str | None = None) -> None:
         self.fleet = fleet
+        self.model = model
         self.held = False
 
     def __enter__(self) -> DecodeClaim:
         self.fleet.decodes_coming += 1
+        self.fleet.claims[self.model] = self.fleet.claims.get(self.model, 0) + 1
         self.held = True
         return self
 
@@ -288,6 +299,7 @@ class DecodeClaim:
         if self.held:
             self.held = False
             self.fleet.decodes_coming -= 1
+            self.fleet.claims[self.model] -= 1
 
     def __exit__(
         self,
@@ -314,10 +326,16 @@ class Fleet:
         self.paired: set[tuple[str, str]] = set()
         self.on_change: Callable[[], None] = _nothing  # a leg started or ended
         self.decodes_coming = 0  # requests holding a DecodeClaim
+        self.claims: dict[str | None, int] = {}  # ... by the served name they asked for
         # what each engine is believed to cache (SPEC 4.4); its TTL is the router's to set
         self.prefixes = PrefixIndex(ttl_s=120.0)
         # what engines with a live KV-event stream say they cache (the precise index)
         self.precise = PreciseIndex()
+        self.model = ""  # the fleet file's: what an engine serves before it says
+        self.aliases: dict[str, str] = {}
+        self.catalog = Catalog({}, {})
+        # per served name, its producers and consumers (rebuilt when a list changes)
+        self._pools: dict[str, tuple[list[EngineState], list[EngineState]]] = {}
         self.reload(specs, recovery)
 
     def reload(self, specs: tuple[EngineSpec, ...], recovery: RecoveryConfig) -> None:
@@ -343,6 +361,43 @@ class Fleet:
         # an engine replaced (a new URL) or removed starts from nothing cached
         self.prefixes.keep_only(e.id for e in engines if id(e) in previous)
         self.precise.keep_only(e.id for e in engines if id(e) in previous)
+        self.models_changed()
+
+    def configure_models(self, model: str, aliases: dict[str, str]) -> None:
+        """The fleet file's model (what an engine serves until it says) and aliases."""
+        self.model, self.aliases = model, aliases
+        self.models_changed()
+
+    def served_by(self, engine: EngineState) -> Served:
+        return engine.served if engine.served is not None else default_served(self.model)
+
+    def note_models(self, engine: EngineState, served: Served | str) -> bool:
+        """An engine's model list, or why it was refused (its last good one stays); whether
+        what it serves changed."""
+        if isinstance(served, str):
+            engine.models_refused += 1
+            return False
+        before = self.served_by(engine)
+        engine.served = served
+        if before == served:  # its first list may say what it was believed to serve
+            return False
+        self.models_changed()
+        return True
+
+    def models_changed(self) -> None:
+        self._pools.clear()
+        self.catalog = Catalog.of((self.served_by(e) for e in self.engines), self.aliases)
+
+    def _pool(self, leg: Leg, model: str | None) -> list[EngineState]:
+        if model is None:
+            return self.producers if leg == "prefill" else self.consumers
+        pools = self._pools.get(model)
+        if pools is None:
+            pools = self._pools[model] = (
+                [e for e in self.producers if model in self.served_by(e)],
+                [e for e in self.consumers if model in self.served_by(e)],
+            )
+        return pools[0] if leg == "prefill" else pools[1]
 
     def forget_cached(self, engine_id: str) -> None:
         """The engine left placement (ejected, or its health checks failed): it may come
@@ -357,8 +412,22 @@ class Fleet:
         """A leg on ``engine``; a decode leg takes over its request's ``claim``."""
         return Reservation(engine, leg, self.on_change, claim)
 
-    def claim_decode(self) -> DecodeClaim:
-        return DecodeClaim(self)
+    def claim_decode(self, model: str | None = None) -> DecodeClaim:
+        return DecodeClaim(self, model)
+
+    def _claims_on(self, model: str | None) -> int:
+        """Requests between prefill and decode whose consumers may be ``model``'s: those of
+        any model that shares a consumer with it (every one, for no model)."""
+        if not self.decodes_coming:
+            return 0
+        if model is None or (len(self.claims) <= 1 and model in self.claims):
+            return self.decodes_coming
+        mine = {id(e) for e in self._pool("decode", model)}
+        return sum(
+            count
+            for other, count in self.claims.items()
+            if count and (other is None or any(id(e) in mine for e in self._pool("decode", other)))
+        )
 
     def headroom(
         self,
@@ -368,6 +437,7 @@ class Fleet:
         kv_limit: float,
         *,
         consumers_only: bool = False,
+        model: str | None = None,
     ) -> int | None:
         """How many more requests the fleet takes before its placeable producers or its
         placeable consumers are saturated (SPEC 4.5): the lesser of the producers' summed
@@ -376,23 +446,30 @@ class Fleet:
         moments, and a decode sent to a full consumer waits in its queue). None: a role
         has no placeable engine at all, which is not saturation: the request goes on and
         is answered 503 at once. ``consumers_only``: for a request its consumer may serve
-        alone (conditional disaggregation), whose dispatch needs no producer's room."""
+        alone (conditional disaggregation), whose dispatch needs no producer's room.
+        ``model``: the room of the engines that serve it only."""
         rooms = []
         for leg in ("decode",) if consumers_only else LEGS:
-            engines, _ = self.placeable(leg, now)
+            engines, _ = self.placeable(leg, now, model)
             if not engines:
                 return None
             rooms.append(
                 sum(e.room(now, interval_s, waiting_limit, kv_limit, leg)[0] for e in engines)
             )
-        return max(0, min([*rooms[:-1], rooms[-1] - self.decodes_coming]))
+        return max(0, min([*rooms[:-1], rooms[-1] - self._claims_on(model)]))
 
     def saturated(
-        self, leg: Leg, now: float, interval_s: float, waiting_limit: int, kv_limit: float
+        self,
+        leg: Leg,
+        now: float,
+        interval_s: float,
+        waiting_limit: int,
+        kv_limit: float,
+        model: str | None = None,
     ) -> bool:
-        """Every placeable engine of ``leg``'s role is saturated (False when there is none:
-        that is no capacity, not saturation)."""
-        engines, _ = self.placeable(leg, now)
+        """Every placeable engine of ``leg``'s role (serving ``model``) is saturated (False
+        when there is none: that is no capacity, not saturation)."""
+        engines, _ = self.placeable(leg, now, model)
         return bool(engines) and all(
             e.room(now, interval_s, waiting_limit, kv_limit, leg)[0] <= 0 for e in engines
         )
@@ -401,14 +478,17 @@ class Fleet:
         """Legs in flight across the fleet (0 after a drain)."""
         return sum(e.load for e in self.engines)
 
-    def placeable(self, leg: Leg, now: float) -> tuple[list[EngineState], bool]:
-        """The engines placement may use for ``leg``, and whether they are held in.
+    def placeable(
+        self, leg: Leg, now: float, model: str | None = None
+    ) -> tuple[list[EngineState], bool]:
+        """The engines placement may use for ``leg`` (of those serving ``model``: None,
+        any), and whether they are held in.
 
         Healthy engines (closed breaker, not quarantined) when there are any; otherwise
         every engine of the role is held in: the last engine able to serve a role is never
         quarantined or probe-held out, since refusing all traffic helps nobody.
         """
-        engines = self.producers if leg == "prefill" else self.consumers
+        engines = self._pool(leg, model)
         if self.health_checked:  # an engine that never answered, or stopped, is not taken
             engines = [e for e in engines if e.up]
         healthy = [e for e in engines if e.breaker.healthy(now)]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from enum import StrEnum
 from typing import Literal
 
@@ -82,6 +82,8 @@ class Entry(Struct, frozen=True):
     deadline: float  # absolute
     # its consumer may serve it alone (decode first): a consumer's room is enough for it
     local: bool = False
+    # the served name it asked for: the room it needs is that of the engines serving it
+    pool: str | None = None
 
     def __post_init__(self) -> None:
         # a NaN would compare false with everything and never leave the expiry heap
@@ -207,6 +209,26 @@ class FlowQueue:
                 entry = band.pop_next()
                 self._forget(entry.id)
                 return entry
+        return None
+
+    def next_where(self, now: float, ok: Callable[[Entry], bool]) -> Entry | None:
+        """Dispatch: the first request in the queue's order that ``ok`` lets go, removed
+        from the queue (requests before it stay, in their places); None when none may.
+        For requests whose room is not all one (another model's engines, a consumer alone):
+        one whose engines are full holds back no other."""
+        due = self.next_expiry()
+        if due is not None and due <= now:
+            raise ValueError("a queued request is due to leave: call expire(now) first")
+        for cls in BY_RANK:
+            band = self._bands[cls]
+            for key, queue in band.by_key.items():
+                for entry in queue.values():
+                    if ok(entry):
+                        band.take(entry)  # then leave the loops: they were changed
+                        if key in band.by_key:
+                            band.by_key.move_to_end(key)
+                        self._forget(entry.id)
+                        return entry
         return None
 
     def peek(self) -> Entry | None:

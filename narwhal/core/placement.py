@@ -4,6 +4,10 @@ The candidates are the placeable engines of the leg's role (``Fleet.placeable``)
 a retry must avoid are used only when nothing else is left; then:
 
 * one candidate: it (reason ``only``);
+* a request for a LoRA adapter, with ``adapter_affinity``: among the candidates under the
+  load bound, those that have the adapter loaded (running or waiting on it), else those
+  with a free adapter slot, else all of them (an engine whose slots hold other adapters
+  pays a swap); one left: it (``adapter``), several: the rules below among them;
 * with prefix affinity, the engine the prefix index believes holds the longest leading part
   of the prompt, among those under the load bound (``prefix_match``; equal matches go by
   the ring's order for producers, by load for consumers);
@@ -32,9 +36,12 @@ from narwhal.core.policies import EngineLoad, PrefixRing, bound, least_loaded
 from narwhal.core.precise_index import PreciseIndex, TokenPrompt
 from narwhal.core.prefix_index import BLOCK_TOKENS, PrefixIndex, Prompt
 
-Reason = Literal["only", "prefix_match", "affinity", "spill", "least_loaded", "round_robin"]
+Reason = Literal[
+    "only", "adapter", "prefix_match", "affinity", "spill", "least_loaded", "round_robin"
+]
 REASONS: tuple[Reason, ...] = (
     "only",
+    "adapter",
     "prefix_match",
     "affinity",
     "spill",
@@ -73,17 +80,22 @@ def choose(
     index: PrefixIndex | None = None,
     precise: PreciseIndex | None = None,
     tokens: TokenPrompt | None = None,
+    adapter: str | None = None,
 ) -> Choice | None:
     """The engine for ``leg`` and why; None when there are no candidates. ``key`` is the
     request's prompt prefix (producers only), ``ring`` the producers' ring, ``prompt`` and
     ``index`` the request's blocks and what each engine is believed to hold; ``precise``
     and ``tokens`` what engines with a live event stream say they hold, and the request's
-    token ids (``held_tokens``)."""
+    token ids (``held_tokens``); ``adapter`` the LoRA adapter it runs under."""
     pool = [e for e in candidates if e.id not in avoid] or list(candidates)
     if len(pool) <= 1:
         return Choice(pool[0], "only") if pool else None
     consumer = leg == "decode"
     costs = {e.id: load_of(e, now, config.metrics_interval_s).cost(consumer=consumer) for e in pool}
+    if adapter is not None and config.adapter_affinity:
+        pool = with_adapter(pool, adapter, costs, config, now)
+        if len(pool) == 1:
+            return Choice(pool[0], "adapter")
     if config.prefix_affinity and prompt is not None and index is not None:
         ranked = ring if not consumer else None  # producers' equal matches: the ring's order
         holdings = Holdings(prompt, index, now, precise, tokens)
@@ -108,6 +120,39 @@ def choose(
     chosen = least_loaded(pool, rng, lambda e: (costs[e.id], *rotation(e)))
     assert chosen is not None  # the pool has two or more
     return Choice(chosen, "least_loaded")
+
+
+ADAPTER_LOADED, ADAPTER_SLOT_FREE, ADAPTER_SWAP = 0, 1, 2
+
+
+def adapter_tier(engine: EngineState, adapter: str, now: float, interval_s: float) -> int:
+    """What a request for ``adapter`` costs the engine, by its fresh report: nothing (it is
+    loaded), a load into a free slot, or a swap. No fresh adapter series counts as a free
+    slot: nothing says it would swap."""
+    report = engine.report
+    lora = report.lora if report is not None and report.fresh(now, interval_s) else None
+    if lora is None:
+        return ADAPTER_SLOT_FREE
+    loaded = lora.loaded
+    if adapter in loaded:
+        return ADAPTER_LOADED
+    return ADAPTER_SLOT_FREE if len(loaded) < lora.max_lora else ADAPTER_SWAP
+
+
+def with_adapter(
+    pool: Sequence[EngineState],
+    adapter: str,
+    costs: dict[str, float],
+    config: PlacementConfig,
+    now: float,
+) -> list[EngineState]:
+    """The candidates that serve ``adapter`` cheapest, among those under the load bound
+    (an adapter's hot engine still spills when it carries far more than the rest)."""
+    limit = bound(list(costs.values()), config.affinity_load_factor)
+    under = [e for e in pool if costs[e.id] + 1 <= limit] or list(pool)
+    tiers = [adapter_tier(e, adapter, now, config.metrics_interval_s) for e in under]
+    best = min(tiers)
+    return [e for e, tier in zip(under, tiers, strict=True) if tier == best]
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ class Prompt:
     blocks: tuple[int, ...]
     tokens: int  # token-id prompts exactly; text as UTF-8 bytes / 4
     tail: bytes | None = None  # a text's bytes after its last full block (None: ids)
+    root: int = _TEXT_ROOT  # the parent of its first block: a LoRA adapter's own chain
 
     def uncached(self, matched_blocks: int) -> int:
         """The tokens left to compute when an engine holds ``matched_blocks`` of it."""
@@ -60,11 +61,11 @@ class Prompt:
         """This text with ``text`` after it (a reply), hashing only the new blocks."""
         if self.tail is None or len(self.blocks) >= MAX_PROMPT_BLOCKS:
             return self
-        parent = self.blocks[-1] if self.blocks else _TEXT_ROOT
+        parent = self.blocks[-1] if self.blocks else self.root
         added = text.encode("utf-8", "surrogatepass")
         blocks, tail = _chain(self.tail + added, parent, MAX_PROMPT_BLOCKS - len(self.blocks))
         tokens = self.tokens + -(-len(added) // BYTES_PER_TOKEN)
-        return Prompt(self.blocks + blocks, tokens, tail)
+        return Prompt(self.blocks + blocks, tokens, tail, self.root)
 
 
 def _chain(data: bytes, parent: int, limit: int) -> tuple[tuple[int, ...], bytes]:
@@ -83,10 +84,10 @@ def text_blocks(data: bytes) -> tuple[int, ...]:
     return _chain(data, _TEXT_ROOT, MAX_PROMPT_BLOCKS)[0]
 
 
-def token_blocks(ids: Sequence[int]) -> tuple[int, ...]:
+def token_blocks(ids: Sequence[int], root: int = _TOKEN_ROOT) -> tuple[int, ...]:
     """The chained hashes of the full ``BLOCK_TOKENS`` blocks of a token-id prompt."""
     out = []
-    parent = _TOKEN_ROOT
+    parent = root
     full = min(len(ids) // BLOCK_TOKENS, MAX_PROMPT_BLOCKS)
     for start in range(0, full * BLOCK_TOKENS, BLOCK_TOKENS):
         parent = hash((parent, *ids[start : start + BLOCK_TOKENS]))
@@ -135,24 +136,28 @@ def reply_text(reply: str, *, chat: bool) -> str:
     return _message("assistant", reply) if chat else reply
 
 
-def prompt_of(body: Mapping[str, Any], *, chat: bool) -> Prompt:
-    """A request's prompt as the index sees it."""
+def prompt_of(body: Mapping[str, Any], *, chat: bool, adapter: str | None = None) -> Prompt:
+    """A request's prompt as the index sees it; under a LoRA adapter its blocks chain
+    from a root of the adapter's own, so they never match another's (or the base's)."""
+    text_root, token_root = _TEXT_ROOT, _TOKEN_ROOT
+    if adapter is not None:
+        text_root, token_root = hash((_TEXT_ROOT, adapter)), hash((_TOKEN_ROOT, adapter))
     if chat:
         messages = body.get("messages")
         listed = messages if isinstance(messages, list) else ()
-        return _text(chat_text(listed, body.get("tools")))
+        return _text(chat_text(listed, body.get("tools")), text_root)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return Prompt(token_blocks(prompt), len(prompt))
+        return Prompt(token_blocks(prompt, token_root), len(prompt), None, text_root)
     if isinstance(prompt, list):  # several prompts (a fan-out's parent): the first keys it
         prompt = prompt[0] if prompt else ""
-    return _text(str(prompt or ""))
+    return _text(str(prompt or ""), text_root)
 
 
-def _text(text: str) -> Prompt:
+def _text(text: str, root: int = _TEXT_ROOT) -> Prompt:
     data = text.encode("utf-8", "surrogatepass")
-    blocks, tail = _chain(data, _TEXT_ROOT, MAX_PROMPT_BLOCKS)
-    return Prompt(blocks, -(-len(data) // BYTES_PER_TOKEN), tail)
+    blocks, tail = _chain(data, root, MAX_PROMPT_BLOCKS)
+    return Prompt(blocks, -(-len(data) // BYTES_PER_TOKEN), tail, root)
 
 
 class PrefixIndex:

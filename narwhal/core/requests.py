@@ -14,7 +14,7 @@ producer had computed the prompt and pinned its KV blocks for a decode that neve
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -205,6 +205,7 @@ class ClientRequest(msgspec.Struct):
     include_usage: bool
     n: int = 1  # completions per prompt
     prompts: list[Any] | None = None  # several prompts (a completions list), else None
+    model: str = ""  # the served name it asked for, after aliases: every leg carries it
 
     @property
     def fanout(self) -> int:
@@ -224,7 +225,14 @@ class ClientRequest(msgspec.Struct):
                 if type(seed) is int and j:  # n samples, not n copies of one
                     changes["seed"] = seed + j
                 body = base.replace(**changes) if changes else base
-                sub = ClientRequest(self.endpoint, self.chat, body, self.stream, self.include_usage)
+                sub = ClientRequest(
+                    self.endpoint,
+                    self.chat,
+                    body,
+                    self.stream,
+                    self.include_usage,
+                    model=self.model,
+                )
                 subs.append((p, j, sub))
         return subs
 
@@ -237,8 +245,17 @@ _encode = msgspec.json.Encoder().encode
 _PATH = re.compile(r"at `\$\.([^`\[]+)")
 
 
-def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16) -> ClientRequest:
-    """Validate a completion or chat body; raise BadRequest / ModelNotServed."""
+def parse_request(
+    raw: bytes,
+    *,
+    endpoint: str,
+    model: str,
+    max_fanout: int = 16,
+    resolve: Callable[[str], str | None] | None = None,
+) -> ClientRequest:
+    """Validate a completion or chat body; raise BadRequest / ModelNotServed. ``resolve``
+    gives the served name a request's ``model`` stands for (None: nobody serves it);
+    without it only ``model`` is served. An alias's body carries the served name."""
     chat = endpoint.endswith("/chat/completions")
     if not raw.isascii():  # a skipped or spliced field is not checked by the decoders
         try:
@@ -270,8 +287,14 @@ def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16
     # the prompt or the messages, decoded once: placement reads them for every request
     values.update(_decoded_prompt(fields))
     body = RequestBody(top, values)
-    if fields.model != model:
+    served = fields.model if resolve is None and fields.model == model else None
+    if resolve is not None:
+        served = resolve(fields.model)
+    if served is None:
         raise ModelNotServed(f"model '{fields.model}' is not served here", phase=Phase.ADMISSION)
+    if served != fields.model:
+        body.raw["model"] = msgspec.Raw(_encode(served))
+        values["model"] = served
     if fields.best_of is not None and fields.best_of > 1:
         raise BadRequest(
             f"best_of: {fields.best_of} is not served: the engines would each rank their own "
@@ -307,6 +330,7 @@ def parse_request(raw: bytes, *, endpoint: str, model: str, max_fanout: int = 16
         include_usage=bool(options and options.include_usage),
         n=n,
         prompts=prompts,
+        model=served,
     )
 
 

@@ -49,7 +49,7 @@ class Ticket:
         self.woken = trio.Event()
 
 
-def _no_limit(local: bool = False) -> int | None:
+def _no_limit(local: bool = False, pool: str | None = None) -> int | None:
     return None
 
 
@@ -66,14 +66,19 @@ class Admission:
         self._drained.set()
         # the fleet's room (``Fleet.headroom``, bound by the router): how many more
         # requests it takes; None, a role with no placeable engine (the run answers 503)
-        # (``local``: for a request its consumer serves alone, only the consumers' room)
-        self.headroom: Callable[[bool], int | None] = _no_limit
+        # (``local``: for a request its consumer serves alone, only the consumers' room;
+        # ``pool``: of the engines serving that model)
+        self.headroom: Callable[[bool, str | None], int | None] = _no_limit
         self._serving = ServingConfig()
         self._flow = AdmissionConfig()
         self._queue = FlowQueue(self._flow.max_queued, self._flow.max_queue_wait_s)
         self._tickets: dict[Hashable, Ticket] = {}
         self._handed = 0  # dispatched from the queue, not yet running: they take room too
         self._seq = 0
+        # queued requests by the room they need (consumers alone, a model's engines):
+        # with one kind queued the queue's head decides, with more a full kind holds back
+        # no other
+        self._kinds: dict[tuple[bool, str | None], int] = {}
 
     def configure(self, config: FleetConfig) -> None:
         """Limits for what comes next (start, reload); queued requests keep their place."""
@@ -137,19 +142,27 @@ class Admission:
     # ---- the queue -----------------------------------------------------------------------
 
     async def dispatch(
-        self, cls: Priority, tenant: str, arrival: float, deadline: float, *, local: bool = False
+        self,
+        cls: Priority,
+        tenant: str,
+        arrival: float,
+        deadline: float,
+        *,
+        local: bool = False,
+        pool: str | None = None,
     ) -> float:
         """Return when the request may go on to the engines, with the seconds it waited;
         raise ``NotDispatched`` (429, or 503 on SIGTERM) when it leaves the queue another
         way. A dispatched request calls ``done`` when it ends. The caller's cancellation
         (its client left, its deadline) takes it out of the queue at once. ``local``: its
         consumer may serve it alone, so busy producers do not hold it back (in the queue
-        too, where it keeps its place in the queue's order)."""
-        if not self._flow.queue or (not self._tickets and self._room(local)):
-            self._went(cls, 0.0)
+        too, where it keeps its place in the queue's order). ``pool``: the served name it
+        asked for; the room it needs is its engines'."""
+        if not self._flow.queue or (not self._tickets and self._room(local, pool)):
+            self._went(cls, pool, 0.0)
             return 0.0
         self._seq += 1
-        entry = Entry(self._seq, cls, tenant, arrival, deadline, local)
+        entry = Entry(self._seq, cls, tenant, arrival, deadline, local, pool)
         now = trio.current_time()
         self._queue.max_queued = self.queue_limit()  # the worker count is known by now
         verdict = self._queue.offer(entry, now)
@@ -159,7 +172,7 @@ class Admission:
         if isinstance(verdict, Displaced):
             self._let_go(verdict.victim, Exit.DISPLACED)
         ticket = self._tickets[entry.id] = Ticket(entry)
-        self._depth(cls, +1)
+        self._depth(entry, +1)
         self.pump()  # the fleet may have room and only order kept it: not for long
         return await self._wait(ticket)
 
@@ -180,12 +193,28 @@ class Admission:
         now = trio.current_time()
         for entry, exit in self._queue.expire(now):
             self._let_go(entry, exit)
-        while (head := self._queue.peek()) is not None and self._room(head.local):
-            taken = self._queue.next(now)
-            assert taken is not None
+        while (taken := self._next(now)) is not None:
             self.dispatched += 1
             self._handed += 1
             self._let_go(taken, Exit.DISPATCHED)
+
+    def _next(self, now: float) -> Entry | None:
+        """The queued request to dispatch now, taken from the queue, or None."""
+        if len(self._kinds) <= 1:  # one kind of room: the head goes first or none does
+            head = self._queue.peek()
+            if head is None or not self._room(head.local, head.pool):
+                return None
+            return self._queue.next(now)
+        known: dict[tuple[bool, str | None], bool] = {}  # room, asked once per kind
+
+        def ok(entry: Entry) -> bool:
+            kind = (entry.local, entry.pool)
+            found = known.get(kind)
+            if found is None:
+                found = known[kind] = self._room(*kind)
+            return found
+
+        return self._queue.next_where(now, ok)
 
     def drain_queue(self) -> None:
         """SIGTERM: every queued request is answered 503 at once (it never started)."""
@@ -209,7 +238,7 @@ class Admission:
         if ticket.exit is Exit.DISPATCHED:
             self._handed -= 1
             waited = now - entry.arrival
-            self._observe(entry.cls, waited)
+            self._observe(entry.cls, entry.pool, waited)
             return waited
         assert ticket.exit is not None
         raise self._shed(entry, ticket.exit)
@@ -227,28 +256,39 @@ class Admission:
         ticket = self._tickets.pop(entry.id)
         ticket.exit = exit
         ticket.woken.set()
-        self._depth(entry.cls, -1)
+        self._depth(entry, -1)
         if exit is not Exit.DISPATCHED:  # counted now: its task may be cancelled before it runs
             self._count_shed(entry, exit, trio.current_time())
 
-    def _room(self, local: bool = False) -> bool:
+    def _room(self, local: bool = False, pool: str | None = None) -> bool:
         if self.dispatched >= self.limit(self._serving):
             return False
-        headroom = self.headroom(local)
+        headroom = self.headroom(local, pool)
         return headroom is None or headroom > self._handed
 
-    def _went(self, cls: Priority, waited: float) -> None:
+    def _went(self, cls: Priority, pool: str | None, waited: float) -> None:
         self.dispatched += 1
-        self._observe(cls, waited)
+        self._observe(cls, pool, waited)
 
-    def _observe(self, cls: Priority, waited: float) -> None:
-        if self._metrics is not None:
-            self._metrics.queue_dispatched_of(cls.value).inc()
-            self._metrics.queue_wait_of(cls.value).observe(waited)
+    def _model(self, pool: str | None) -> str:
+        """The ``model`` label: the served name (the fleet's model when none was given)."""
+        return pool if pool is not None else self._metrics.model
 
-    def _depth(self, cls: Priority, change: int) -> None:
+    def _observe(self, cls: Priority, pool: str | None, waited: float) -> None:
         if self._metrics is not None:
-            self._metrics.queue_depth_of(cls.value).inc(change)
+            model = self._model(pool)
+            self._metrics.queue_dispatched_of(cls.value, model).inc()
+            self._metrics.queue_wait_of(cls.value, model).observe(waited)
+
+    def _depth(self, entry: Entry, change: int) -> None:
+        kind = (entry.local, entry.pool)
+        left = self._kinds.get(kind, 0) + change
+        if left:
+            self._kinds[kind] = left
+        else:
+            del self._kinds[kind]
+        if self._metrics is not None:
+            self._metrics.queue_depth_of(entry.cls.value, self._model(entry.pool)).inc(change)
 
     def _shed(self, entry: Entry, exit: Exit) -> NotDispatched:
         """The fault that answers a request the queue let go without dispatching it."""
@@ -258,8 +298,10 @@ class Admission:
 
     def _count_shed(self, entry: Entry, exit: Exit, now: float) -> None:
         if self._metrics is not None:
-            self._metrics.queue_shed_of(entry.cls.value, exit.value).inc()
-            self._metrics.queue_wait_of(entry.cls.value).observe(max(0.0, now - entry.arrival))
+            model = self._model(entry.pool)
+            self._metrics.queue_shed_of(entry.cls.value, exit.value, model).inc()
+            waited = max(0.0, now - entry.arrival)
+            self._metrics.queue_wait_of(entry.cls.value, model).observe(waited)
 
     def view(self, serving: ServingConfig) -> dict[str, object]:
         """For ``/narwhal/engines``: the admitted count, the limit, the queue, per worker."""

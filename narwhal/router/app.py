@@ -192,13 +192,7 @@ class RouterApp:
             state = b"maintenance" if maintenance else b"no healthy producer or consumer"
             return 503, b'{"status":"%s"}' % state, JSON_TYPE
         if path == "/v1/models":
-            card = {
-                "id": router.config.model,
-                "object": "model",
-                "created": self.started,
-                "owned_by": "narwhal",
-            }
-            return 200, msgspec.json.encode({"object": "list", "data": [card]}), JSON_TYPE
+            return 200, msgspec.json.encode(router.models_view(self.started)), JSON_TYPE
         if path == "/metrics":
             router.health.refresh_gauges()
             return 200, router.metrics.render(), CONTENT_TYPE_LATEST.encode()
@@ -320,7 +314,11 @@ class RouterApp:
             return
         try:
             req = parse_request(
-                admitted, endpoint=path, model=router.config.model, max_fanout=serving.max_fanout
+                admitted,
+                endpoint=path,
+                model=router.config.model,
+                max_fanout=serving.max_fanout,
+                resolve=router.fleet.catalog.resolve,
             )
         except RequestFault as fault:
             await self._refuse(fault, scope, receive, send, rid, path, self._caller(scope))

@@ -16,7 +16,7 @@ from narwhal.router.journal import Journal
 log = logging.getLogger("narwhal.health")
 KEEP = 1000
 # routine events are INFO; the rest (an ejection, a failed discovery...) WARNING
-ROUTINE = frozenset({"probe", "readmitted", "held_in_ended", "joined"})
+ROUTINE = frozenset({"probe", "readmitted", "held_in_ended", "joined", "models"})
 
 
 class EngineEvents:

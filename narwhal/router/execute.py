@@ -264,6 +264,7 @@ class RunRecord:
             key=self.caller.key,
             queued_s=round(self.queued_s, 6),
             cls=self.flow.cls.value,
+            model=self.req.model or None,
         )
 
 
@@ -271,6 +272,7 @@ class RequestRun(RunRecord):
     """One prefill/decode chain: attempts, legs, the relay shell, measurements."""
 
     __slots__ = (
+        "_adapter",
         "_attempt_span",
         "_claim",
         "_collector",
@@ -328,19 +330,23 @@ class RequestRun(RunRecord):
         self._prompt: Prompt | None = None  # its blocks, for the prefix index
         self._claim: DecodeClaim | None = None  # the current attempt's, until its decode leg
         placement = config.placement
+        # the LoRA adapter it runs under (None: a base model): the prefix indexes keep
+        # each adapter's blocks apart
+        model = req.model
+        self._adapter = model if model and router.fleet.catalog.adapter(model) else None
         # the prefix index is kept when placement reads it
         self._indexing = placement.prefix_affinity or decode_first(placement)
         # what placement keys on, read once; the body then holds only the JSON that came
         if placement.prefix_affinity:
             self._prefix = prefix_key(req.body, chat=req.chat)
         if self._indexing:  # decode first reads the blocks too, and implies indexing
-            self._prompt = prompt_of(req.body, chat=req.chat)
+            self._prompt = prompt_of(req.body, chat=req.chat, adapter=self._adapter)
         # its token ids, for engines whose KV events say what they hold: a prompt of ids
         # is its own; others are asked of the engines' tokenizer before the first placement
         self._tokens: TokenPrompt | None = None
         if self._indexing and config.kv_events.mode != "off":
             given = given_ids(req.body, chat=req.chat)
-            self._tokens = None if given is None else TokenPrompt(given)
+            self._tokens = None if given is None else TokenPrompt(given, self._adapter)
         req.body.forget_prompt()
         self._reply: Reply | None = None  # the generated text, for the index
         self._local_prompt_tokens: int | None = None
@@ -377,7 +383,7 @@ class RequestRun(RunRecord):
         tokens = self.router.tokens
         first = decode_first(self.config.placement)
         if self._indexing and self._tokens is None and tokens.wanted(decode_first=first):
-            self._tokens = await tokens.ids_of(self.req, self.rid)
+            self._tokens = await tokens.ids_of(self.req, self.rid, self._adapter)
         while True:
             metrics.attempts.inc()
             span = self._attempt_span = self._start_attempt_span()
@@ -441,7 +447,8 @@ class RequestRun(RunRecord):
         return reason
 
     def _other_consumer(self) -> bool:
-        candidates, _ = self.router.fleet.placeable("decode", trio.current_time())
+        fleet = self.router.fleet
+        candidates, _ = fleet.placeable("decode", trio.current_time(), self.req.model or None)
         return any(engine.id not in self.failed_engines for engine in candidates)
 
     def _resumed_stream_ended(self, outcome: str) -> None:
@@ -521,7 +528,8 @@ class RequestRun(RunRecord):
 
     def _place(self, leg: Leg, prefer_not: str | None = None) -> EngineState:
         fleet, health = self.router.fleet, self.router.health
-        candidates, held_in = fleet.placeable(leg, trio.current_time())
+        model = self.req.model or None
+        candidates, held_in = fleet.placeable(leg, trio.current_time(), model)
         health.note_placement(leg, held_in)
         choice = choose(
             candidates,
@@ -538,6 +546,7 @@ class RequestRun(RunRecord):
             index=fleet.prefixes,
             precise=fleet.precise,
             tokens=self._tokens,
+            adapter=self._adapter,
         )
         if choice is None:
             raise NoCapacity(
@@ -560,7 +569,7 @@ class RequestRun(RunRecord):
 
     def _prompt_blocks(self) -> Prompt:
         if self._prompt is None:  # once per request: every attempt sees the same blocks
-            self._prompt = prompt_of(self.req.body, chat=self.req.chat)
+            self._prompt = prompt_of(self.req.body, chat=self.req.chat, adapter=self._adapter)
         return self._prompt
 
     async def _attempt(self) -> None:
@@ -580,14 +589,17 @@ class RequestRun(RunRecord):
                 await self._local(consumer, attempt)
                 return
         producer = self._place("prefill")
-        if not self.router.fleet.placeable("decode", trio.current_time())[0]:
+        consumers, _ = self.router.fleet.placeable(
+            "decode", trio.current_time(), self.req.model or None
+        )
+        if not consumers:
             # no consumer to decode: refuse now rather than pin KV nobody will read
             raise NoCapacity("no placeable consumer engine", phase=Phase.ADMISSION)
         self.router.fleet.turn += 1
         attempt.producer = producer.id
         self.lifecycle.advance(Input.PREFILL)
         # from its prefill until its decode leg is sent, it holds a consumer's room already
-        with self.router.fleet.claim_decode() as self._claim:
+        with self.router.fleet.claim_decode(self.req.model or None) as self._claim:
             await self._legs(producer, attempt, consumer)
 
     async def _resume(self) -> None:
@@ -611,7 +623,7 @@ class RequestRun(RunRecord):
         except ValueError as exc:
             message = f"no continuation on engine {consumer.id}: {exc}"
             raise NoCapacity(message, phase=Phase.STREAM) from None
-        with self.router.fleet.claim_decode() as self._claim:
+        with self.router.fleet.claim_decode(self.req.model or None) as self._claim:
             await self._legs(producer, attempt, consumer)
 
     async def _context(self, consumer: EngineState) -> int | None:
@@ -620,7 +632,8 @@ class RequestRun(RunRecord):
         with trio.move_on_after(self.config.engine.health_timeout_s):
             with EngineFaults(consumer.id, consumer.url):
                 status, models = await self.router.client.get(consumer.url, "/v1/models")
-            return resume.context_of(models, self.config.model) if status == 200 else None
+            model = self.req.model or self.config.model
+            return resume.context_of(models, model) if status == 200 else None
         return None
 
     def _disaggregation(self, consumer: EngineState) -> Decision:
@@ -636,7 +649,7 @@ class RequestRun(RunRecord):
         uncached = holdings.uncached(consumer.id)
         limits = (placement.metrics_interval_s, flow.engine_waiting_limit, flow.kv_usage_limit)
         busy = placement.local_prefill_when_busy and self.router.fleet.saturated(
-            "prefill", now, *limits
+            "prefill", now, *limits, model=self.req.model or None
         )
         return decide_local(
             uncached,
@@ -850,7 +863,8 @@ class RequestRun(RunRecord):
         prefill = self.prefill_result
         self._collector = None
         if not self.req.stream:
-            self._collector = Assembler(chat=self.req.chat, model=self.config.model)
+            model = self.req.model or self.config.model
+            self._collector = Assembler(chat=self.req.chat, model=model)
             if prefill is not None:
                 self._collector.prompt_side(prefill, self.req.body)
         elif prefill is not None:

@@ -32,6 +32,7 @@ from narwhal.core.faults import BreakerClass, RequestFault
 from narwhal.core.fleet import EngineState, Fleet, Leg
 from narwhal.core.flow import SATURATIONS
 from narwhal.core.handoff import Fate, Handoff
+from narwhal.core.served_models import parse_models
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
 from narwhal.metrics import Metrics
@@ -162,8 +163,33 @@ class Health:
                 nursery.start_soon(self.check, engine)
 
     async def check(self, engine: EngineState) -> None:
-        ok = await self._health_check(engine, self.router.background.checks_client()) == "pass"
+        client = self.router.background.checks_client()
+        ok = await self._health_check(engine, client) == "pass"
+        if ok:  # before it joins: placement knows what it serves from its first request
+            await self.ask_models(engine, client)
         self._noted(engine, engine.note_health(ok, trio.current_time()))
+
+    async def ask_models(self, engine: EngineState, client: EngineClient | None = None) -> None:
+        """Its ``GET /v1/models`` (SPEC 4.7), bounded like a health check. No answer keeps
+        what it served; a list that does not parse is refused and counted, and the last
+        good one stays."""
+        with trio.move_on_after(self.router.config.engine.health_timeout_s):
+            try:
+                client = client or self.router.background.checks_client()  # off the data path
+                status, body = await client.get(engine.url, "/v1/models")
+            except RequestFault:
+                return
+            if status != 200:
+                return
+            served = parse_models(body)
+            fleet = self.router.fleet
+            if isinstance(served, str):
+                self.router.metrics.model_lists_refused.labels(engine.id).inc()
+                log.warning("engine %s: its model list is refused: %s", engine.id, served)
+            if fleet.note_models(engine, served):
+                names = sorted(fleet.served_by(engine).parents)
+                self.router.events.record("models", engine.id, served=names[:64])
+                fleet.on_change()  # a name it serves now may have requests waiting
 
     def _noted(self, engine: EngineState, change: str | None) -> None:
         self.router.metrics.up.labels(engine.id).set(int(engine.up))
@@ -197,6 +223,7 @@ class Health:
             metrics.streak.labels(engine.id).set(0)
             self.router.events.record("readmitted", engine.id)
             self.router.fleet.on_change()
+            self.router.background.start(self.ask_models, engine)  # it may serve others now
 
     async def probe(self, engine: EngineState) -> ProbeOutcome:
         """Decide, with real evidence, whether an ejected engine may take traffic again."""
@@ -226,7 +253,12 @@ class Health:
         whole wave every engine is under validation together, so any of them will do."""
         now = trio.current_time()
         fleet = self.router.fleet
-        pool = fleet.producers if leg == "prefill" else fleet.consumers
+        model = self._probe_model(engine)
+        pool = [
+            e
+            for e in (fleet.producers if leg == "prefill" else fleet.consumers)
+            if model in fleet.served_by(e)
+        ]
         healthy = [e for e in pool if (wave or e.breaker.healthy(now)) and e is not engine]
         if preferred is not None:
             for e in healthy:
@@ -263,7 +295,7 @@ class Health:
             async with fleet.reserve(producer, "prefill"), fleet.reserve(consumer, "decode"):
                 result = await crossed_handoff(
                     self.router.client,
-                    config.model,
+                    self._probe_model(target),
                     producer.url,
                     consumer.url,
                     leg_timeout_s=config.engine.first_token_timeout_s,
@@ -274,6 +306,13 @@ class Health:
             self.probe_handoffs -= 1
         self._settle_probe_handoff(result, producer, consumer)
         return result
+
+    def _probe_model(self, engine: EngineState) -> str:
+        """The name a probe of ``engine`` asks for: a base model it serves (the fleet's
+        when it serves that), so the peer it crosses with must serve it too."""
+        served = self.router.fleet.served_by(engine)
+        model = self.router.config.model
+        return model if model in served else served.base() or model
 
     def _settle_probe_handoff(
         self, result: HandoffResult, producer: EngineState, consumer: EngineState
@@ -317,7 +356,7 @@ class Health:
         return await identity_problem(
             self.router.client,
             engine.url,
-            model=config.model,
+            model=self._probe_model(engine),
             pinned_version=contract.engine_version if contract else None,
             timeout_s=config.engine.health_timeout_s,
         )

@@ -85,6 +85,7 @@ class JournalLine(msgspec.Struct):
     key: str | None = None
     queued_s: float = 0.0  # waited in the admission queue (part of ttft_s and first_byte_s)
     cls: str | None = msgspec.field(default=None, name="class")  # its class in that queue
+    model: str | None = None  # the served name it asked for, after aliases (None: refused first)
 
 
 class Journal:

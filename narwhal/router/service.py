@@ -28,6 +28,7 @@ from narwhal.core.faults import (
     DeadlineExpired,
     EngineFaults,
     InternalError,
+    ModelNotServed,
     NoCapacity,
     Phase,
     PrefillTimeout,
@@ -74,6 +75,13 @@ def check_workers(config: FleetConfig, count: int, source: str) -> None:
         raise ConfigError(source, [problem])
 
 
+class _Named(msgspec.Struct):
+    model: str | None = None
+
+
+_decode_model = msgspec.json.Decoder(_Named).decode
+
+
 class Router:
     def __init__(
         self,
@@ -90,6 +98,7 @@ class Router:
         )
         self.admin_keys = ApiKeys(config.serving.admin_keys_env, "serving.admin_keys_env")
         self.fleet = Fleet(config.engines, config.recovery)
+        self.fleet.configure_models(config.model, dict(config.aliases))
         self.fleet.prefixes.ttl_s = config.placement.prefix_index_ttl_s
         self.fleet.precise.replay = config.kv_events.replay
         self.metrics = Metrics((e.id for e in self.fleet.engines), model=config.model)
@@ -130,9 +139,10 @@ class Router:
         self.fleet.on_change = self.admission.pump  # a leg started or ended: room may free
         self.disconnects = 0
 
-    def _headroom(self, local: bool = False) -> int | None:
+    def _headroom(self, local: bool = False, model: str | None = None) -> int | None:
         """How many more requests the fleet takes before it is saturated (SPEC 4.5);
-        ``local``: requests their consumers serve alone."""
+        ``local``: requests their consumers serve alone; ``model``: the room of the engines
+        serving it."""
         flow = self.config.admission
         return self.fleet.headroom(
             trio.current_time(),
@@ -140,7 +150,35 @@ class Router:
             flow.engine_waiting_limit,
             flow.kv_usage_limit,
             consumers_only=local,
+            model=model,
         )
+
+    def models_view(self, created: int) -> dict[str, object]:
+        """``GET /v1/models`` (SPEC 4.7): every name a placeable engine serves, adapters
+        with their ``parent``, then each alias of one of them as its own entry (``root``:
+        the name it stands for). No engine placeable: the fleet's model, as before any
+        engine answered."""
+        fleet, now = self.fleet, trio.current_time()
+        names: dict[str, str | None] = {}
+        for leg in LEGS:
+            for engine in fleet.placeable(leg, now)[0]:
+                for name, parent in fleet.served_by(engine).parents.items():
+                    if names.get(name) is None:
+                        names[name] = parent
+        if not names:
+            names[self.config.model] = None
+
+        def card(name: str, **more: str | None) -> dict[str, object]:
+            fields = {"id": name, "object": "model", "created": created, "owned_by": "narwhal"}
+            return {**fields, **more}
+
+        data = [card(name, parent=parent) for name, parent in names.items()]
+        data += [
+            card(alias, root=target, parent=names[target])
+            for alias, target in self.config.aliases.items()
+            if target in names and alias not in names
+        ]
+        return {"object": "list", "data": data}
 
     def _kv_view(self, engine_id: str) -> dict[str, object] | None:
         """The engine's KV-event stream (None: ``[kv_events]`` is off)."""
@@ -271,6 +309,7 @@ class Router:
                     run.arrival,
                     self._dispatch_by(run),
                     local=run.local_possible(),
+                    pool=run.req.model or None,
                 )
                 dispatched = True
                 await run.execute()
@@ -359,7 +398,8 @@ class Router:
         with trio.CancelScope(deadline=min(arrival + timeout, self.drain_deadline)) as limit:
             self._running.add(limit)
             try:
-                engine = self._pass_engine()
+                body, model = self._pass_model(body)
+                engine = self._pass_engine(model)
                 if engine.spec.role == "decode":
                     attempt.consumer = engine.id
                 else:
@@ -386,12 +426,32 @@ class Router:
             )
         raise DeadlineExpired(timeout, phase=Phase.PREFILL)
 
-    def _pass_engine(self) -> EngineState:
-        """Any placeable engine: every one tokenizes alike (producers first, they do the
-        prompt-side work)."""
+    def _pass_model(self, body: bytes) -> tuple[bytes, str | None]:
+        """A tokenizer request's body for its engine, and the served name it asks for
+        (None: it names none, any engine answers). An alias is rewritten to the name it
+        stands for; a name nobody serves is a 404, as for a completion."""
+        try:
+            named = _decode_model(body)
+        except (msgspec.DecodeError, RecursionError):
+            return body, None  # not ours to judge: the engine answers its own 400
+        if named.model is None:
+            return body, None
+        served = self.fleet.catalog.resolve(named.model)
+        if served is None:
+            message = f"model '{named.model}' is not served here"
+            raise ModelNotServed(message, phase=Phase.ADMISSION)
+        if served == named.model:
+            return body, served
+        fields = msgspec.json.decode(body)
+        fields["model"] = served
+        return msgspec.json.encode(fields), served
+
+    def _pass_engine(self, model: str | None = None) -> EngineState:
+        """Any placeable engine (serving ``model``): every one tokenizes alike (producers
+        first, they do the prompt-side work)."""
         now = trio.current_time()
         for leg in LEGS:
-            candidates = self.fleet.placeable(leg, now)[0]
+            candidates = self.fleet.placeable(leg, now, model)[0]
             if candidates:
                 return self.rng.choice(candidates)
         raise NoCapacity("no placeable engine", phase=Phase.ADMISSION)
@@ -438,6 +498,7 @@ class Router:
         self.tokens.configure(new)  # a tokenizer.json that cannot be read refuses the file
         self.api_keys, self.admin_keys = api_keys, admin_keys
         self.config = new
+        self.fleet.configure_models(new.model, dict(new.aliases))
         self.fleet.prefixes.ttl_s = new.placement.prefix_index_ttl_s
         self.fleet.precise.replay = new.kv_events.replay
         self.discovery.state.configure(new.discover)
@@ -527,18 +588,19 @@ class Router:
     def _export(self, line: JournalLine) -> None:
         m = self.metrics
         endpoint = ENDPOINTS.get(line.endpoint, "other")
-        m.requests_of(m.model, endpoint, line.outcome, str(line.status or 0)).inc()
+        model = line.model or m.model  # a request refused before its name resolved: ours
+        m.requests_of(model, endpoint, line.outcome, str(line.status or 0)).inc()
         m.duration.observe(line.duration_s)
         if line.tokens:
-            m.model_generation_tokens.inc(line.tokens)
+            m.generation_tokens_of(model).inc(line.tokens)
         if line.prompt_tokens:
-            m.model_prompt_tokens.inc(line.prompt_tokens)
+            m.prompt_tokens_of(model).inc(line.prompt_tokens)
         if line.ttft_s is not None:
-            m.prefill_completion.observe(line.ttft_s)
+            m.prefill_completion_of(model).observe(line.ttft_s)
         if line.first_byte_s is not None:
-            m.time_to_first_token.observe(line.first_byte_s)
+            m.time_to_first_token_of(model).observe(line.first_byte_s)
             if line.ttft_s is not None:
-                m.kv_transfer.observe(line.first_byte_s - line.ttft_s)
+                m.kv_transfer_of(model).observe(line.first_byte_s - line.ttft_s)
         if line.outcome == "cancelled" and line.phase:
             m.disconnects_of(line.phase).inc()
         m.retry_credits.set(self.retry_budget.credits)

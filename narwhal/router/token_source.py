@@ -61,7 +61,7 @@ class LocalTokenizer:
 
 
 class TokenSource:
-    def __init__(self, router: TokenHost, pick: Callable[[], EngineState]) -> None:
+    def __init__(self, router: TokenHost, pick: Callable[[str | None], EngineState]) -> None:
         self.router = router
         self._pick = pick  # a placeable engine: every one tokenizes alike
         self.cache = IdsCache()
@@ -98,32 +98,36 @@ class TokenSource:
                 return True
         return False
 
-    async def ids_of(self, req: ClientRequest, rid: str) -> TokenPrompt | None:
-        """The request's ids, or None when they cannot be had within the bound."""
+    async def ids_of(
+        self, req: ClientRequest, rid: str, adapter: str | None = None
+    ) -> TokenPrompt | None:
+        """The request's ids (under ``adapter``: its blocks are that adapter's), or None
+        when they cannot be had within the bound."""
         prompt = None if self.local is None or req.chat else req.body.get("prompt")
         if self.local is not None and isinstance(prompt, str):
             special = req.body.get("add_special_tokens", True) is not False
-            return TokenPrompt(self.local.ids(prompt, special))
-        body = tokenize_body(spliceable(req.body), self.router.config.model, chat=req.chat)
+            return TokenPrompt(self.local.ids(prompt, special), adapter)
+        model = req.model or self.router.config.model
+        body = tokenize_body(spliceable(req.body), model, chat=req.chat)
         payload = _encode(body)
         cached = self.cache.get(payload)
         if cached is not None:
-            return TokenPrompt(cached)
-        ids = await self._ask(payload, rid)
+            return TokenPrompt(cached, adapter)
+        ids = await self._ask(payload, rid, model)
         if ids is None:
             self.failed += 1
             self._quiet_until = trio.current_time() + BACKOFF_S
             return None
         self.cache.put(payload, ids)
-        return TokenPrompt(ids)
+        return TokenPrompt(ids, adapter)
 
-    async def _ask(self, payload: bytes, rid: str) -> Sequence[int] | None:
+    async def _ask(self, payload: bytes, rid: str, model: str) -> Sequence[int] | None:
         self.asked += 1
         with trio.move_on_after(
             min(TOKENIZE_TIMEOUT_S, self.router.config.engine.health_timeout_s)
         ):
             try:
-                engine = self._pick()
+                engine = self._pick(model)
                 data = await self.router.client.pass_through(
                     engine.url, "/tokenize", payload, request_id=f"{rid}-a1-tokenize"
                 )

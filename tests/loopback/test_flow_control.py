@@ -106,9 +106,10 @@ async def test_a_full_queue_answers_429_queue_full_with_retry_after(
     displaced = await _queued(h, 1, "interactive")
     assert displaced["queued"] == {"interactive": 1, "default": 0, "batch": 0}
     metrics = (await h.get("/metrics")).body.decode()
-    assert 'narwhal_queue_shed_total{class="default",reason="queue_full"} 1.0' in metrics
-    assert 'narwhal_queue_shed_total{class="default",reason="displaced"} 1.0' in metrics
-    assert 'narwhal_queue_depth{class="interactive"} 1.0' in metrics
+    shed = 'narwhal_queue_shed_total{class="default",model="%s",reason="%s"} 1.0'
+    assert shed % (MODEL, "queue_full") in metrics
+    assert shed % (MODEL, "displaced") in metrics
+    assert f'narwhal_queue_depth{{class="interactive",model="{MODEL}"}} 1.0' in metrics
     assert 'narwhal_engine_saturated{engine="p0",reason="waiting"} 1.0' in metrics
     await _release(h)
 

@@ -74,7 +74,7 @@ async def test_series_exist_from_start(nursery: trio.Nursery) -> None:
         assert value(samples, "narwhal_handoffs_total", fate=fate) == 0
     for reason in ("not_transient", "after_output", "attempts", "deadline", "budget"):
         assert value(samples, "narwhal_retries_denied_total", reason=reason) == 0
-    assert value(samples, "narwhal_prefill_completion_seconds_count") == 0
+    assert value(samples, "narwhal_prefill_completion_seconds_count", model=MODEL) == 0
     await finish(harness)
 
 
@@ -109,9 +109,9 @@ async def test_traffic_and_faults_move_the_right_series(nursery: trio.Nursery) -
     assert finished(s, "completions", "failed", "504") == 1
     assert finished(s, "chat", "failed", "502") == 1
     assert finished(s, "completions", "rejected", "404") == 1
-    assert value(s, "narwhal_prefill_completion_seconds_count") == 5
-    assert value(s, "narwhal_time_to_first_token_seconds_count") == 3
-    assert value(s, "narwhal_kv_transfer_seconds_count") == 3
+    assert value(s, "narwhal_prefill_completion_seconds_count", model=MODEL) == 5
+    assert value(s, "narwhal_time_to_first_token_seconds_count", model=MODEL) == 3
+    assert value(s, "narwhal_kv_transfer_seconds_count", model=MODEL) == 3
     assert value(s, "narwhal_inter_token_latency_seconds_count") >= 0
     tokens = sum(line.tokens for line in harness.router.journal.lines)
     assert value(s, "narwhal_generation_tokens_total", model=MODEL) == tokens > 0

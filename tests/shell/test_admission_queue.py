@@ -198,7 +198,7 @@ async def test_a_client_that_leaves_while_queued_is_gone_at_once(
     assert trio.current_time() == 0.0  # at once
     await drained(fleet)
     assert prefill_order(fleet) == ["first", "stays"]
-    shed = fleet.router.metrics.queue_shed.labels("default", "cancelled")._value.get()
+    shed = fleet.router.metrics.queue_shed.labels("default", "cancelled", MODEL)._value.get()
     assert shed == 1
 
 

@@ -76,6 +76,7 @@ def test_every_default() -> None:
         "local_prefill_tokens": 0,
         "local_prefill_when_busy": False,
         "prefix_index_ttl_s": 120.0,
+        "adapter_affinity": True,
     }
     assert fleet.engine_contract is None
 

@@ -1,0 +1,111 @@
+"""The names each engine serves, from its ``GET /v1/models``, and what a request's name
+resolves to across the fleet, pure.
+
+vLLM lists its served model names (``--served-model-name``: the base model and its
+aliases) with ``parent`` null, and each LoRA adapter (``--lora-modules``, or loaded at run
+time) with ``parent`` naming the base model. A list is engine input like any other: one
+that is not JSON, enormous, or full of odd types is refused with a reason, and the caller
+keeps the last good one (an engine's garbage never takes a name away from it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+MAX_LIST_BYTES = 1 << 20  # a list of thousands of adapters fits; more is not a list
+MAX_NAMES = 1024  # names one engine may serve
+MAX_NAME_CHARS = 256  # a served name is a path or a slug, not a document
+
+
+class _Card(msgspec.Struct):
+    id: str
+    parent: str | None = None
+
+
+class _List(msgspec.Struct):
+    data: list[_Card]
+
+
+_decode = msgspec.json.Decoder(_List).decode
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What one engine serves: each name, and the base model an adapter's name runs on
+    (None for a base model)."""
+
+    parents: Mapping[str, str | None]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.parents
+
+    def adapter(self, name: str) -> bool:
+        return self.parents.get(name) is not None
+
+    def base(self) -> str | None:
+        """Its first base model (the one a probe asks for), or None: adapters only."""
+        return next((n for n, parent in self.parents.items() if parent is None), None)
+
+    def view(self) -> list[dict[str, str | None]]:
+        """The operator's view (``/narwhal/engines``)."""
+        return [{"id": name, "parent": parent} for name, parent in self.parents.items()]
+
+
+def default_served(model: str) -> Served:
+    """An engine that never answered its model list serves the fleet file's ``model``."""
+    return Served({model: None})
+
+
+def parse_models(body: bytes) -> Served | str:
+    """An engine's ``/v1/models`` answer, or why it is refused."""
+    if len(body) > MAX_LIST_BYTES:
+        return f"model list over {MAX_LIST_BYTES} bytes ({len(body)})"
+    try:
+        listed = _decode(body)
+    except msgspec.ValidationError as exc:
+        return f"not a model list: {exc}"
+    except msgspec.DecodeError as exc:
+        return f"not JSON: {exc}"
+    except RecursionError:
+        return "not a model list: nested too deeply"
+    if len(listed.data) > MAX_NAMES:
+        return f"over {MAX_NAMES} models ({len(listed.data)})"
+    parents: dict[str, str | None] = {}
+    for card in listed.data:
+        if not card.id or len(card.id) > MAX_NAME_CHARS:
+            return f"a model id of {len(card.id)} characters (1..{MAX_NAME_CHARS})"
+        if card.parent is not None and not 0 < len(card.parent) <= MAX_NAME_CHARS:
+            return f"model {card.id!r}: a parent of {len(card.parent)} characters"
+        parents[card.id] = card.parent if card.parent != card.id else None
+    if not parents:
+        return "an empty model list"
+    return Served(parents)
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    """Every name the fleet's engines serve (their last good lists), and the aliases of
+    the fleet file: what a request's ``model`` resolves to, once per request."""
+
+    served: Mapping[str, str | None]  # name -> parent, over every engine
+    aliases: Mapping[str, str]
+
+    @classmethod
+    def of(cls, lists: Iterable[Served], aliases: Mapping[str, str]) -> Catalog:
+        served: dict[str, str | None] = {}
+        for listed in lists:
+            for name, parent in listed.parents.items():
+                if served.get(name) is None:  # an adapter somewhere stays one
+                    served[name] = parent
+        return cls(served, aliases)
+
+    def resolve(self, name: str) -> str | None:
+        """The served name a request's ``model`` stands for, or None: nobody serves it."""
+        target = self.aliases.get(name, name)
+        return target if target in self.served else None
+
+    def adapter(self, name: str) -> bool:
+        return self.served.get(name) is not None

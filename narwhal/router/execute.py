@@ -530,7 +530,7 @@ class RequestRun(RunRecord):
         fleet, health = self.router.fleet, self.router.health
         model = self.req.model or None
         candidates, held_in = fleet.placeable(leg, trio.current_time(), model)
-        health.note_placement(leg, held_in)
+        health.note_placement(leg, held_in, model)
         choice = choose(
             candidates,
             leg,

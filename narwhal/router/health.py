@@ -62,7 +62,8 @@ class Health:
         self.router = router
         self.maintenance = False
         self.wave_lock = trio.Lock()
-        self.held_in: dict[Leg, bool] = {"prefill": False, "decode": False}
+        # per role and served name (None: the fleet's model, or no name)
+        self.held_in: dict[tuple[Leg, str | None], bool] = {}
         # crossed handoffs of probes in flight: each holds a producer and a consumer leg, so
         # an audit of reservations after a drain can tell them from a client's
         self.probe_handoffs = 0
@@ -130,13 +131,18 @@ class Health:
             metrics.ejected.labels(engine.id).set(int(b.state is not BreakerState.CLOSED))
             metrics.held_in.labels(engine.id).set(int(engine.id in held))
 
-    def note_placement(self, leg: Leg, held_in: bool) -> None:
-        """Log once when a role starts or stops running on held-in (unhealthy) engines."""
-        if held_in != self.held_in[leg]:
-            self.held_in[leg] = held_in
+    def note_placement(self, leg: Leg, held_in: bool, model: str | None = None) -> None:
+        """Log once when a role starts or stops running on held-in (unhealthy) engines, for
+        the engines serving ``model`` (an adapter's may be held in while the base model's
+        are not: each its own once)."""
+        if model == self.router.config.model:
+            model = None
+        if held_in != self.held_in.get((leg, model), False):
+            self.held_in[(leg, model)] = held_in
             # held in: no healthy engine of the role is left; the last ones stay placeable
             kind = "held_in" if held_in else "held_in_ended"
-            self.router.events.record(kind, None, role=leg)
+            fields = {} if model is None else {"model": model}
+            self.router.events.record(kind, None, role=leg, **fields)
 
     # ---- background ----------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from narwhal.core.config import (
     ServingConfig,
 )
 from narwhal.fake_engine import generation as gen
+from narwhal.fake_engine import lora
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.health import live_tasks
 from narwhal.router.journal import Journal
@@ -123,6 +124,10 @@ class Scenario:
     # publisher (``POST /fake/kv_events``) are turned every ``kv_every`` requests
     kv_knobs: dict[str, Any] | None = None
     kv_every: int = 0
+    # models and LoRA adapters: what each engine serves (``--models``; others the base
+    # alone), and every ``adapter_every``th request asks for ``ADAPTER``
+    models: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    adapter_every: int = 0
 
 
 # stream resume: d0 is never ejected, so that a third of the streams break on it, and
@@ -173,6 +178,11 @@ KV_ENGINES = {
 }
 KV_PLACEMENT = msgspec.structs.replace(PLACEMENT, local_prefill_tokens=64)
 
+# an adapter served by both producers and by d0 alone of the consumers
+ADAPTER = "lora-a"
+WITH_ADAPTER = (MODEL, f"{ADAPTER}:{MODEL}")
+ADAPTER_ON_D0 = {"p0": WITH_ADAPTER, "p1": WITH_ADAPTER, "d0": WITH_ADAPTER}
+
 
 def _kv(name: str, knobs: dict[str, Any], every: int, expect: str) -> Scenario:
     return Scenario(
@@ -203,6 +213,13 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario("producer reset mid-body", armed=_on("p0", _always(kind="close_mid_body"))),
     Scenario("consumer refused", stopped=("d0",)),
+    Scenario(
+        "an adapter's only consumer refused",
+        stopped=("d0",),
+        models=ADAPTER_ON_D0,
+        adapter_every=3,
+        expect="adapter kept apart",
+    ),
     Scenario("consumer no headers", armed=_on("d0", _always(kind="hang", leg="decode"))),
     Scenario(
         "consumer headers then nothing", armed=_on("d0", _always(kind="headers_then_silence"))
@@ -356,7 +373,8 @@ def _body(sc: Scenario, i: int, tag: str) -> tuple[str, dict[str, Any], bool, bo
     if sc.long_every and i % sc.long_every == 0:
         text = " ".join([text] * 20)
     max_tokens = sc.stall_tokens if _stalls(sc, i) else sc.max_tokens
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "stream": stream}
+    model = ADAPTER if sc.adapter_every and i % sc.adapter_every == 0 else MODEL
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": stream}
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -385,6 +403,10 @@ async def one_request(
     if _stalls(sc, i):
         return await _stalled_request(url, path, body, result)
     expected = gen.generate(gen.prompt_of(body, chat)[0], sc.max_tokens)
+    if body["model"] == ADAPTER:  # an adapter says something else (the fake engine's salt)
+        salt = lora.generation_salt(ADAPTER, None)
+        ids = gen.token_ids(gen.prompt_of(body, chat)[0], sc.max_tokens, salt)
+        expected = "".join(gen.VOCAB[i] for i in ids)
     headers = [(b"content-type", b"application/json")]
     with trio.move_on_after(CLIENT_LIMIT_S) as limit:
         with trio.move_on_after(sc.disconnect_after_s or math.inf):
@@ -581,6 +603,7 @@ async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
             nursery,
             ROLES,
             engine_config={"log_size": requests * 8 + 100, **sc.engine_config},
+            engine_configs={eid: {"models": names} for eid, names in sc.models.items()},
             journal=journal,
             serving=sc.serving,
             engine=ENGINE,
@@ -1017,6 +1040,8 @@ async def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
         return _queue_kept(h, sc, problems)
     if sc.expect == "resumed":
         return _resumes_kept(h, sc, problems)
+    if sc.expect == "adapter kept apart":
+        return _adapter_kept_apart(h, sc, problems)
     mixed = _mixed(h, sc, problems)
     if not sc.expect.endswith("ejected"):
         return mixed
@@ -1029,6 +1054,31 @@ async def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
         f"{sc.expect}: {'yes' if ok else 'NO'} ({breaker}, {state.breaker.ejections} ejections)"
     )
     return f"{ejected}; {mixed}" if mixed else ejected
+
+
+def _adapter_kept_apart(h: Harness, sc: Scenario, problems: list[str]) -> str:
+    """An adapter's only consumer down: none of its legs reached an engine that does not
+    serve it, each of its requests failed honestly (502 or 503, never a 404 nor a 200 from
+    the base model), and the base model's requests went on without that consumer."""
+    serving = set(sc.models)
+    strays = [
+        eid
+        for eid, engine in h.engines.items()
+        if eid not in serving
+        for leg in engine.log
+        if (leg.get("body") or {}).get("model") == ADAPTER
+    ]
+    if strays:
+        problems.append(f"{len(strays)} adapter legs reached {sorted(set(strays))}")
+    lines = [line for line in h.router.journal.lines if line.model == ADAPTER]
+    statuses = Counter(line.status for line in lines)
+    if not lines or set(statuses) - {502, 503}:
+        problems.append(f"the adapter's requests ended {dict(statuses)}, not in 502 or 503")
+    base = [line for line in h.router.journal.lines if line.model == MODEL]
+    served = sum(1 for line in base if line.status == 200)
+    if not served:
+        problems.append("no request for the base model was served")
+    return f"adapter {dict(statuses)}; base served {served}/{len(base)}"
 
 
 def _resumes_kept(h: Harness, sc: Scenario, problems: list[str]) -> str:

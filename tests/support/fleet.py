@@ -72,14 +72,17 @@ async def start_fleet(
     roles: dict[str, str],
     *,
     engine_config: dict[str, Any] | None = None,
+    engine_configs: dict[str, dict[str, Any]] | None = None,
     journal: Journal | None = None,
     **sections: Any,
 ) -> Harness:
-    """Start one fake engine per entry of ``roles`` ({id: role}) and a router over them."""
+    """Start one fake engine per entry of ``roles`` ({id: role}) and a router over them;
+    ``engine_configs``: settings of single engines, over ``engine_config``."""
     engines: dict[str, FakeEngine] = {}
     urls: dict[str, tuple[str, str]] = {}
     for eid, role in roles.items():
-        engine = FakeEngine(FakeEngineConfig(model=MODEL, role=role, **(engine_config or {})))  # type: ignore[arg-type]
+        settings = {**(engine_config or {}), **(engine_configs or {}).get(eid, {})}
+        engine = FakeEngine(FakeEngineConfig(model=MODEL, role=role, **settings))  # type: ignore[arg-type]
         urls[eid] = (await nursery.start(engine.serve), role)
         engines[eid] = engine
     config = fleet_config(urls, **sections)

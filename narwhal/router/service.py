@@ -192,6 +192,7 @@ class Router:
         held = self.fleet.held_in(now)
         view: dict[str, object] = {
             "model": self.config.model,
+            "aliases": dict(self.config.aliases),
             **self.admission.view(self.config.serving),
             "maintenance": self.health.maintenance,
             "engines": [

@@ -335,6 +335,13 @@ class ModelNotServed(RequestFault):
     status = 404
     kind = "not_found_error"
 
+    @classmethod
+    def named(cls, model: str) -> ModelNotServed:
+        """The 404 for a name no engine serves; a name longer than any served one (a
+        client's mistake or an attack) is shown cut, so the answer stays small."""
+        shown = model if len(model) <= 256 else model[:256] + "..."
+        return cls(f"model '{shown}' is not served here", phase=Phase.ADMISSION)
+
 
 class EngineFaults:
     """A leg's faults are its engine's: whatever fault is raised inside is raised again as

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from narwhal.core.faults import BadRequest, ModelNotServed, Phase
+from narwhal.core.faults import BadRequest, ModelNotServed
 
 MAX_INT32 = 2**31 - 1  # beyond any context length, and fits an engine's int32 counters
 INT64 = 2**63  # vLLM's bound on a seed and a priority: they travel as MessagePack int64
@@ -291,7 +291,7 @@ def parse_request(
     if resolve is not None:
         served = resolve(fields.model)
     if served is None:
-        raise ModelNotServed(f"model '{fields.model}' is not served here", phase=Phase.ADMISSION)
+        raise ModelNotServed.named(fields.model)
     if served != fields.model:
         body.raw["model"] = msgspec.Raw(_encode(served))
         values["model"] = served

@@ -439,8 +439,7 @@ class Router:
             return body, None
         served = self.fleet.catalog.resolve(named.model)
         if served is None:
-            message = f"model '{named.model}' is not served here"
-            raise ModelNotServed(message, phase=Phase.ADMISSION)
+            raise ModelNotServed.named(named.model)
         if served == named.model:
             return body, served
         fields = msgspec.json.decode(body)

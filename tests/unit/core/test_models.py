@@ -368,3 +368,10 @@ def test_the_queue_lets_go_the_first_request_whose_model_has_room(
     while (entry := picked.next(0.0)) is not None:
         rest.append(entry.id)
     assert sorted(rest) == sorted(i for i in range(len(offers)) if i != first)
+
+
+def test_a_long_unknown_name_is_shown_cut_in_its_404() -> None:
+    body = json.dumps({"model": "x" * 100_000, "prompt": "hi"}).encode()
+    with pytest.raises(ModelNotServed) as refused:
+        parse_request(body, endpoint="/v1/completions", model="tiny")
+    assert str(refused.value) == f"model '{'x' * 256}...' is not served here"

@@ -386,16 +386,18 @@ class Fleet:
 
     def models_changed(self) -> None:
         self._pools.clear()
-        self.catalog = Catalog.of((self.served_by(e) for e in self.engines), self.aliases)
+        lists = (self.served_by(e) for e in self.engines)
+        self.catalog = Catalog.of(lists, self.aliases, self.model)
 
     def _pool(self, leg: Leg, model: str | None) -> list[EngineState]:
         if model is None:
             return self.producers if leg == "prefill" else self.consumers
         pools = self._pools.get(model)
         if pools is None:
+            means = self.catalog.means  # the name as the fleet means it: one parent
             pools = self._pools[model] = (
-                [e for e in self.producers if model in self.served_by(e)],
-                [e for e in self.consumers if model in self.served_by(e)],
+                [e for e in self.producers if means(self.served_by(e), model)],
+                [e for e in self.consumers if means(self.served_by(e), model)],
             )
         return pools[0] if leg == "prefill" else pools[1]
 

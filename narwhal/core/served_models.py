@@ -88,19 +88,33 @@ def parse_models(body: bytes) -> Served | str:
 @dataclass(frozen=True, slots=True)
 class Catalog:
     """Every name the fleet's engines serve (their last good lists), and the aliases of
-    the fleet file: what a request's ``model`` resolves to, once per request."""
+    the fleet file: what a request's ``model`` resolves to, once per request.
 
-    served: Mapping[str, str | None]  # name -> parent, over every engine
+    A name means one model: a base model, or an adapter of one base. Engines that list a
+    name with another parent (an adapter ``sql`` on two bases, a base name another engine
+    lists as an adapter) serve something else under it, and KV must never cross between
+    them: the name's meaning is the one the fleet's ``model`` lineage gives (the base
+    itself, or an adapter of it), else the first engine's, and ``conflicts`` names the
+    names some engine lists otherwise (those engines do not take them)."""
+
+    served: Mapping[str, str | None]  # name -> its parent (None: a base model)
     aliases: Mapping[str, str]
+    conflicts: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, lists: Iterable[Served], aliases: Mapping[str, str]) -> Catalog:
+    def of(cls, lists: Iterable[Served], aliases: Mapping[str, str], model: str = "") -> Catalog:
+        listed = list(lists)
         served: dict[str, str | None] = {}
-        for listed in lists:
-            for name, parent in listed.parents.items():
-                if served.get(name) is None:  # an adapter somewhere stays one
+        for one in listed:
+            for name, parent in one.parents.items():
+                if name not in served:
                     served[name] = parent
-        return cls(served, aliases)
+                elif not _ours(name, served[name], model) and _ours(name, parent, model):
+                    served[name] = parent  # the fleet model's lineage wins
+        conflicts = frozenset(
+            name for one in listed for name, parent in one.parents.items() if served[name] != parent
+        )
+        return cls(served, aliases, conflicts)
 
     def resolve(self, name: str) -> str | None:
         """The served name a request's ``model`` stands for, or None: nobody serves it."""
@@ -109,3 +123,12 @@ class Catalog:
 
     def adapter(self, name: str) -> bool:
         return self.served.get(name) is not None
+
+    def means(self, served: Served, name: str) -> bool:
+        """Whether an engine's list serves ``name`` as the fleet means it (same parent)."""
+        return name in served.parents and served.parents[name] == self.served.get(name)
+
+
+def _ours(name: str, parent: str | None, model: str) -> bool:
+    """In the fleet model's lineage: the model itself as a base, or an adapter of it."""
+    return (name == model and parent is None) or (parent is not None and parent == model)

@@ -257,9 +257,24 @@ class EngineClient:
 
     async def get(self, url: str, path: str) -> tuple[int, bytes]:
         """A small GET (health, version, models), bounded by the caller's scope."""
+        status, data = await self.get_within(url, path, MAX_PREFILL_RESPONSE_BYTES)
+        if data is None:
+            too_large = BodyTooLarge(
+                f"engine response larger than {MAX_PREFILL_RESPONSE_BYTES} bytes"
+            )
+            raise engine_fault(too_large, Phase.ADMISSION, url)
+        return status, data
+
+    async def get_within(self, url: str, path: str, limit: int) -> tuple[int, bytes | None]:
+        """``get``, its body None when it is over ``limit`` bytes (the rest is not read)."""
         engine = self._engine(url)
         async with await engine.request(b"GET", path, b"", "", Phase.ADMISSION) as response:
-            data = await _read(response, engine, Phase.ADMISSION, MAX_PREFILL_RESPONSE_BYTES)
+            try:
+                data: bytes | None = await response.read_all(limit)
+            except BodyTooLarge:
+                data = None
+            except TransportError as exc:
+                raise engine_fault(exc, Phase.ADMISSION, engine.base_url) from None
         return response.status, data
 
     def limiter(self, url: str) -> trio.CapacityLimiter:

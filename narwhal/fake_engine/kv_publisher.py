@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 HWM = 100_000  # vLLM's default for its PUB socket
 FLOOD_CHECKPOINT = 256  # a flood lets the engine's other tasks run every this many batches
+REBIND_TRIES, REBIND_WAIT_S = 50, 0.02  # a restart waits up to 1 s for its old addresses
 
 
 class BindError(Exception):
@@ -70,14 +71,26 @@ class KvEventPublisher:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Open the sockets (an engine start: seq from 0 again), serve subscriptions and
         replays until cancelled, then close them. A restart binds the same addresses."""
-        if self._started:
+        restarting = self._started
+        if restarting:
             self.stream.restart()
         self._started = True
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         pub: zmq.Socket[bytes] = ctx.socket(zmq.XPUB)
         replay: zmq.Socket[bytes] | None = None
         try:
-            replay = self._open(ctx, pub)
+            # a restart binds the addresses the last run closed: ZMQ's I/O thread lets
+            # them go a moment after close returns, so a bind may meet them still taken
+            for attempt in range(REBIND_TRIES if restarting else 1):
+                try:
+                    replay = self._open(ctx, pub)
+                    break
+                except BindError:
+                    if attempt == REBIND_TRIES - 1 or not restarting:
+                        raise
+                    zmq_trio.close(pub)
+                    pub = ctx.socket(zmq.XPUB)
+                    await trio.sleep(REBIND_WAIT_S)
             self._pub = pub
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_subscriptions, pub)

@@ -32,7 +32,7 @@ from narwhal.core.faults import BreakerClass, RequestFault
 from narwhal.core.fleet import EngineState, Fleet, Leg
 from narwhal.core.flow import SATURATIONS
 from narwhal.core.handoff import Fate, Handoff
-from narwhal.core.served_models import parse_models
+from narwhal.core.served_models import MAX_LIST_BYTES, parse_models
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
 from narwhal.metrics import Metrics
@@ -182,12 +182,12 @@ class Health:
         with trio.move_on_after(self.router.config.engine.health_timeout_s):
             try:
                 client = client or self.router.background.checks_client()  # off the data path
-                status, body = await client.get(engine.url, "/v1/models")
+                status, body = await client.get_within(engine.url, "/v1/models", MAX_LIST_BYTES)
             except RequestFault:
                 return
             if status != 200:
                 return
-            served = parse_models(body)
+            served = parse_models(body) if body is not None else f"over {MAX_LIST_BYTES} bytes"
             fleet = self.router.fleet
             if isinstance(served, str):
                 self.router.metrics.model_lists_refused.labels(engine.id).inc()
@@ -195,7 +195,34 @@ class Health:
             if fleet.note_models(engine, served):
                 names = sorted(fleet.served_by(engine).parents)
                 self.router.events.record("models", engine.id, served=names[:64])
+                self._warn_conflicts()
                 fleet.on_change()  # a name it serves now may have requests waiting
+
+    def _warn_conflicts(self) -> None:
+        """Names some engine means otherwise than the fleet does (another parent), and
+        aliases that hide a served name: said once per change of the lists."""
+        fleet = self.router.fleet
+        for name in sorted(fleet.catalog.conflicts)[:16]:
+            others = [
+                e.id
+                for e in fleet.engines
+                if name in fleet.served_by(e) and not fleet.catalog.means(fleet.served_by(e), name)
+            ]
+            log.warning(
+                "model %r means %s here; engines %s list it otherwise and do not take it",
+                name,
+                f"an adapter of {fleet.catalog.served[name]!r}"
+                if fleet.catalog.served[name]
+                else "a base model",
+                others[:16],
+            )
+        for alias in sorted(set(fleet.aliases) & set(fleet.catalog.served))[:16]:
+            log.warning(
+                "alias %r hides the served name %r: requests for it go to %r",
+                alias,
+                alias,
+                fleet.aliases[alias],
+            )
 
     def _noted(self, engine: EngineState, change: str | None) -> None:
         self.router.metrics.up.labels(engine.id).set(int(engine.up))
@@ -263,7 +290,7 @@ class Health:
         pool = [
             e
             for e in (fleet.producers if leg == "prefill" else fleet.consumers)
-            if model in fleet.served_by(e)
+            if fleet.catalog.means(fleet.served_by(e), model)
         ]
         healthy = [e for e in pool if (wave or e.breaker.healthy(now)) and e is not engine]
         if preferred is not None:

@@ -25,6 +25,7 @@ from narwhal import tracing
 from narwhal.core.classify import Flow
 from narwhal.core.config import ConfigError, FleetConfig, load_config
 from narwhal.core.faults import (
+    BadRequest,
     DeadlineExpired,
     EngineFaults,
     InternalError,
@@ -75,11 +76,8 @@ def check_workers(config: FleetConfig, count: int, source: str) -> None:
         raise ConfigError(source, [problem])
 
 
-class _Named(msgspec.Struct):
-    model: str | None = None
-
-
-_decode_model = msgspec.json.Decoder(_Named).decode
+_decode_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_model = msgspec.json.Decoder(str | None).decode
 
 
 class Router:
@@ -159,12 +157,15 @@ class Router:
         the name it stands for). No engine placeable: the fleet's model, as before any
         engine answered."""
         fleet, now = self.fleet, trio.current_time()
+        catalog, aliases = fleet.catalog, self.config.aliases
         names: dict[str, str | None] = {}
         for leg in LEGS:
             for engine in fleet.placeable(leg, now)[0]:
-                for name, parent in fleet.served_by(engine).parents.items():
-                    if names.get(name) is None:
-                        names[name] = parent
+                served = fleet.served_by(engine)
+                for name in served.parents:
+                    # as the fleet means it; a name an alias hides is listed as the alias
+                    if name not in aliases and catalog.means(served, name):
+                        names[name] = catalog.served[name]
         if not names:
             names[self.config.model] = None
 
@@ -175,8 +176,8 @@ class Router:
         data = [card(name, parent=parent) for name, parent in names.items()]
         data += [
             card(alias, root=target, parent=names[target])
-            for alias, target in self.config.aliases.items()
-            if target in names and alias not in names
+            for alias, target in aliases.items()
+            if target in names
         ]
         return {"object": "list", "data": data}
 
@@ -428,22 +429,29 @@ class Router:
         raise DeadlineExpired(timeout, phase=Phase.PREFILL)
 
     def _pass_model(self, body: bytes) -> tuple[bytes, str | None]:
-        """A tokenizer request's body for its engine, and the served name it asks for
-        (None: it names none, any engine answers). An alias is rewritten to the name it
-        stands for; a name nobody serves is a 404, as for a completion."""
+        """A tokenizer request's body for its engine, and the served name whose engines
+        answer it: the one it names (an alias rewritten to it), else the fleet's model.
+        A name nobody serves is a 404 and a ``model`` that is not a string a 400, as for a
+        completion; a body that is not an object is the engine's to refuse."""
         try:
-            named = _decode_model(body)
+            fields = _decode_raw_fields(body)
         except (msgspec.DecodeError, RecursionError):
-            return body, None  # not ours to judge: the engine answers its own 400
-        if named.model is None:
-            return body, None
-        served = self.fleet.catalog.resolve(named.model)
+            return body, self.config.model
+        raw = fields.get("model")
+        if raw is None:
+            return body, self.config.model
+        try:
+            named = _decode_model(raw)
+        except msgspec.ValidationError:
+            raise BadRequest("model: must be a string", "model") from None
+        if named is None:
+            return body, self.config.model
+        served = self.fleet.catalog.resolve(named)
         if served is None:
-            raise ModelNotServed.named(named.model)
-        if served == named.model:
+            raise ModelNotServed.named(named)
+        if served == named:
             return body, served
-        fields = msgspec.json.decode(body)
-        fields["model"] = served
+        fields["model"] = msgspec.Raw(msgspec.json.encode(served))  # the rest as it came
         return msgspec.json.encode(fields), served
 
     def _pass_engine(self, model: str | None = None) -> EngineState:

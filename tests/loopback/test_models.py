@@ -297,3 +297,50 @@ async def _queued(h: Harness, n: int) -> None:
         if sum((await h.get("/narwhal/engines")).json()["queued"].values()) == n:
             return
     raise AssertionError(f"the queue never held {n}")
+
+
+async def test_the_tokenizer_endpoints_keep_the_body_and_name_the_field() -> None:
+    async with trio.open_nursery() as nursery:
+        h = await _fleet(nursery, _mixed())
+        # an alias is rewritten and the rest of the body kept as it came (a number no
+        # float holds included: the engine judges it, never a 500 from the router)
+        huge = b'{"model":"alias-a","prompt":"hi","x":1e400}'
+        reply = await h.post("/tokenize", huge)
+        assert reply.status in (200, 400), reply.body
+        assert reply.headers["content-type"].startswith("application/json")
+        sent = [e for eid in ("p0", "d0") for e in h.engines[eid].log if e["path"] == "/tokenize"]
+        assert len(sent) == 1
+        wrong = await h.post("/tokenize", {"model": ["a"], "prompt": "hi"})
+        assert wrong.status == 400
+        assert wrong.json()["error"]["param"] == "model"
+        for _ in range(4):  # no model: the fleet's model's engines
+            assert (await h.post("/tokenize", {"prompt": "hi"})).status == 200
+        await finish(h)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_oversized_model_list_is_refused_and_counted() -> None:
+    async with trio.open_nursery() as nursery:
+        h = await _fleet(nursery, _mixed())
+        big = b'{"data": [' + b'{"id": "m"},' * 800_000 + b'{"id": "n"}]}'  # ~9.6 MB
+        h.engines["d0"]._models = lambda: big  # type: ignore[method-assign]
+        await h.router.health.check_all()
+        view = {e["id"]: e for e in (await h.get("/narwhal/engines")).json()["engines"]}
+        assert view["d0"]["models_refused"] == 1
+        assert {m["id"] for m in view["d0"]["models"]} == {MODEL, "a"}
+        await finish(h)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_alias_that_hides_a_served_name_is_listed_as_the_alias() -> None:
+    """``alias-a`` stands for ``a``; an engine that lists its own ``alias-a`` does not
+    make the alias mean something else, and /v1/models says what requests get."""
+    engines = {**_mixed(), "d1": ("decode", (MODEL, f"alias-a:{MODEL}"))}
+    async with trio.open_nursery() as nursery:
+        h = await _fleet(nursery, engines)
+        listed = {m["id"]: m for m in (await h.get("/v1/models")).json()["data"]}
+        assert listed["alias-a"]["root"] == "a"
+        assert (await _complete(h, "alias-a")).json()["model"] == "a"
+        assert h.router.journal.lines[-1].attempts[0].consumer == "d0"
+        await finish(h)
+        nursery.cancel_scope.cancel()

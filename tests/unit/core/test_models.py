@@ -375,3 +375,26 @@ def test_a_long_unknown_name_is_shown_cut_in_its_404() -> None:
     with pytest.raises(ModelNotServed) as refused:
         parse_request(body, endpoint="/v1/completions", model="tiny")
     assert str(refused.value) == f"model '{'x' * 256}...' is not served here"
+
+
+def test_a_name_on_two_bases_means_one_model_and_kv_never_crosses() -> None:
+    """An adapter ``a`` of the fleet's model on p0/d0, and another ``a`` (of ``other``) on
+    p1/d1: the fleet means the first; p1 and d1 do not take ``a`` and are named."""
+    fleet = _fleet(
+        ("p0", _served("tiny", "a:tiny")),
+        ("p1", _served("other", "a:other")),
+        ("d0", _served("tiny", "a:tiny")),
+        ("d1", _served("other", "a:other")),
+    )
+    ids = {leg: [e.id for e in fleet.placeable(leg, 0.0, "a")[0]] for leg in ("prefill", "decode")}
+    assert ids == {"prefill": ["p0"], "decode": ["d0"]}
+    assert fleet.catalog.conflicts == {"a"}
+    assert [e.id for e in fleet.placeable("decode", 0.0, "other")[0]] == ["d1"]
+    # the first engine's meaning when none is of the fleet model's lineage
+    catalog = Catalog.of([_served("x", "b:x"), _served("y", "b:y")], {}, "tiny")
+    assert catalog.served["b"] == "x"
+    assert catalog.conflicts == {"b"}
+    # a base name another engine lists as an adapter
+    mixed = Catalog.of([_served("tiny:other"), _served("tiny")], {}, "tiny")
+    assert mixed.served["tiny"] is None
+    assert mixed.conflicts == {"tiny"}

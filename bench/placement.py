@@ -2,7 +2,8 @@
 and conditional disaggregation (decode first, SPEC 4.4) against always disaggregating.
 
     python bench/placement.py [--quick] [--peers-venv .bench-venv] [--out bench/results]
-                              [--set KEY=VALUE]...   (a [placement] line for our targets)
+                              [--set KEY=VALUE]...   (a [placement] line for our targets;
+                                 admission.KEY=VALUE: an [admission] line)
                               [--only PREFIX] [--targets NAME,...] [--thresholds 256,1024]
 
 The fleet, started afresh for every (policy, workload) run so that every prefix cache
@@ -500,6 +501,7 @@ Start = Callable[[list[str], list[str], Path], tuple[Proc, str]]
 
 
 PLACEMENT_KEYS: list[str] = []  # --set: more [placement] lines for every target of ours
+ADMISSION_KEYS: list[str] = []  # --set admission.KEY=VALUE: [admission] lines for ours
 
 
 def ours(
@@ -511,6 +513,8 @@ def ours(
     def start(prefills: list[str], decodes: list[str], tmp: Path) -> tuple[Proc, str]:
         lines = [f"metrics_interval_s = {interval_s}", *keys, *PLACEMENT_KEYS]
         extra = "".join(f"{line}\n" for line in lines) + (KV_SUBSCRIBE if precise else "")
+        if ADMISSION_KEYS:
+            extra += "[admission]\n" + "".join(f"{line}\n" for line in ADMISSION_KEYS)
         return serve_narwhal(
             f'model = "{MODEL}"\n' + engines_toml(prefills, decodes) + "[serving]\n"
             "max_inflight = 20000\n"
@@ -1479,7 +1483,8 @@ def parse_args() -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a [placement] line for our targets (TOML), e.g. affinity_load_factor=2.0",
+        help="a [placement] line for our targets (TOML), e.g. affinity_load_factor=2.0; "
+        "admission.KEY=VALUE: an [admission] line, e.g. admission.queue=false",
     )
     parser.add_argument(
         "--kv-events",
@@ -1587,7 +1592,12 @@ def fleet_text(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     args = parse_args()
-    PLACEMENT_KEYS.extend(args.set)
+    for line in args.set:
+        section, dot, key = line.partition(".")
+        if dot and section.strip() == "admission" and "=" in key:
+            ADMISSION_KEYS.append(key)
+        else:
+            PLACEMENT_KEYS.append(line)
     if args.kv_events:
         KV_EVENTS_EVERYWHERE.append(True)
     os.environ["PEERS_VENV"] = args.peers_venv

@@ -74,8 +74,9 @@ ENGINES ?= fast   # fast: bench/fast_engine.py (aiohttp on uvloop); fake: narwha
 bench: venv $(BENCH_VENV)/.installed         ## all scenarios, table and plot in bench/results/
 	$(PY) bench/peers.py --peers-venv $(BENCH_VENV) --engines $(strip $(ENGINES)) $(if $(strip $(BASELINE)),--baseline $(strip $(BASELINE))) $(if $(strip $(ROUNDS)),--rounds $(strip $(ROUNDS)))
 
-bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies and conditional disaggregation vs the peers, 6 workloads (~35 min)
-	$(PY) bench/placement.py --peers-venv $(BENCH_VENV)
+ONLY ?=   # a workload name's start: `make bench-placement ONLY=lora` runs the lora adapters one (~2 min)
+bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies and conditional disaggregation vs the peers, 7 workloads (~37 min)
+	$(PY) bench/placement.py --peers-venv $(BENCH_VENV) $(if $(strip $(ONLY)),--only "$(strip $(ONLY))")
 
 bench-overload: venv $(BENCH_VENV)/.installed   ## flow control at 2x capacity vs no queue and the peers (~10 min)
 	$(PY) bench/overload.py --peers-venv $(BENCH_VENV)

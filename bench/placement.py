@@ -2,7 +2,8 @@
 and conditional disaggregation (decode first, SPEC 4.4) against always disaggregating.
 
     python bench/placement.py [--quick] [--peers-venv .bench-venv] [--out bench/results]
-                              [--set KEY=VALUE]...   (a [placement] line for our targets)
+                              [--set KEY=VALUE]...   (a [placement] line for our targets;
+                                 admission.KEY=VALUE: an [admission] line)
                               [--only PREFIX] [--targets NAME,...] [--thresholds 256,1024]
 
 The fleet, started afresh for every (policy, workload) run so that every prefix cache
@@ -74,6 +75,16 @@ Workloads (30 s of arrivals each, 10 s with ``--quick``):
                  its ``/kv_event_sources`` names), for every target alike; with events the
                  warm-up's prompts are one block each, so the streams are live before the
                  measured phase
+  lora adapters  two LoRA adapters of the base model, ``hot`` and ``cold``, on all four
+                 engines with one adapter slot each (``--models fake-model,hot:fake-model,
+                 cold:fake-model --max-loras 1 --lora-swap-ms 50``: a request for the adapter
+                 not loaded waits until the slot's adapter has no request running, then pays
+                 50 ms; requests for the loaded one keep going past it, as in vLLM); open
+                 loop at 8 requests/s, each request's name drawn: 72% ``hot``, 18% ``cold``,
+                 10% the base model (no slot); unique 1,000-token prompts (200 ms of prefill
+                 on p0, 400 on p1: nothing cached, so the adapters are all that placement can
+                 get right) and 64 output tokens (320 ms on d0, 640 on d1), so that adapters
+                 are running when an engine is scraped
 
 Targets of the first three workloads:
   round_robin            ours, ``[placement] policy = "round_robin"``, no prefix affinity
@@ -99,6 +110,15 @@ Targets of the cache pressure workload:
                          prompt's 1,000 or more) and ``[kv_events] mode = "subscribe"``
   narwhal approximate    the same with the precise index off (``mode = "off"``, the default)
   vllm-router cache_aware   as above
+
+Targets of the lora adapters workload (all three through the same P/D fleet, each of our
+targets scraping every 0.25 s, ``metrics_interval_s = 0.25``: vllm:lora_requests_info is
+what adapter affinity reads):
+  adapter affinity       ours, ``least_loaded``, prefix affinity and ``adapter_affinity =
+                         true`` (the defaults)
+  adapter affinity off   the same with ``adapter_affinity = false``: the baseline
+  vllm-router cache_aware   as above; it does not route by ``model`` (every engine serves
+                         every name here, so whatever it picks answers)
 
 Targets of the conditional workloads:
   always-P/D             ours with its defaults (least_loaded, prefix affinity, every request
@@ -133,6 +153,15 @@ The cache pressure table has the conditional columns with TTFT p90, the hit rate
 four engines together, and how many of our router's KV-event streams were live at the end
 (``/narwhal/engines``; events it refused in brackets). Its targets: the precise index's TTFT
 p90 at most 0.5x the approximate one's, its hit rate at least 15 points higher.
+
+The lora adapters table: TTFT p50/p99 over all requests and per served name, each engine's
+adapter swaps (the change of ``lora_swaps`` in its ``GET /fake/stats`` over the measured
+phase: a load that evicted the other adapter) and their sum against affinity off's in the
+same run, each engine's loads by adapter, the peak waiting queues (requests waiting for
+the slot count there, as in vLLM), and our router's mean wait in its admission queue
+(``narwhal_queue_wait_seconds``: an engine whose waiting queue reaches
+``engine_waiting_limit`` is saturated). Its target: adapter affinity's swaps at most 0.5x
+affinity off's at a TTFT p99 no worse.
 
 Nothing is asserted: the machine is shared and noisy; the issues' targets are checked on
 this run's figures and printed: for the conditional workloads, each ``conditional N``
@@ -223,6 +252,22 @@ PRESSURE_LOCAL_TOKENS = 256  # both of our targets' [placement] local_prefill_to
 PRESSURE_CACHE_SHARE = 1 / 3  # of the working set, in every engine's prefix cache
 KV_EVENTS_ARGS = ("--kv-events-endpoint", "tcp://*:0", "--kv-events-replay-endpoint", "tcp://*:0")
 KV_SUBSCRIBE = '[kv_events]\nmode = "subscribe"\n'  # our precise targets' fleet-file section
+# lora adapters: two adapters of the base model on every engine, one slot each (see the
+# docstring); the requests' served names and their shares
+LORA = "lora adapters"
+HOT, COLD = "hot", "cold"
+LORA_MIX = ((HOT, 0.72), (COLD, 0.18), (MODEL, 0.10))
+LORA_SWAP_MS = 50  # an adapter's load into the slot (a rank-16 adapter from the CPU cache)
+LORA_ARGS = (
+    "--models",
+    f"{MODEL},{HOT}:{MODEL},{COLD}:{MODEL}",
+    "--max-loras",
+    "1",
+    "--lora-swap-ms",
+    str(LORA_SWAP_MS),
+)
+LORA_WORDS, LORA_OUTPUT_TOKENS = 1000, 64  # long enough that adapters run when scraped
+LORA_INTERVAL_S = 0.25  # our targets' metrics_interval_s: vllm:lora_requests_info 4 times a second
 SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})? (\S+)$", re.M)  # summed by name
 DECISIONS = re.compile(
     r'^narwhal_placement_decisions_total\{leg="(\w+)",reason="(\w+)"\} (\S+)$', re.M
@@ -263,22 +308,28 @@ class Workload:
     # the conditional-disaggregation workloads: consumers with a prefill cost and a prefix
     # cache, the conditional targets, the stream client and the columns that judge them
     conditional: bool = False
+    # lora adapters: each request's served name drawn by these shares (empty: MODEL alone),
+    # and every engine serving the adapters with one slot (LORA_ARGS)
+    models: tuple[tuple[str, float], ...] = ()
 
     def schedule(self, seed: int) -> list[tuple[float, bytes, str]]:
-        """(arrival in seconds from the start, request body, its class: "short", "long" or
-        ""), the same for every target."""
+        """(arrival in seconds from the start, request body, its class: "short", "long",
+        the served name with ``models``, or ""), the same for every target."""
         rng = random.Random(seed)
         at, out = 0.0, []
+        names, shares = [n for n, _ in self.models], [w for _, w in self.models]
         for i in range(self.requests):
+            model = rng.choices(names, shares)[0] if self.models else MODEL
             prompt = self.prompt(rng, i)
             body = {
-                "model": MODEL,
+                "model": model,
                 "prompt": prompt,
                 "max_tokens": self.max_tokens,
                 "stream": True,
                 "temperature": 0,
             }
-            out.append((at, msgspec.json.encode(body), prompt_class(self, prompt)))
+            kind = model if self.models else prompt_class(self, prompt)
+            out.append((at, msgspec.json.encode(body), kind))
             at += rng.expovariate(self.rate)
         return out
 
@@ -384,6 +435,11 @@ def pressure_cache_blocks(systems: tuple[str, ...]) -> int:
     return round(PRESSURE_CACHE_SHARE * (system_blocks + in_flight * own_blocks))
 
 
+def lora_prompt(rng: random.Random, i: int) -> str:
+    """A unique LORA_WORDS-token prompt: nothing cached, so only the adapters differ."""
+    return words(rng, LORA_WORDS, f"l{i}")
+
+
 def short_or_long_prompt(rng: random.Random, i: int) -> str:
     """Unique prompts: 70% of 20-99 tokens, 30% of 2,001-2,600 (nothing cached)."""
     low, high = SHORT_WORDS if rng.random() < SHORT_SHARE else LONG_WORDS
@@ -428,6 +484,14 @@ def workloads(quick: bool) -> list[Workload | ChatWorkload]:
             kv_events=True,
             think_s=PRESSURE_THINK_S,
         ),
+        Workload(
+            LORA,
+            RATE,
+            count,
+            lora_prompt,
+            max_tokens=LORA_OUTPUT_TOKENS,
+            models=LORA_MIX,
+        ),
     ]
 
 
@@ -437,6 +501,7 @@ Start = Callable[[list[str], list[str], Path], tuple[Proc, str]]
 
 
 PLACEMENT_KEYS: list[str] = []  # --set: more [placement] lines for every target of ours
+ADMISSION_KEYS: list[str] = []  # --set admission.KEY=VALUE: [admission] lines for ours
 
 
 def ours(
@@ -448,6 +513,8 @@ def ours(
     def start(prefills: list[str], decodes: list[str], tmp: Path) -> tuple[Proc, str]:
         lines = [f"metrics_interval_s = {interval_s}", *keys, *PLACEMENT_KEYS]
         extra = "".join(f"{line}\n" for line in lines) + (KV_SUBSCRIBE if precise else "")
+        if ADMISSION_KEYS:
+            extra += "[admission]\n" + "".join(f"{line}\n" for line in ADMISSION_KEYS)
         return serve_narwhal(
             f'model = "{MODEL}"\n' + engines_toml(prefills, decodes) + "[serving]\n"
             "max_inflight = 20000\n"
@@ -530,6 +597,21 @@ def pressure_targets() -> list[tuple[str, Start]]:
     ]
 
 
+ADAPTER_ON, ADAPTER_OFF = "adapter affinity", "adapter affinity off"
+
+
+def lora_targets() -> list[tuple[str, Start]]:
+    """The lora adapters workload's targets: ours (least_loaded and prefix affinity, the
+    defaults, scraping every LORA_INTERVAL_S) with adapter affinity (the default) and
+    without, and vllm-router's cache-aware policy (it does not route by model: every
+    engine serves every name, so any placement works, at the swaps it costs)."""
+    return [
+        (ADAPTER_ON, ours("least_loaded", True, LORA_INTERVAL_S)),
+        (ADAPTER_OFF, ours("least_loaded", True, LORA_INTERVAL_S, "adapter_affinity = false")),
+        ("vllm-router cache_aware", vllm_router("cache_aware")),
+    ]
+
+
 # ---- one run ---------------------------------------------------------------------------
 
 
@@ -558,6 +640,12 @@ class Run(Result):
     # the events the router refused; None from a router without the precise index
     kv_live: tuple[int, int] | None = None
     kv_rejected: float | None = None
+    # lora adapters: each engine's adapter swaps and loads (by adapter) in the measured
+    # phase, from its /fake/stats; None for the other workloads
+    lora_swaps: dict[str, float] | None = None
+    lora_loads: dict[str, dict[str, float]] | None = None
+    # ours: requests dispatched from the admission queue and their summed wait there
+    queue_wait: tuple[float, float] | None = None
 
     def legs_saved(self) -> tuple[float, float] | None:
         """(producer legs saved, requests decided), from our router's counter."""
@@ -583,6 +671,19 @@ class Run(Result):
             "hit_rate_consumers": _rate(self.hit_rate_consumers),
             "hit_rate_all": _rate(self.hit_rate_all),
             "kv_live": None if self.kv_live is None else list(self.kv_live),
+            "lora_swaps": self.lora_swaps,
+            "lora_swaps_total": None if self.lora_swaps is None else sum(self.lora_swaps.values()),
+            "lora_loads": self.lora_loads,
+            "queue_wait_mean_ms": None
+            if not self.queue_wait or not self.queue_wait[0]
+            else round(1000 * self.queue_wait[1] / self.queue_wait[0], 1),
+            # lora adapters: TTFT p50/p99 and completed requests by served name
+            "ttft_by_model_ms": {
+                k: {"p50": _ms(pct(v, 0.5)), "p99": _ms(pct(v, 0.99)), "n": len(v)}
+                for k, v in sorted(self.ttft_by.items())
+            }
+            if self.lora_swaps is not None
+            else None,
             "kv_rejected": self.kv_rejected,
             "kv_pulls": self.kv_pulls,
             "kv_mib": None if self.kv_bytes is None else round(self.kv_bytes / 2**20, 2),
@@ -624,6 +725,44 @@ def counters(urls: dict[str, str]) -> dict[str, dict[str, float]]:
             found[m[1]] = found.get(m[1], 0.0) + float(m[2])
         out[name] = found
     return out
+
+
+def adapter_stats(urls: dict[str, str]) -> dict[str, tuple[float, dict[str, float]]]:
+    """Each engine's adapter swaps and loads by adapter, from its ``GET /fake/stats``."""
+    out = {}
+    for name, url in urls.items():
+        stats = json.loads(get(url, "/fake/stats"))
+        loads = {k: float(v) for k, v in stats.get("lora_loads", {}).items()}
+        out[name] = (float(stats.get("lora_swaps", 0)), loads)
+    return out
+
+
+def adapter_tally(
+    run: Run,
+    before: dict[str, tuple[float, dict[str, float]]],
+    after: dict[str, tuple[float, dict[str, float]]],
+) -> None:
+    """The measured phase's swaps and loads on each engine (the warm-up's taken out)."""
+    run.lora_swaps = {n: after[n][0] - before[n][0] for n in after}
+    run.lora_loads = {
+        n: {k: v - before[n][1].get(k, 0.0) for k, v in sorted(after[n][1].items())} for n in after
+    }
+
+
+QUEUE_WAIT = re.compile(r"^narwhal_queue_wait_seconds_(count|sum)(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def queue_wait(url: str) -> tuple[float, float] | None:
+    """Our router's admission queue: (requests that left it, seconds they waited there),
+    summed over classes and models; None from a router without it (the peers)."""
+    try:
+        text = get(url, "/metrics")
+    except OSError:
+        return None
+    found = {"count": 0.0, "sum": 0.0}
+    for m in QUEUE_WAIT.finditer(text):
+        found[m[1]] += float(m[2])
+    return (found["count"], found["sum"]) if "narwhal_queue_wait_seconds" in text else None
 
 
 def disaggregation(url: str) -> dict[str, float] | None:
@@ -870,14 +1009,21 @@ def consumer_cost() -> list[str]:
 
 
 def start_fleet(
-    tmp: Path, conditional: bool = False, cache_blocks: int = 0, kv_events: bool = False
+    tmp: Path,
+    conditional: bool = False,
+    cache_blocks: int = 0,
+    kv_events: bool = False,
+    lora: bool = False,
 ) -> tuple[list[Proc], dict[str, str]]:
     """The fake fleet, fresh; ``cache_blocks``: every engine's prefix cache (0: the usual
     sizes); ``kv_events``: every engine publishes its KV events (on ephemeral loopback
-    ports its ``/kv_event_sources`` names)."""
+    ports its ``/kv_event_sources`` names); ``lora``: every engine serves the two
+    adapters too, with one adapter slot (LORA_ARGS)."""
     # the first three workloads keep the old consumers, so their rows stay comparable
     consumer = [*CONSUMER, *consumer_cost()] if conditional else CONSUMER
     extra = [*KV_EVENTS_ARGS] if kv_events else []
+    if lora:
+        extra += LORA_ARGS
     if cache_blocks:  # the last --prefix-cache-blocks of a command line wins
         extra += ["--prefix-cache-blocks", str(cache_blocks)]
     return start_fake_fleet(
@@ -926,7 +1072,8 @@ def measure(
     run = Run(target, workload.name, conditional=workload.conditional)
     blocks = workload.cache_blocks if isinstance(workload, ChatWorkload) else 0
     events = bool(KV_EVENTS_EVERYWHERE) or getattr(workload, "kv_events", False)
-    engines, urls = start_fleet(tmp, workload.conditional, blocks, events)
+    lora = bool(getattr(workload, "models", ()))
+    engines, urls = start_fleet(tmp, workload.conditional, blocks, events, lora)
     try:
         try:
             proc, url = start(
@@ -938,8 +1085,15 @@ def measure(
         try:
             warm_up(url, events)
             before, decided = counters(urls), disaggregation(url)
+            adapters = adapter_stats(urls) if lora else {}
+            waited = queue_wait(url) if lora else None
             play(workload, seed, url, run, urls)
             after = counters(urls)
+            if lora:
+                adapter_tally(run, adapters, adapter_stats(urls))
+                now = queue_wait(url)
+                if now is not None and waited is not None:
+                    run.queue_wait = (now[0] - waited[0], now[1] - waited[1])
             run.placements = placements(url)
             run.kv_live, run.kv_rejected = kv_streams(url)
             run.disaggregation = since(decided, disaggregation(url))
@@ -1012,13 +1166,26 @@ PRESSURE_HEADER = (
 )
 
 
+LORA_HEADER = (
+    "| target | TTFT p50 ms | TTFT p99 ms | hot p50 / p99 ms | cold p50 / p99 ms "
+    "| base p50 / p99 ms | swaps p0/p1/d0/d1 | swaps total | swaps / affinity off "
+    "| loads hot/cold p0; p1; d0; d1 | peak waiting p0/p1/d0/d1 | router queue wait mean ms "
+    "| ok/failed | load avg | note |"
+)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == workload]
-        header, row = (CD_HEADER, cd_cells) if mine[0].get("conditional") else (HEADER, cells)
+        row: Callable[[dict[str, Any]], list[str]] = cells
+        header = HEADER
+        if mine[0].get("conditional"):
+            header, row = CD_HEADER, cd_cells
         if workload == PRESSURE:
             header, row = PRESSURE_HEADER, pressure_cells
+        if workload == LORA:
+            header, row = LORA_HEADER, lora_row(mine)
         lines += [f"\n### {workload}\n", header, "|---" * (header.count("|") - 1) + "|"]
         lines += ["| " + " | ".join(row(r)) + " |" for r in mine]
     return "\n".join(lines)
@@ -1095,6 +1262,72 @@ def pressure_cells(r: dict[str, Any]) -> list[str]:
         streams,
         *cd[11:],
     ]
+
+
+ENGINES = tuple(n for n, _, _ in FLEET)
+
+
+def lora_row(mine: list[dict[str, Any]]) -> Callable[[dict[str, Any]], list[str]]:
+    """The lora adapters table's row maker: swaps are shown against affinity off's in the
+    same run."""
+    off = next((r["lora_swaps_total"] for r in mine if r["target"] == ADAPTER_OFF), None)
+
+    def by_model(r: dict[str, Any], model: str) -> str:
+        got = (r.get("ttft_by_model_ms") or {}).get(model)
+        return "—" if not got else f"{fmt(got['p50'], 1, 1)} / {fmt(got['p99'], 1, 1)}"
+
+    def row(r: dict[str, Any]) -> list[str]:
+        swaps, total = r.get("lora_swaps") or {}, r.get("lora_swaps_total")
+        loads = r.get("lora_loads") or {}
+        ratio = "—" if total is None or not off else f"{total / off:.2f}x"
+        return [
+            r["target"],
+            fmt(r["ttft_p50_ms"], 1, 1),
+            fmt(r["ttft_p99_ms"], 1, 1),
+            by_model(r, HOT),
+            by_model(r, COLD),
+            by_model(r, MODEL),
+            "/".join(f"{swaps.get(n, 0):.0f}" for n in ENGINES) if swaps else "—",
+            fmt(total, 1, 0),
+            ratio,
+            "; ".join(
+                "/".join(f"{loads.get(n, {}).get(a, 0):.0f}" for a in (HOT, COLD)) for n in ENGINES
+            )
+            if loads
+            else "—",
+            "/".join(f"{r['peak_waiting'].get(n, 0):.0f}" for n in ENGINES),
+            fmt(r.get("queue_wait_mean_ms"), 1, 1),
+            f"{r['ok']}/{r['failed']}",
+            fmt(r["load_avg"], 1, 1),
+            row_notes(r),
+        ]
+
+    return row
+
+
+def lora_met(rows: list[dict[str, Any]]) -> str:
+    """Adapter affinity's target, against affinity off in this run: adapter swaps (summed
+    over the four engines) at most 0.5x, at a TTFT p99 no worse."""
+    by = {r["target"]: r for r in rows if r["workload"] == LORA}
+    on, off = by.get(ADAPTER_ON), by.get(ADAPTER_OFF)
+    if on is None or off is None or on["lora_swaps_total"] is None:
+        return ""
+    lines = ["\n### Targets (lora adapters, adapter affinity vs off)\n"]
+    swaps, base = on["lora_swaps_total"], off["lora_swaps_total"]
+    if base:
+        lines.append(
+            f"- adapter swaps {swaps:.0f} vs {base:.0f} ({swaps / base:.2f}x; target at most "
+            f"0.5x: {'met' if swaps <= 0.5 * base else 'NOT met'})"
+        )
+    else:
+        lines.append(f"- adapter swaps {swaps:.0f} vs 0 (target at most 0.5x: not measurable)")
+    p99, p99_off = on["ttft_p99_ms"], off["ttft_p99_ms"]
+    if p99 is not None and p99_off:
+        lines.append(
+            f"- TTFT p99 {p99:.1f} ms vs {p99_off:.1f} ms ({p99 / p99_off:.2f}x; target no "
+            f"worse: {'met' if p99 <= p99_off else 'NOT met'})"
+        )
+    return "\n".join(lines)
 
 
 def targets_met(rows: list[dict[str, Any]]) -> str:
@@ -1241,13 +1474,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--targets", help="comma-separated target names (default: all)")
     parser.add_argument("--only", help="run only the workloads whose name starts with this")
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument(
+        "--name", help="the results' file name, without .md/.json (default: placement-DATE)"
+    )
     parser.add_argument("--logs", help="keep the processes' logs in this folder")
     parser.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a [placement] line for our targets (TOML), e.g. affinity_load_factor=2.0",
+        help="a [placement] line for our targets (TOML), e.g. affinity_load_factor=2.0; "
+        "admission.KEY=VALUE: an [admission] line, e.g. admission.queue=false",
     )
     parser.add_argument(
         "--kv-events",
@@ -1273,6 +1510,9 @@ def progress(run: Run) -> str:
     if run.scenario == PRESSURE:
         line += f"p90={fmt(r['ttft_p90_ms'], 1, 1)} all hit={r['hit_rate_all']} "
         line += f"kv live={r['kv_live']} rejected={r['kv_rejected']} "
+    if run.lora_swaps is not None:
+        r_models = r["ttft_by_model_ms"] or {}
+        line += f"swaps={run.lora_swaps} loads={run.lora_loads} by model={r_models} "
     if run.conditional:
         line += (
             f"short p50={fmt(r['ttft_short_p50_ms'], 1, 1)} "
@@ -1298,6 +1538,8 @@ def run_all(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
             continue
         if workload.name == PRESSURE:
             chosen = pressure_targets()
+        elif workload.name == LORA:
+            chosen = lora_targets()
         elif workload.conditional:
             chosen = conditional_targets(thresholds, args.kv_events)
         else:
@@ -1319,6 +1561,14 @@ def fleet_text(rows: list[dict[str, Any]]) -> str:
     )
     if KV_EVENTS_EVERYWHERE:
         text += f"`--kv-events`: every engine also runs with `{' '.join(KV_EVENTS_ARGS)}`.\n"
+    if any(r["workload"] == LORA for r in rows):
+        mix = ", ".join(f"{share:.0%} {name}" for name, share in LORA_MIX)
+        text += (
+            f"{LORA}: every engine with `{' '.join(LORA_ARGS)}`; unique {LORA_WORDS}-token "
+            f"prompts, {LORA_OUTPUT_TOKENS} output tokens, {mix}; ours with "
+            f"`metrics_interval_s = {LORA_INTERVAL_S}`. Swaps and loads: each engine's "
+            "`/fake/stats` over the measured phase.\n"
+        )
     if not any(r["conditional"] for r in rows):
         return text
     text += (
@@ -1342,7 +1592,12 @@ def fleet_text(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     args = parse_args()
-    PLACEMENT_KEYS.extend(args.set)
+    for line in args.set:
+        section, dot, key = line.partition(".")
+        if dot and section.strip() == "admission" and "=" in key:
+            ADMISSION_KEYS.append(key)
+        else:
+            PLACEMENT_KEYS.append(line)
     if args.kv_events:
         KV_EVENTS_EVERYWHERE.append(True)
     os.environ["PEERS_VENV"] = args.peers_venv
@@ -1366,6 +1621,7 @@ def main() -> int:
                 targets_met(rows),
                 conditional_met(rows),
                 pressure_met(rows),
+                lora_met(rows),
                 precise_ratios(rows),
             )
             if part
@@ -1374,7 +1630,7 @@ def main() -> int:
     print(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"placement-{stamp}{'-quick' if args.quick else ''}"
+    name = args.name or f"placement-{stamp}{'-quick' if args.quick else ''}"
     (out / f"{name}.md").write_text(report + "\n")
     (out / f"{name}.json").write_text(
         json.dumps({"command": command, "rows": rows}, indent=1) + "\n"

@@ -632,8 +632,9 @@ class RequestRun(RunRecord):
         with trio.move_on_after(self.config.engine.health_timeout_s):
             with EngineFaults(consumer.id, consumer.url):
                 status, models = await self.router.client.get(consumer.url, "/v1/models")
-            model = self.req.model or self.config.model
-            return resume.context_of(models, model) if status == 200 else None
+            # an adapter's card has no length of its own (vLLM lists it null): its base's
+            model = self.router.fleet.catalog.served.get(self.req.model) or self.req.model
+            return resume.context_of(models, model or self.config.model) if status == 200 else None
         return None
 
     def _disaggregation(self, consumer: EngineState) -> Decision:

@@ -205,7 +205,9 @@ class ClientRequest(msgspec.Struct):
     include_usage: bool
     n: int = 1  # completions per prompt
     prompts: list[Any] | None = None  # several prompts (a completions list), else None
-    model: str = ""  # the served name it asked for, after aliases: every leg carries it
+    # the served name it asked for, after aliases: every leg carries it (None: a request
+    # built without parsing, which any engine may serve)
+    model: str | None = None
 
     @property
     def fanout(self) -> int:

@@ -264,7 +264,7 @@ class RunRecord:
             key=self.caller.key,
             queued_s=round(self.queued_s, 6),
             cls=self.flow.cls.value,
-            model=self.req.model or None,
+            model=self.req.model,
         )
 
 
@@ -448,7 +448,7 @@ class RequestRun(RunRecord):
 
     def _other_consumer(self) -> bool:
         fleet = self.router.fleet
-        candidates, _ = fleet.placeable("decode", trio.current_time(), self.req.model or None)
+        candidates, _ = fleet.placeable("decode", trio.current_time(), self.req.model)
         return any(engine.id not in self.failed_engines for engine in candidates)
 
     def _resumed_stream_ended(self, outcome: str) -> None:
@@ -528,7 +528,7 @@ class RequestRun(RunRecord):
 
     def _place(self, leg: Leg, prefer_not: str | None = None) -> EngineState:
         fleet, health = self.router.fleet, self.router.health
-        model = self.req.model or None
+        model = self.req.model
         candidates, held_in = fleet.placeable(leg, trio.current_time(), model)
         health.note_placement(leg, held_in, model)
         choice = choose(
@@ -589,9 +589,7 @@ class RequestRun(RunRecord):
                 await self._local(consumer, attempt)
                 return
         producer = self._place("prefill")
-        consumers, _ = self.router.fleet.placeable(
-            "decode", trio.current_time(), self.req.model or None
-        )
+        consumers, _ = self.router.fleet.placeable("decode", trio.current_time(), self.req.model)
         if not consumers:
             # no consumer to decode: refuse now rather than pin KV nobody will read
             raise NoCapacity("no placeable consumer engine", phase=Phase.ADMISSION)
@@ -599,7 +597,7 @@ class RequestRun(RunRecord):
         attempt.producer = producer.id
         self.lifecycle.advance(Input.PREFILL)
         # from its prefill until its decode leg is sent, it holds a consumer's room already
-        with self.router.fleet.claim_decode(self.req.model or None) as self._claim:
+        with self.router.fleet.claim_decode(self.req.model) as self._claim:
             await self._legs(producer, attempt, consumer)
 
     async def _resume(self) -> None:
@@ -623,7 +621,7 @@ class RequestRun(RunRecord):
         except ValueError as exc:
             message = f"no continuation on engine {consumer.id}: {exc}"
             raise NoCapacity(message, phase=Phase.STREAM) from None
-        with self.router.fleet.claim_decode(self.req.model or None) as self._claim:
+        with self.router.fleet.claim_decode(self.req.model) as self._claim:
             await self._legs(producer, attempt, consumer)
 
     async def _context(self, consumer: EngineState) -> int | None:
@@ -633,8 +631,9 @@ class RequestRun(RunRecord):
             with EngineFaults(consumer.id, consumer.url):
                 status, models = await self.router.client.get(consumer.url, "/v1/models")
             # an adapter's card has no length of its own (vLLM lists it null): its base's
-            model = self.router.fleet.catalog.served.get(self.req.model) or self.req.model
-            return resume.context_of(models, model or self.config.model) if status == 200 else None
+            model = self.req.model or self.config.model
+            model = self.router.fleet.catalog.served.get(model) or model
+            return resume.context_of(models, model) if status == 200 else None
         return None
 
     def _disaggregation(self, consumer: EngineState) -> Decision:
@@ -650,7 +649,7 @@ class RequestRun(RunRecord):
         uncached = holdings.uncached(consumer.id)
         limits = (placement.metrics_interval_s, flow.engine_waiting_limit, flow.kv_usage_limit)
         busy = placement.local_prefill_when_busy and self.router.fleet.saturated(
-            "prefill", now, *limits, model=self.req.model or None
+            "prefill", now, *limits, model=self.req.model
         )
         return decide_local(
             uncached,

@@ -311,7 +311,7 @@ class Router:
                     run.arrival,
                     self._dispatch_by(run),
                     local=run.local_possible(),
-                    pool=run.req.model or None,
+                    pool=run.req.model,
                 )
                 dispatched = True
                 await run.execute()

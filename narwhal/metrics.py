@@ -308,7 +308,8 @@ class Metrics:
             "narwhal_disaggregation_decisions",
             "Attempts placed decode first, by what was decided: local_short (the part of "
             "the prompt its consumer does not hold was short), local_busy (every producer "
-            "was saturated), disaggregated.",
+            "was saturated), local_one_engine (the only engine that could decode was the "
+            "producer chosen, in any placement), disaggregated.",
             ("decision",),
         )
         # stream resume (SPEC 6.4)

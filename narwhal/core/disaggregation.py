@@ -16,8 +16,11 @@ from typing import Any, Literal
 
 from narwhal.core.config import PlacementConfig
 
-Decision = Literal["local_short", "local_busy", "disaggregated"]
-DECISIONS: tuple[Decision, ...] = ("local_short", "local_busy", "disaggregated")
+# local_one_engine: the only engine that may decode is the one placement chose to prefill
+# (a fleet of one ``both`` engine, or the others down or failed): a handoff to itself would
+# leave the prefill's blocks held for the lease, with nobody to read them
+Decision = Literal["local_short", "local_busy", "local_one_engine", "disaggregated"]
+DECISIONS: tuple[Decision, ...] = ("local_short", "local_busy", "local_one_engine", "disaggregated")
 
 
 def wants_prompt_side(body: Mapping[str, Any]) -> bool:

@@ -73,7 +73,7 @@ def choose(
     now: float,
     turn: int = 0,
     avoid: Collection[str] = (),
-    prefer_not: str | None = None,
+    other_leg: str | None = None,
     key: str | None = None,
     ring: PrefixRing | None = None,
     prompt: Prompt | None = None,
@@ -86,8 +86,12 @@ def choose(
     request's prompt prefix (producers only), ``ring`` the producers' ring, ``prompt`` and
     ``index`` the request's blocks and what each engine is believed to hold; ``precise``
     and ``tokens`` what engines with a live event stream say they hold, and the request's
-    token ids (``held_tokens``); ``adapter`` the LoRA adapter it runs under."""
+    token ids (``held_tokens``); ``adapter`` the LoRA adapter it runs under. ``other_leg``
+    is the engine that runs the attempt's other leg: it is chosen only when no other
+    candidate is left, since a handoff to the producer itself would leave the prefill's
+    blocks held for the lease with nobody to read them."""
     pool = [e for e in candidates if e.id not in avoid] or list(candidates)
+    pool = [e for e in pool if e.id != other_leg] or pool
     if len(pool) <= 1:
         return Choice(pool[0], "only") if pool else None
     consumer = leg == "decode"
@@ -112,12 +116,12 @@ def choose(
     position = {id(e): i for i, e in enumerate(candidates)}
     n = len(candidates)
 
-    def rotation(e: EngineState) -> tuple[bool, int]:
-        return e.id == prefer_not, (position[id(e)] - turn) % n
+    def rotation(e: EngineState) -> int:
+        return (position[id(e)] - turn) % n
 
     if config.policy == "round_robin":
         return Choice(min(pool, key=rotation), "round_robin")
-    chosen = least_loaded(pool, rng, lambda e: (costs[e.id], *rotation(e)))
+    chosen = least_loaded(pool, rng, lambda e: (costs[e.id], rotation(e)))
     assert chosen is not None  # the pool has two or more
     return Choice(chosen, "least_loaded")
 

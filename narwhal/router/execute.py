@@ -526,7 +526,7 @@ class RequestRun(RunRecord):
             rng=self.router.rng,
         )
 
-    def _place(self, leg: Leg, prefer_not: str | None = None) -> EngineState:
+    def _place(self, leg: Leg, other_leg: str | None = None) -> EngineState:
         fleet, health = self.router.fleet, self.router.health
         model = self.req.model
         candidates, held_in = fleet.placeable(leg, trio.current_time(), model)
@@ -539,7 +539,7 @@ class RequestRun(RunRecord):
             now=trio.current_time(),
             turn=fleet.turn,
             avoid=self.failed_engines,
-            prefer_not=prefer_not,
+            other_leg=other_leg,
             key=self._prefix if leg == "prefill" else None,
             ring=fleet.ring,
             prompt=self._prompt_blocks() if self.config.placement.prefix_affinity else None,
@@ -567,6 +567,16 @@ class RequestRun(RunRecord):
         short = threshold > 0 and self._prompt_blocks().tokens < threshold
         return short or placement.local_prefill_when_busy
 
+    def _may_go_local(self) -> bool:
+        """Whether this attempt may run as one leg: not a resume, whose continuation is
+        built for a producer, and not an answer that needs the producer's prompt side."""
+        return self._continuation is None and not wants_prompt_side(self.req.body)
+
+    def _only_engine(self, candidates: list[EngineState]) -> EngineState | None:
+        """The one engine this request may still use among ``candidates``, if one."""
+        usable = [e for e in candidates if e.id not in self.failed_engines] or candidates
+        return usable[0] if len(usable) == 1 else None
+
     def _prompt_blocks(self) -> Prompt:
         if self._prompt is None:  # once per request: every attempt sees the same blocks
             self._prompt = prompt_of(self.req.body, chat=self.req.chat, adapter=self._adapter)
@@ -584,15 +594,27 @@ class RequestRun(RunRecord):
         if decode_first(self.config.placement):
             consumer = self._place("decode")
             decision = self._disaggregation(consumer)
+            if decision == "disaggregated":
+                producer = self._place("prefill", other_leg=consumer.id)
+                if producer is consumer and self._may_go_local():
+                    decision = "local_one_engine"
             self.router.metrics.disaggregation_of(decision).inc()
             if decision != "disaggregated":
                 await self._local(consumer, attempt)
                 return
-        producer = self._place("prefill")
-        consumers, _ = self.router.fleet.placeable("decode", trio.current_time(), self.req.model)
-        if not consumers:
-            # no consumer to decode: refuse now rather than pin KV nobody will read
-            raise NoCapacity("no placeable consumer engine", phase=Phase.ADMISSION)
+        else:
+            consumers, _ = self.router.fleet.placeable(
+                "decode", trio.current_time(), self.req.model
+            )
+            only = self._only_engine(consumers)
+            producer = self._place("prefill", other_leg=only.id if only else None)
+            if not consumers:
+                # no consumer to decode: refuse now rather than pin KV nobody will read
+                raise NoCapacity("no placeable consumer engine", phase=Phase.ADMISSION)
+            if producer is only and self._may_go_local():
+                self.router.metrics.disaggregation_of("local_one_engine").inc()
+                await self._local(producer, attempt)
+                return
         self.router.fleet.turn += 1
         attempt.producer = producer.id
         self.lifecycle.advance(Input.PREFILL)
@@ -611,7 +633,7 @@ class RequestRun(RunRecord):
         consumer = self._place("decode")
         if consumer.id in self.failed_engines:
             raise NoCapacity("no placeable consumer engine but the failed", phase=Phase.STREAM)
-        producer = self._place("prefill", prefer_not=consumer.id)
+        producer = self._place("prefill", other_leg=consumer.id)
         self.router.fleet.turn += 1
         attempt.producer = producer.id
         assert self._continuation is not None
@@ -695,15 +717,21 @@ class RequestRun(RunRecord):
             self.lifecycle.advance(Input.DESCRIPTOR)
         handoff = Handoff(self.rid, attempt.number, producer.id, result, handoff_start)
         try:
-            consumer = consumer or self._place("decode", prefer_not=producer.id)
+            consumer = consumer or self._place("decode", other_leg=producer.id)
             attempt.consumer = consumer.id
             self._check_handoff_age(handoff)
             if not resuming:
                 self.lifecycle.advance(Input.DISPATCH)
+            # one engine for both legs only when no other could decode (an answer that
+            # needs the prompt side, a resume): it decodes without the descriptor, whose
+            # blocks then go to the reclaim queue (another consumer frees them, if any)
             crossed = consumer is not producer
             try:
                 await self._decode(
-                    consumer, result if crossed else None, attempt.number, handoff=handoff
+                    consumer,
+                    result if crossed else None,
+                    attempt.number,
+                    handoff=handoff if crossed else None,
                 )
             except RequestFault as fault:
                 # its reclaim goes elsewhere: a consumer that just failed this descriptor

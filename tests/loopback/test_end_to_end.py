@@ -152,7 +152,12 @@ async def test_decode_carries_the_descriptor_verbatim_and_the_producer_released_
     assert consumer.counters["kv_pull_failed"] == 0
 
 
-async def test_same_worker_decode_sends_no_transfer_params(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize("echo", [False, True])
+async def test_one_engine_in_both_roles_is_sent_no_transfer_params_to_decode(
+    nursery: trio.Nursery, echo: bool
+) -> None:
+    # alone, it serves the request in one leg; an echo needs the prefill leg, and then its
+    # decode on the same engine carries no descriptor
     harness = await start_fleet(nursery, {"solo": "both"})
     reply = await harness.post(
         "/v1/completions",
@@ -161,14 +166,19 @@ async def test_same_worker_decode_sends_no_transfer_params(nursery: trio.Nursery
             "prompt": PROMPT,
             "max_tokens": 4,
             "stream": True,
+            "echo": echo,
             "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "x"},
         },
     )
     assert reply.status == 200
-    prefill, decode = _requests(harness.engines["solo"])
-    assert prefill["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+    legs = _requests(harness.engines["solo"])
+    if echo:
+        prefill, decode = legs
+        assert prefill["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+    else:
+        (decode,) = legs
     assert "kv_transfer_params" not in decode["body"]
-    assert _text(reply.events(), chat=False) == generate(PROMPT, 4)
+    assert _text(reply.events(), chat=False) == (PROMPT if echo else "") + generate(PROMPT, 4)
     await finish(harness)
 
 

@@ -64,6 +64,12 @@ def consumers_of(harness: Harness) -> tuple[str, str]:
     return failed, "d1" if failed == "d0" else "d0"
 
 
+def legs_of(harness: Harness) -> list[tuple[str | None, str | None]]:
+    """(producer, consumer) of every attempt the journal wrote."""
+    lines = harness.router.journal.lines
+    return [(a.producer, a.consumer) for line in lines for a in line.attempts]
+
+
 def expired_reads(harness: Harness) -> int:
     return sum(
         e.counters["kv_pull_refused_expired"] + e.counters["kv_release_declined_expired"]
@@ -271,11 +277,81 @@ async def test_a_failed_reclaim_counts_against_no_breaker_and_no_client_metric(
 async def test_no_healthy_consumer_but_the_producer_drops_the_reclaim(
     nursery: trio.Nursery,
 ) -> None:
-    # one engine plays both roles: a reclaim may not go back to the producer itself
+    # one engine plays both roles, and an echo needs the prefill leg: a reclaim may not go
+    # back to the producer itself
     harness = await start_fleet(nursery, {"e0": "both"})
     harness.engines["e0"].faults.push(Fault(kind="status", status=503, leg="decode"))
-    assert (await harness.post("/v1/completions", BODY)).status == 502
+    assert (await harness.post("/v1/completions", {**BODY, "echo": True})).status == 502
     await settled(harness)
+    value = harness.router.metrics.registry.get_sample_value
+    assert value("narwhal_reclaim_dropped_total", {"reason": "no_consumer"}) == 1
+    await finish(harness)
+
+
+# ---- an engine in both roles never hands KV to itself -------------------------------------
+
+
+async def test_engines_in_both_roles_hand_off_to_each_other_and_hold_no_kv(
+    nursery: trio.Nursery,
+) -> None:
+    # each prompt's prefix is then held by its producer, which prefix affinity would pick
+    # to decode too: a handoff to itself leaves the prefill's blocks held for the lease
+    harness = await start_fleet(nursery, {"e0": "both", "e1": "both"})
+    for i in range(6):
+        body = {**BODY, "prompt": f"turn {i % 2}: " + "the same long prefix " * 40}
+        assert (await harness.post("/v1/completions", body)).status == 200
+    await settled(harness)
+    legs = legs_of(harness)
+    assert len(legs) == 6
+    assert all(producer != consumer for producer, consumer in legs), legs
+    assert (held(harness, "e0"), held(harness, "e1")) == (0, 0)
+    assert fates(harness)["decoded"] == 6
+    assert sum(e.counters["kv_pull_ok"] for e in harness.engines.values()) == 6
+    await finish(harness)
+
+
+async def test_one_engine_in_both_roles_serves_a_request_alone(nursery: trio.Nursery) -> None:
+    harness = await start_fleet(nursery, {"e0": "both"})
+    reply = await harness.post("/v1/completions", BODY)
+    assert reply.status == 200
+    assert reply.json()["choices"][0]["text"]
+    await settled(harness)
+    (line,) = harness.router.journal.lines
+    assert line.attempts[0].local
+    assert [e["request_id"] for e in harness.engines["e0"].log] == [f"{line.request_id}-a1-decode"]
+    assert held(harness, "e0") == 0
+    value = harness.router.metrics.registry.get_sample_value
+    decision = {"decision": "local_one_engine"}
+    assert value("narwhal_disaggregation_decisions_total", decision) == 1
+    await finish(harness)
+
+
+async def test_a_producer_beside_the_only_consumer_takes_the_prefill(
+    nursery: trio.Nursery,
+) -> None:
+    harness = await start_fleet(nursery, {"e0": "both", "p1": "prefill"})
+    for _ in range(4):
+        assert (await harness.post("/v1/completions", BODY)).status == 200
+    await settled(harness)
+    legs = legs_of(harness)
+    assert legs == [("p1", "e0")] * 4
+    assert (held(harness, "e0"), held(harness, "p1")) == (0, 0)
+    await finish(harness)
+
+
+async def test_an_echo_on_one_engine_sends_its_descriptor_to_be_reclaimed(
+    nursery: trio.Nursery,
+) -> None:
+    # the echo needs the prefill leg, and the only consumer is its producer: both legs go
+    # there, and the descriptor nobody will read is counted an orphan, not a decode
+    harness = await start_fleet(nursery, {"e0": "both"})
+    reply = await harness.post("/v1/completions", {**BODY, "echo": True})
+    assert reply.status == 200
+    assert reply.json()["choices"][0]["text"].startswith(BODY["prompt"])
+    await settled(harness)
+    (line,) = harness.router.journal.lines
+    assert (line.attempts[0].producer, line.attempts[0].consumer) == ("e0", "e0")
+    assert line.attempts[0].handoff == "orphaned"
     value = harness.router.metrics.registry.get_sample_value
     assert value("narwhal_reclaim_dropped_total", {"reason": "no_consumer"}) == 1
     await finish(harness)

@@ -43,7 +43,7 @@ def test_fewest_legs_of_two_and_ties_rotate() -> None:
     assert _id(fleet, "decode") == "e1"
     fleet.engines[0].inflight["decode"] = 0
     assert [_id(fleet, "decode", turn=t) for t in range(4)] == ["e0", "e1", "e0", "e1"]
-    assert _id(fleet, "decode", turn=0, prefer_not="e0") == "e1"
+    assert _id(fleet, "decode", turn=0, other_leg="e0") == "e1"
 
 
 def test_the_engines_own_queue_counts_while_fresh() -> None:

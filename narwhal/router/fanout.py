@@ -29,8 +29,9 @@ from narwhal.core.config import FleetConfig
 from narwhal.core.faults import RequestFault
 from narwhal.core.lifecycle import Input, State
 from narwhal.core.requests import ClientRequest
-from narwhal.router.execute import ClientSink, RequestRun, RouterState, RunRecord
 from narwhal.router.journal import AttemptLine
+from narwhal.router.request_run import RequestRun
+from narwhal.router.run_record import ClientSink, RouterState, RunRecord
 from narwhal.stream.sse import DONE, DONE_FRAME, frame, framed_payloads
 
 _decode = msgspec.json.Decoder().decode

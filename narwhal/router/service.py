@@ -49,12 +49,13 @@ from narwhal.router.auth import ApiKeys
 from narwhal.router.background import Background
 from narwhal.router.discovery import Discovery
 from narwhal.router.engine_events import EngineEvents
-from narwhal.router.execute import ClientSink, RequestRun
 from narwhal.router.fanout import FanOutRun
 from narwhal.router.health import Health
 from narwhal.router.journal import AttemptLine, Caller, Journal, JournalLine, Outcome
 from narwhal.router.kv_subscriber import KvSubscriber
 from narwhal.router.reclaim import Reclaimer
+from narwhal.router.request_run import RequestRun
+from narwhal.router.run_record import ClientSink
 from narwhal.router.scraper import Scraper
 from narwhal.router.stream_reactor import StreamReactor
 from narwhal.router.token_source import TokenSource

@@ -168,7 +168,17 @@ class TokenPath:
                 fd = -1 if reactor is None or not reactor.running else stream.park_fd()
                 if fd >= 0:
                     assert reactor is not None
-                    pending = await self._park(reactor, fd, stream)
+                    # parked here, not in a call of its own: a held stream's task keeps one
+                    # frame fewer (bench/results/request-machine)
+                    self.parked_fd = fd
+                    try:
+                        due = self.due if self.due > -math.inf else math.inf
+                        pending = await reactor.park(fd, self.on_ready, due, self.on_due)
+                    except TransportError as exc:
+                        await stream.fail(exc)
+                        raise
+                    finally:
+                        self.parked_fd = -1
                     if type(pending) is not Resume:
                         end = await self.settle(pending)  # type: ignore[arg-type]
                         if end is not None:
@@ -182,17 +192,6 @@ class TokenPath:
                     return end
         finally:
             self.gaps.flush()  # nothing here awaits: cancellation included
-
-    async def _park(self, reactor: StreamReactor, fd: int, stream: DecodeStream) -> object:
-        self.parked_fd = fd
-        try:
-            due = self.due if self.due > -math.inf else math.inf
-            return await reactor.park(fd, self.on_ready, due, self.on_due)
-        except TransportError as exc:
-            await stream.fail(exc)
-            raise
-        finally:
-            self.parked_fd = -1
 
     def on_ready(self) -> Pending | Resume | None:
         """The reactor's call on the engine socket's readiness: None, stay parked."""

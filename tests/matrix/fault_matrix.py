@@ -85,7 +85,8 @@ FORGED = {
 REQUEST_TASKS = (
     "hypercorn.trio.task_group._handle",
     "narwhal.router.service",
-    "narwhal.router.execute",
+    "narwhal.router.request_run",
+    "narwhal.router.legs",
 )
 _REFUSED = ("reused", "unknown", "forged", "wrong_engine", "expired")
 

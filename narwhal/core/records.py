@@ -1,0 +1,57 @@
+"""What the journal says of a finished request (one line each; docs/operator-guide.md
+lists the fields): its attempts, who sent it, how it ended. Plain data, kept in the core so
+that the request's machine (``narwhal.core.request``) can write its attempts' records;
+``narwhal.router.journal`` writes the lines."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Outcome = Literal["completed", "failed", "expired", "cancelled", "rejected"]
+
+
+class AttemptLine(msgspec.Struct, omit_defaults=True):
+    number: int
+    choice: int | None = None  # a fan-out's sub-request: the choice index it answers
+    producer: str | None = None
+    consumer: str | None = None
+    error: str | None = None  # the fault's message
+    phase: str | None = None
+    retry: str | None = None  # the retry decision taken after this attempt failed
+    handoff: str | None = None  # the KV descriptor's fate (narwhal.core.handoff.Fate)
+    local: bool = False  # served by its consumer alone: no producer leg, no KV transfer
+    # a stream resume (SPEC 6.4): this attempt continued the stream after this many
+    # generated tokens had been sent
+    resumed_at_token: int | None = None
+    resume: str | None = None  # after this attempt failed: "resumed", or why not
+
+
+class Caller(msgspec.Struct, frozen=True):
+    """Who sent a request: the peer's address and which API key, by a short hash."""
+
+    client: str | None = None  # "host:port" of the TCP peer (a load balancer, maybe)
+    key: str | None = None  # narwhal.router.auth.key_id: never the key itself
+
+
+class JournalLine(msgspec.Struct):
+    request_id: str
+    endpoint: str
+    stream: bool
+    outcome: Outcome
+    status: int | None
+    phase: str | None
+    message: str | None
+    attempts: list[AttemptLine]
+    ttft_s: float | None
+    first_byte_s: float | None
+    tokens: int
+    duration_s: float
+    prompt_tokens: int | None = None  # as the engine that computed them counted (None: not known)
+    at: float = 0.0  # wall clock (Unix seconds) of the request's arrival
+    client: str | None = None
+    key: str | None = None
+    queued_s: float = 0.0  # waited in the admission queue (part of ttft_s and first_byte_s)
+    cls: str | None = msgspec.field(default=None, name="class")  # its class in that queue
+    model: str | None = None  # the served name it asked for, after aliases (None: refused first)

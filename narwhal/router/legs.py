@@ -1,0 +1,308 @@
+"""A request's legs on the wire: the prefill leg to a producer, the decode leg to a consumer
+and the relay of its stream to the client, each under its own clock. What a leg is for, and
+what follows it, is the request's machine's (``narwhal.core.request``); the request's run
+(``narwhal.router.request_run``) places the legs and feeds the machine.
+
+Timeouts are cancel scopes owned here: the prefill clock over the whole producer leg, and
+one decode clock that is the first-token budget until the first generated token (it starts
+before the decode request is opened) and the silence budget between transport chunks after
+it. The request deadline is the outer scope, owned by ``Router.handle``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import trio
+from opentelemetry.trace import Span, SpanKind
+
+from narwhal import tracing
+from narwhal.core import resume
+from narwhal.core.config import FleetConfig
+from narwhal.core.connector import PrefillResult
+from narwhal.core.faults import (
+    EngineFaults,
+    FirstTokenTimeout,
+    Phase,
+    PrefillTimeout,
+    SilenceTimeout,
+)
+from narwhal.core.fleet import DecodeClaim, EngineState, Leg
+from narwhal.core.request import Decode, RequestMachine
+from narwhal.core.requests import ClientRequest
+from narwhal.metrics import RequestBuckets
+from narwhal.router.run_record import ClientSink, RouterState, RunRecord
+from narwhal.router.token_path import ClientStream, TokenPath
+from narwhal.stream.assemble import Assembler, Echo, prompt_echo
+from narwhal.stream.continuation import Kept, Reframer, without_ids
+from narwhal.stream.rules import Reply, Rewrite, StreamRelay
+
+
+class RequestLegs(RunRecord):
+    """The legs of one prefill/decode chain, and what its decode leg leaves behind: the
+    answer's figures, the reply (for the prefix index), where a resume would go on."""
+
+    __slots__ = (
+        "_attempt_span",
+        "_claim",
+        "_collector",
+        "_echo",
+        "_indexing",
+        "_last_output_at",
+        "_local_prompt_tokens",
+        "_path",
+        "_reply",
+        "first_byte_s",
+        "machine",
+        "prefill_result",
+        "router",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        router: RouterState,
+        config: FleetConfig,
+        req: ClientRequest,
+        rid: str,
+        sink: ClientSink,
+        *,
+        arrival: float | None = None,
+        progress: Callable[[Any], None] | None = None,
+    ) -> None:
+        super().__init__(config, req, rid, sink, arrival=arrival, progress=progress)
+        self.router = router
+        self.machine: RequestMachine  # the subclass makes it, with the request's rules
+        self.first_byte_s: float | None = None
+        self.tokens = 0
+        self.prefill_result: PrefillResult | None = None  # the last attempt's
+        self._attempt_span: Span | None = None  # the running attempt's, tracing on
+        self._claim: DecodeClaim | None = None  # the consumer room held since the prefill
+        self._echo: Echo | None = None  # a streamed echo (completions)
+        self._collector: Assembler | None = None  # a JSON answer, across a resume
+        self._indexing = False  # the reply is kept for the prefix index
+        self._reply: Reply | None = None  # the generated text, for the index
+        self._local_prompt_tokens: int | None = None
+        self._path: TokenPath | None = None  # the running decode leg's
+        self._last_output_at: float | None = None  # the client's last token, so far
+
+    # ---- spans -----------------------------------------------------------------------------
+
+    def _leg_span(self, leg: Leg, engine: EngineState, backend_id: str) -> Span | None:
+        parent = self._attempt_span
+        if parent is None:
+            return None
+        return tracing.child_span(
+            parent,
+            leg,
+            {
+                "narwhal.engine": engine.id,
+                "narwhal.engine_url": engine.url,
+                "narwhal.backend_request_id": backend_id,
+            },
+            SpanKind.CLIENT,
+        )
+
+    def _leg_trace(self, span: Span | None) -> tracing.Headers:
+        """A leg's W3C trace context: its own span's with tracing on, else the client's."""
+        return self.trace if span is None else tracing.headers(span)
+
+    # ---- the prefill leg -------------------------------------------------------------------
+
+    async def _prefill(self, producer: EngineState, number: int) -> PrefillResult:
+        router = self.router
+        budget = self.config.serving.prefill_timeout_s
+        backend_id = f"{self.rid}-a{number}-prefill"
+        span = self._leg_span("prefill", producer, backend_id)
+        with tracing.Ending(span):
+            with trio.move_on_after(budget) as prefill_clock:
+                async with router.fleet.reserve(producer, "prefill"):
+                    with EngineFaults(producer.id, producer.url):
+                        endpoint, body = self._leg_request(decode=False)
+                        return await router.client.prefill(
+                            producer.url,
+                            endpoint,
+                            body,
+                            request_id=backend_id,
+                            trace=self._leg_trace(span),
+                        )
+            assert prefill_clock.cancelled_caught
+            message = f"prefill on engine {producer.id} took longer than {budget:g}s"
+            raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=producer.id)
+
+    # ---- the decode leg --------------------------------------------------------------------
+
+    async def _decode(
+        self,
+        consumer: EngineState,
+        decode: Decode | None,
+        number: int,
+        first_token_s: float | None = None,
+    ) -> None:
+        """The decode leg on ``consumer``, with the handoff ``decode`` (None: a local leg,
+        which computes the prompt itself), relayed to the client until its end."""
+        router = self.router
+        backend_id = f"{self.rid}-a{number}-decode"
+        span = self._leg_span("decode", consumer, backend_id)
+        engine = self.config.engine
+        budget = engine.first_token_timeout_s if first_token_s is None else first_token_s
+        result = None if decode is None else decode.descriptor
+
+        def at_end() -> dict[str, Any]:  # the decode's figures are known once it ended
+            return {"tokens": self.tokens, "kv_transfer": result is not None}
+
+        endpoint, body = self._leg_request(decode=True)
+        self._path = None
+        with tracing.Ending(span, at_end):
+            stream = router.client.decode(
+                consumer.url,
+                endpoint,
+                body,
+                result,
+                request_id=backend_id,
+                trace=self._leg_trace(span),
+            )
+            # decode_clock: first-token budget until the first token, then silence budget
+            decode_clock = trio.CancelScope(deadline=trio.current_time() + budget)
+            reservation = router.fleet.reserve(consumer, "decode", self._claim)
+            with decode_clock, EngineFaults(consumer.id, consumer.url):
+                async with reservation, stream:
+                    if decode is not None:  # the consumer took the request
+                        self.machine.decode_taken(decode)
+                    # relayed here, not in a call of its own: a held stream's task keeps
+                    # one frame fewer (bench/results/request-machine)
+                    path = self._token_path(decode_clock, reservation.started)
+                    last_before = path.last_output_at
+                    try:
+                        end = await path.relay_all(stream)
+                    finally:
+                        self._relayed(path, last_before)
+                    await self.finish(end)
+                    await stream.drain()
+                    return
+            if not self._leg_output():
+                raise FirstTokenTimeout(
+                    f"no first token within {budget:g}s from engine {consumer.id}",
+                    phase=Phase.STREAM if self.lifecycle.output_seen else Phase.DECODE,
+                    engine_id=consumer.id,
+                )
+            raise SilenceTimeout(
+                f"engine went silent between tokens: nothing from engine {consumer.id} for "
+                f"{engine.decode_read_timeout_s:g}s",
+                phase=Phase.STREAM,
+                engine_id=consumer.id,
+            )
+
+    def _leg_output(self) -> bool:
+        """The running decode leg relayed a token (a continuation's first is its own)."""
+        path = self._path
+        return path is not None and path.first_token_at is not None
+
+    def _leg_request(self, *, decode: bool) -> tuple[str, Mapping[str, Any]]:
+        """A leg's endpoint and body: the client's, or a resume's continuation. With resume
+        on, a decode leg reports its token ids (the client sees only what it asked for)."""
+        machine = self.machine
+        if machine.continuation is not None:
+            return resume.ENDPOINT, machine.continuation
+        body = self.req.body
+        if decode and machine.kept is not None and machine.refused is None:
+            body = body.replace(return_token_ids=True)
+        return self.req.endpoint, body
+
+    # ---- the relay -------------------------------------------------------------------------
+
+    def _answer_side(self) -> Assembler | None:
+        """A non-streaming client's assembler, new for each attempt with the prompt side
+        its producer computed (a streaming client's echo); a continuation goes on with the
+        answer its failed stream began, whose prompt side went out already."""
+        if self.machine.continuation is not None:
+            return self._collector
+        prefill = self.prefill_result
+        self._collector = None
+        if not self.req.stream:
+            model = self.req.model or self.config.model
+            self._collector = Assembler(chat=self.req.chat, model=model)
+            if prefill is not None:
+                self._collector.prompt_side(prefill, self.req.body)
+        elif prefill is not None:
+            self._echo = prompt_echo(prefill, self.req.body, chat=self.req.chat)
+        return self._collector
+
+    def _continuity(self) -> tuple[Kept | None, Rewrite | None, int | None]:
+        """What the relay keeps for a resume, how it writes each chunk for the client, and
+        where a continuation takes over (docs/contract.md section 6.4)."""
+        machine = self.machine
+        kept = machine.kept
+        if kept is None or machine.refused is not None:
+            return None, None, None
+        assert isinstance(kept, Kept)
+        asked = self.req.body.get("return_token_ids") is True
+        if machine.continuation is None:
+            return kept, None if asked else without_ids, None
+        assert kept.prompt_ids is not None
+        sent = len(kept.ids)
+        frames = Reframer(
+            kept,
+            chat=self.req.chat,
+            with_ids=asked,
+            prompt_tokens=self.prompt_tokens() or len(kept.prompt_ids),
+            before=sent,
+        )
+        return kept, frames, sent
+
+    def _token_path(self, clock: trio.CancelScope, started: Callable[[], None]) -> TokenPath:
+        """The engine's stream's way to the client until ``[DONE]``: the relay's rules, the
+        client's side, the reactor where the reads need no waiting."""
+        resuming = self.machine.continuation is not None
+        collector = self._answer_side()
+        direct = self.sink.direct if collector is None else None
+        client = ClientStream(self.sink, self.lifecycle, self._echo, direct)
+        # parked in the reactor: a stream whose reads need no waiting between its first
+        # output and its end, streamed straight to the client or assembled for JSON
+        reactor = self.router.reactor if direct is not None or collector is not None else None
+        silence = self.config.engine.decode_read_timeout_s
+        gaps = RequestBuckets(self.router.metrics.token_gap)
+        kept, rewrite, resumed_at = self._continuity()
+        relay = StreamRelay(
+            collector,
+            strip_usage=not self.req.include_usage,
+            keep_reply=self._indexing,
+            kept=kept,
+            rewrite=rewrite,
+            resumed_at=resumed_at,
+        )
+        if resuming and self._reply is not None:
+            relay.reply = self._reply  # the reply goes on
+        self._reply = relay.reply
+        path = self._path = TokenPath(client, relay, clock, silence, gaps, reactor, started)
+        path.last_output_at = self._last_output_at if resuming else None
+        return path
+
+    def _relayed(self, path: TokenPath, last_before: float | None) -> None:
+        """A decode leg's figures, once it ended (cancellation included: nothing awaits)."""
+        self.tokens = path.tokens
+        first = path.first_token_at
+        if self.machine.continuation is None:
+            self._local_prompt_tokens = path.relay.prompt_tokens
+        elif first is not None and last_before is not None:
+            self.router.metrics.resume_gap.observe(first - last_before)
+        if first is not None and self.first_byte_s is None:
+            self.first_byte_s = first - self.arrival
+        if path.last_output_at is not None:
+            self._last_output_at = path.last_output_at
+
+    async def finish(self, data: bytes) -> None:
+        self.outcome, self.status = "completed", 200
+        committed = self.machine.finished()
+        with self.last_write():
+            if not self.req.stream:
+                await self.sink.respond_json(200, data)
+                return
+            if self._echo is not None:
+                data = self._echo.stream(data)
+            if committed:
+                await self.sink.end(data)
+            else:
+                await self.sink.commit(data)
+                await self.sink.end()

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from narwhal import build
-from narwhal.core.config import ConfigError, FleetConfig, parse_config, sets_key
+from narwhal.config_files import (
+    FleetFileUnreadable,
+    fleet_format,
+    load_config_bytes,
+    read_fleet_file,
+    sets_key,
+)
+from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.logs import LogFormat
 
 if TYPE_CHECKING:
@@ -250,14 +257,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def load_fleet(path: str) -> FleetConfig:
+    """The fleet file at ``path`` (named as typed), by the one loader."""
     try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
+        return load_config_bytes(read_fleet_file(path), fmt=fleet_format(path), source=path)
+    except FleetFileUnreadable as exc:
         raise StartupError(
-            EXIT_NO_FLEET_FILE, f"narwhal: cannot read the fleet file {path}: {_why(exc)}"
+            EXIT_NO_FLEET_FILE, f"narwhal: cannot read the fleet file {path}: {_why(exc.error)}"
         ) from None
-    try:
-        return parse_config(raw, fmt=Path(path).suffix.lstrip(".").lower(), source=path)
     except ConfigError as exc:
         raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
 

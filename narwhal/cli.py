@@ -24,12 +24,21 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from narwhal import build
-from narwhal.core.config import ConfigError, FleetConfig, parse_config, sets_key
+from narwhal.config_files import (
+    FleetFileUnreadable,
+    fleet_format,
+    load_config_bytes,
+    read_fleet_file,
+    sets_key,
+)
+from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.logs import LogFormat
 
 if TYPE_CHECKING:
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.config import Sockets
+
+    from narwhal.router.service import Router
 
 DESCRIPTION = "Narwhal: a router for disaggregated (prefill/decode) LLM serving."
 EXIT_CHECK_FAILED = 1
@@ -250,14 +259,44 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def load_fleet(path: str) -> FleetConfig:
+    """The fleet file at ``path`` (named as typed), by the one loader."""
     try:
-        raw = Path(path).read_bytes()
+        return load_config_bytes(read_fleet_file(path), fmt=fleet_format(path), source=path)
+    except FleetFileUnreadable as exc:
+        raise StartupError(
+            EXIT_NO_FLEET_FILE, f"narwhal: cannot read the fleet file {path}: {_why(exc.error)}"
+        ) from None
+    except ConfigError as exc:
+        raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
+
+
+def serving_fleet(path: str) -> FleetConfig:
+    """What ``serve`` checks first, in one process or in each worker of ``--workers N``:
+    the fleet file loads, and the internals the front door builds on are the ones it was
+    written against."""
+    fleet = load_fleet(path)
+    _verify_shapes()
+    return fleet
+
+
+def start_router(fleet: FleetConfig, config_path: str, journal_path: str | None) -> Router:
+    """The router that serves ``fleet``, in one process or in a worker of ``--workers N``:
+    tracing as the ``OTEL_*`` environment asks, its journal open, its keys and engines set
+    up. A journal that cannot be opened, or a key variable that is unset, is a
+    StartupError."""
+    from narwhal import tracing
+    from narwhal.router.journal import Journal
+    from narwhal.router.service import Router
+
+    tracing.setup()  # each process exports its own spans
+    try:
+        journal = Journal(journal_path)
     except OSError as exc:
         raise StartupError(
-            EXIT_NO_FLEET_FILE, f"narwhal: cannot read the fleet file {path}: {_why(exc)}"
+            EXIT_JOURNAL, f"narwhal: cannot open the journal {journal_path}: {_why(exc)}"
         ) from None
     try:
-        return parse_config(raw, fmt=Path(path).suffix.lstrip(".").lower(), source=path)
+        return Router(fleet, journal=journal, config_path=config_path)
     except ConfigError as exc:
         raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
 
@@ -370,8 +409,7 @@ def _serve(args: argparse.Namespace) -> int:
     from narwhal.logs import announce, configure
 
     configure(args.log_format, args.log_level)
-    fleet = load_fleet(args.config)
-    _verify_shapes()
+    fleet = serving_fleet(args.config)
     if args.journal:
         check_journal(args.journal)
     hc = hypercorn_config(
@@ -381,17 +419,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers > 1:
         return _serve_workers(args, fleet, hc)
     sockets = listen(hc, args.host, args.port)
-    from narwhal import tracing
     from narwhal.frontdoor.server import serve
-    from narwhal.router.journal import Journal
-    from narwhal.router.service import Router
 
-    tracing.setup()  # OTEL_* environment; off unless it asks for an exporter
     try:
-        router = Router(fleet, journal=Journal(args.journal), config_path=args.config)
-    except ConfigError as exc:
+        router = start_router(fleet, args.config, args.journal)
+    except StartupError:
         close_sockets(sockets)
-        raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
+        raise
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -460,28 +494,14 @@ def worker_main() -> int:
     its listener and control channel (``narwhal.workers.WORKER_COMMAND``), never by hand.
     What keeps it from starting is the same one line and status as for ``serve``, and the
     parent then exits with that status."""
-    from narwhal import tracing
     from narwhal.logs import configure
-    from narwhal.router.journal import Journal
-    from narwhal.router.service import Router
     from narwhal.workers import WorkerSpec, run_worker
 
     spec = WorkerSpec.from_environment()
     configure(spec.log_format, spec.log_level)
-    tracing.setup()  # each worker exports its own spans (OTEL_* environment)
     try:
-        fleet = load_fleet(spec.config)
-        _verify_shapes()
-        try:
-            journal = Journal(spec.journal)
-        except OSError as exc:
-            raise StartupError(
-                EXIT_JOURNAL, f"narwhal: cannot open the journal {spec.journal}: {_why(exc)}"
-            ) from None
-        try:
-            router = Router(fleet, journal=journal, config_path=spec.config)
-        except ConfigError as exc:
-            raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
+        fleet = serving_fleet(spec.config)
+        router = start_router(fleet, spec.config, spec.journal)
         router.admission.worker_index = spec.index
         router.admission.worker_count = spec.count
     except StartupError as exc:

@@ -50,7 +50,8 @@ from hypercorn.config import Sockets
 from hypercorn.utils import repr_socket_addr
 from prometheus_client.multiprocess import mark_process_dead
 
-from narwhal.core.config import ConfigError, FleetConfig, load_config
+from narwhal.config_files import load_config
+from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import error_json
 from narwhal.frontdoor.server import hypercorn_config, serve
 from narwhal.kv_relay import start_relay

@@ -1,9 +1,12 @@
-"""The fleet file: frozen msgspec structs, and a loader that reports every problem at once.
+"""The fleet file: frozen msgspec structs, and the checks that report every problem at once.
 
 msgspec stops at the first error, and an operator fixing a fleet file wants the whole list,
-so the loader walks the decoded document section by section, converts each key on its own
-(the struct annotations carry the rules), collects ``path: rule`` lines, and only builds
+so ``parse_config`` walks the decoded document section by section, converts each key on its
+own (the struct annotations carry the rules), collects ``path: rule`` lines, and only builds
 the structs once nothing is wrong.
+
+Pure: the file's bytes come in, and the rules that need the file system (a CA bundle that
+loads) come in as a function; ``narwhal.config_files`` reads the file and supplies them.
 """
 
 from __future__ import annotations
@@ -12,9 +15,8 @@ import contextlib
 import ipaddress
 import json
 import re
-import ssl
 import tomllib
-from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeAlias
 from urllib.parse import urlsplit
 
@@ -224,33 +226,37 @@ _SECTIONS: dict[str, type[Struct]] = {
 }
 
 
-def load_config(path: str | Path) -> FleetConfig:
-    """Read a TOML or JSON fleet file (by extension); raise ConfigError listing every fault."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(str(path), [f"cannot read file: {exc.strerror or exc}"]) from None
-    return parse_config(raw, fmt=path.suffix.lstrip(".").lower(), source=str(path))
+# the rules over a valid fleet that need the file system (``narwhal.config_files``: the
+# CA bundle loads); their problems come last, after the cross-field ones
+FileRules: TypeAlias = Callable[[FleetConfig], list[str]]
 
 
-def parse_config(raw: bytes, *, fmt: str, source: str = "<fleet>") -> FleetConfig:
+def _no_file_rules(_: FleetConfig) -> list[str]:
+    return []
+
+
+def parse_config(
+    raw: bytes, *, fmt: str, source: str = "<fleet>", file_rules: FileRules = _no_file_rules
+) -> FleetConfig:
+    """A fleet file's bytes (``fmt``: "toml" or "json") as a FleetConfig; ConfigError
+    listing every fault. ``file_rules`` runs only over a file whose keys are all valid."""
     doc = _decode_document(raw, fmt, source)
     problems: list[str] = []
     fleet = _check_fleet(doc, problems)
+    if fleet is not None:  # every key valid; cross-field problems or not
+        problems.extend(file_rules(fleet))
     if problems or fleet is None:
         raise ConfigError(source, problems)
     return fleet
 
 
-def sets_key(path: str | Path, section: str, key: str) -> bool:
-    """Whether the fleet file at ``path`` sets ``[section] key`` itself (False: the value in
+def document_sets_key(raw: bytes, fmt: str, section: str, key: str) -> bool:
+    """Whether a fleet file's bytes set ``[section] key`` themselves (False: the value in
     force is the default). For reports such as ``narwhal check``; the file is not validated
-    here (``load_config`` does that), and one that cannot be read sets nothing."""
-    path = Path(path)
+    here (``parse_config`` does that), and one that does not decode sets nothing."""
     try:
-        doc = _decode_document(path.read_bytes(), path.suffix.lstrip(".").lower(), str(path))
-    except (OSError, ConfigError):
+        doc = _decode_document(raw, fmt, "<fleet>")
+    except ConfigError:
         return False
     table = doc.get(section)
     return isinstance(table, dict) and key in table
@@ -300,7 +306,6 @@ def _check_fleet(doc: dict[str, Any], problems: list[str]) -> FleetConfig | None
         return None
     fleet = msgspec.convert(values, FleetConfig)
     problems.extend(cross_field_problems(fleet))
-    problems.extend(_ca_file_problems(fleet.engine.ca_file))
     return fleet
 
 
@@ -625,15 +630,3 @@ def cross_field_problems(fleet: FleetConfig) -> list[str]:
             "recovery.restart_policy: 'whole_wave' requires an [engine_contract] section"
         )
     return problems
-
-
-def _ca_file_problems(ca_file: str) -> list[str]:
-    """``engine.ca_file`` must load as the engine client will load it."""
-    if not ca_file:
-        return []
-    try:
-        ssl.create_default_context(cafile=ca_file)
-    except OSError as exc:  # ssl.SSLError too: not a PEM bundle, no certificate in it
-        reason = exc.strerror if isinstance(exc.strerror, str) else str(exc)
-        return [f"engine.ca_file: cannot load CA bundle {ca_file!r}: {reason}"]
-    return []

@@ -22,8 +22,9 @@ import msgspec
 import trio
 
 from narwhal import tracing
+from narwhal.config_files import load_config
 from narwhal.core.classify import Flow
-from narwhal.core.config import ConfigError, FleetConfig, load_config
+from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import (
     BadRequest,
     DeadlineExpired,

@@ -18,6 +18,7 @@ import trio
 import trustme
 
 from narwhal.check import check_fleet
+from narwhal.config_files import load_config_bytes
 from narwhal.core.config import ConfigError, EngineConfig, parse_config
 from narwhal.core.faults import ConnectTimeout, EngineStatusError, EngineUnreachable
 from narwhal.engines.client import EngineClient
@@ -460,15 +461,15 @@ url = "{url}"
 
 
 def test_ca_file_loads(ca_file: str) -> None:
-    fleet = parse_config(_fleet_toml(f"ca_file = {ca_file!r}"), fmt="toml")
+    fleet = load_config_bytes(_fleet_toml(f"ca_file = {ca_file!r}"), fmt="toml")
     assert fleet.engine.ca_file == ca_file
-    assert parse_config(_fleet_toml(), fmt="toml").engine.ca_file == ""
+    assert load_config_bytes(_fleet_toml(), fmt="toml").engine.ca_file == ""
 
 
 def test_a_missing_ca_file_is_a_config_error(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.pem")
     with pytest.raises(ConfigError) as caught:
-        parse_config(_fleet_toml(f"ca_file = {missing!r}"), fmt="toml")
+        load_config_bytes(_fleet_toml(f"ca_file = {missing!r}"), fmt="toml")
     assert caught.value.problems == [
         f"engine.ca_file: cannot load CA bundle {missing!r}: No such file or directory"
     ]
@@ -479,7 +480,7 @@ def test_a_ca_file_that_is_not_a_bundle_is_a_config_error(tmp_path: Path, conten
     path = tmp_path / "bad.pem"
     path.write_bytes(content)
     with pytest.raises(ConfigError) as caught:
-        parse_config(_fleet_toml(f"ca_file = {str(path)!r}"), fmt="toml")
+        load_config_bytes(_fleet_toml(f"ca_file = {str(path)!r}"), fmt="toml")
     assert len(caught.value.problems) == 1
     assert caught.value.problems[0].startswith(
         f"engine.ca_file: cannot load CA bundle {str(path)!r}"

@@ -33,13 +33,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal import cli
-from narwhal.core.config import (
-    ConfigError,
-    EngineSpec,
-    FleetConfig,
-    ServingConfig,
-    load_config,
-)
+from narwhal.config_files import load_config
+from narwhal.core.config import ConfigError, EngineSpec, FleetConfig, ServingConfig
 from narwhal.frontdoor.server import hypercorn_config
 
 try:  # the parent of --workers N (narwhal.workers) waits this long past hypercorn's bound

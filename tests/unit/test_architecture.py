@@ -188,6 +188,36 @@ def test_the_io_check_follows_imports() -> None:
     assert io_reached(edges, {"narwhal.core.b": {"trio"}}, "narwhal.core.a") == {"trio"}
 
 
+# what reads or writes files, or builds TLS contexts: the shell's (narwhal/config_files.py
+# reads the fleet file and loads its CA bundle), never the pure directories'
+FILE_IO = ("ssl", "pathlib", "os", "io", "shutil", "tempfile", "mmap")
+
+
+def file_io_of(source: str) -> list[str]:
+    """Every file or TLS module ``source`` imports, and every call of the builtin ``open``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in FILE_IO]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found += [node.module] if node.module.split(".")[0] in FILE_IO else []
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            found += ["open()"] if node.func.id == "open" else []
+    return found
+
+
+@pytest.mark.parametrize("name", pure_modules())
+def test_the_pure_core_touches_no_file(name: str) -> None:
+    path = PACKAGE.joinpath(*name.split(".")[1:])
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    assert file_io_of(path.read_text()) == []
+
+
+def test_the_file_check_finds_reads_and_tls() -> None:
+    source = "import ssl\nfrom pathlib import Path\nwith open('f') as f: pass\n"
+    assert file_io_of(source) == ["ssl", "pathlib", "open()"]
+
+
 def test_no_test_module_imports_another() -> None:
     """Shared helpers live in ``tests/support/``; a test module (or a conftest) imported by
     another ties their fixtures and collection order together."""

@@ -9,8 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from narwhal.core.config import ConfigError, FleetConfig, load_config, parse_config
-from tests.support.paths import ROOT
+from narwhal.core.config import ConfigError, parse_config
 
 MINIMAL = b"""
 model = "m"
@@ -85,26 +84,6 @@ def test_structs_are_frozen() -> None:
     fleet = parse_config(MINIMAL, fmt="toml")
     with pytest.raises(AttributeError):
         fleet.serving.max_attempts = 3  # type: ignore[misc]
-
-
-def test_the_example_fleet_file_sets_every_key_to_its_default() -> None:
-    example = load_config(ROOT / "examples" / "fleet.toml")
-    defaults = parse_config(MINIMAL, fmt="toml")
-    assert example.serving == defaults.serving
-    assert example.engine == defaults.engine
-    assert example.recovery == defaults.recovery
-    assert [e.role for e in example.engines] == ["prefill", "decode"]
-
-
-def test_json_is_accepted_by_extension(tmp_path: Path) -> None:
-    path = tmp_path / "fleet.json"
-    path.write_text(
-        '{"model": "m", "engines": [{"id": "a", "url": "http://h:1", "role": "prefill"},'
-        ' {"id": "b", "url": "http://h:2", "role": "decode"}], "serving": {"max_attempts": 2}}'
-    )
-    fleet = load_config(path)
-    assert isinstance(fleet, FleetConfig)
-    assert fleet.serving.max_attempts == 2
 
 
 def test_unknown_key_is_named_with_its_section() -> None:
@@ -233,11 +212,6 @@ def test_serve_exits_non_zero_with_the_list_not_a_traceback(tmp_path: Path) -> N
         "  engines[0].url: must be an http:// or https:// URL, got 'nope'",
         "  engine.max_connections: must be an integer >= 1 (got 0)",
     ]
-
-
-def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read file"):
-        load_config(tmp_path / "absent.toml")
 
 
 def test_kv_events_keys_are_checked() -> None:

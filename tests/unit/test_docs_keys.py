@@ -6,34 +6,16 @@ from __future__ import annotations
 
 import re
 
-import msgspec
 import pytest
 
-from narwhal.core.config import FleetConfig
+from tests.support.fleet_keys import fleet_keys
 from tests.support.paths import ROOT
 
 GUIDE = ROOT / "docs" / "operator-guide.md"
 EXAMPLE = ROOT / "examples" / "fleet.toml"
 # keys deliberately not in examples/fleet.toml, each with the reason (none at present)
 ABSENT_FROM_EXAMPLE: dict[str, str] = {}
-
-
-def _keys(info: msgspec.inspect.Type, prefix: str = "") -> list[str]:
-    """Every leaf key of the fleet file as ``section.key`` (``engines.id`` for a list of
-    tables), from the structs themselves, so a key added later is checked too."""
-    if isinstance(info, msgspec.inspect.UnionType):  # an optional section
-        (info,) = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
-    if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
-        info = info.item_type
-    if not isinstance(info, msgspec.inspect.StructType):
-        return [prefix]
-    keys = []
-    for field in info.fields:
-        keys += _keys(field.type, f"{prefix}.{field.name}" if prefix else field.name)
-    return keys
-
-
-KEYS = _keys(msgspec.inspect.type_info(FleetConfig))
+KEYS = fleet_keys()
 
 
 def _example_keys() -> set[str]:

@@ -209,10 +209,11 @@ async def test_draining_answers_queued_requests_503_at_once(
     clients = Clients(fleet, nursery)
     await clients.send("running")
     await clients.send("queued", Priority.INTERACTIVE)
+    assert fleet.router.admission.queued() == 1
     fleet.router.begin_drain()
     await clients.wait_ended("queued")
     when, status, message = clients.sinks["queued"].error
-    assert (when, status) == (0.0, 503)
+    assert (when, status) == (0.0, 503)  # at once, not after the grace (5 s)
     assert message == "the router is shutting down"
     assert clients.line("queued").outcome == "rejected"
     await drained(fleet)

@@ -124,6 +124,8 @@ async def test_the_router_closing_a_pipelining_connection_is_no_connection_error
     )
     waiting = b'{"model": "%s", "prompt": "and then", "max_tokens": 5}' % MODEL.encode()
     harness = await _send_and_never_read(nursery, _post(streamed) + _post(waiting))
+    (line,) = harness.router.journal.lines  # the pipelined request never ran
+    assert (line.outcome, line.status) == ("expired", 504)
     assert harness.router.metrics.connection_errors._value.get() == 0
     await finish(harness)
 
@@ -136,12 +138,14 @@ async def test_a_json_answer_cut_by_the_deadline_on_its_way_is_not_a_completion(
     completed (found by an outside test)."""
     body = b'{"model": "%s", "prompt": "hello there", "max_tokens": 20000}' % MODEL.encode()
     harness = await _send_and_never_read(nursery, _post(body))
+    (line,) = harness.router.journal.lines
+    assert (line.outcome, line.status) == ("expired", 504)
     await finish(harness)
 
 
 async def _send_and_never_read(nursery: trio.Nursery, data: bytes) -> Harness:
     """A fleet with a 1 s request deadline, and a client (a 1 KiB receive buffer) that sends
-    ``data`` and never reads: its one request ends expired, 504, at the deadline."""
+    ``data`` and never reads; returned once the router has drained."""
     harness = await start_fleet(
         nursery,
         {"p0": "prefill", "d0": "decode"},
@@ -154,6 +158,4 @@ async def _send_and_never_read(nursery: trio.Nursery, data: bytes) -> Harness:
         await sock.send(data)
         await harness.engines["d0"].wait_running()
         await harness.router.wait_drained()
-    (line,) = harness.router.journal.lines
-    assert (line.outcome, line.status) == ("expired", 504)
     return harness

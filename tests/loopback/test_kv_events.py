@@ -71,12 +71,18 @@ async def kv_fleet(nursery: trio.Nursery) -> AsyncIterator[Harness]:
     await finish(harness)
 
 
-async def settle(harness: Harness, check: Callable[[], bool]) -> None:
+async def settle(harness: Harness, check: Callable[[], bool]) -> bool:
+    """``check()`` once it holds, or as it stands after ``WAIT_S`` of the router reading."""
     with trio.move_on_after(WAIT_S):
         await harness.router.kv_subscriber.wait_until(check)
+    return check()
+
+
+def seen(harness: Harness) -> str:
+    """The router's view of each engine beside that engine's cache: a failure's message."""
     views = {e: view(harness, e) for e in harness.engines}
     caches = {e: len(engine.prefix_cache.blocks) for e, engine in harness.engines.items()}
-    assert check(), f"the router's view {views} of caches {caches}"
+    return f"the router's view {views} of caches {caches}"
 
 
 def view(harness: Harness, engine_id: str) -> dict[str, Any]:
@@ -122,7 +128,7 @@ async def test_the_router_holds_what_each_engine_holds_past_evictions(kv_fleet: 
     for i in range(6):  # 6 prompts of 3 blocks each: more than 8 blocks, so the caches evict
         await complete(kv_fleet, words(50, f"p{i}-"))
     for engine_id in ("p0", "d0", "d1"):
-        await settle(kv_fleet, agrees(kv_fleet, engine_id))
+        assert await settle(kv_fleet, agrees(kv_fleet, engine_id)), seen(kv_fleet)
         assert view(kv_fleet, engine_id)["state"] == "live"
     p0 = kv_fleet.engines["p0"]
     assert p0.prefix_cache.evictions > 0
@@ -150,8 +156,8 @@ async def test_placement_follows_what_the_events_say_not_what_was_sent(
             "POST", fleet.by_id[engine_id].url + path, content=content
         )
         assert answer.status == 200
-    await settle(kv_fleet, agrees(kv_fleet, first))
-    await settle(kv_fleet, agrees(kv_fleet, other))
+    assert await settle(kv_fleet, agrees(kv_fleet, first)), seen(kv_fleet)
+    assert await settle(kv_fleet, agrees(kv_fleet, other)), seen(kv_fleet)
     for _ in range(3):
         await complete(kv_fleet, prompt + " and more")
         assert journal.lines[-1].attempts[0].consumer == other
@@ -159,50 +165,51 @@ async def test_placement_follows_what_the_events_say_not_what_was_sent(
 
 async def test_a_reset_clears_the_engine_in_the_router_too(kv_fleet: Harness) -> None:
     await complete(kv_fleet, words(40, "reset-"))
-    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    assert await settle(kv_fleet, agrees(kv_fleet, "p0")), seen(kv_fleet)
     assert view(kv_fleet, "p0")["blocks"] > 0
     url = kv_fleet.router.fleet.by_id["p0"].url
     reset = await kv_fleet.http.request("POST", url + "/reset_prefix_cache")
     assert reset.status == 200
-    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["blocks"] == 0)
+    assert await settle(kv_fleet, lambda: view(kv_fleet, "p0")["blocks"] == 0), seen(kv_fleet)
 
 
 async def test_a_gap_is_repaired_from_the_replay_socket(kv_fleet: Harness) -> None:
     await complete(kv_fleet, words(40, "before-"))  # the stream is live from this batch
-    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    assert await settle(kv_fleet, agrees(kv_fleet, "p0")), seen(kv_fleet)
     await knob(kv_fleet, "p0", drop_next=1)
     await complete(kv_fleet, words(40, "lost-"))  # its batch never reaches the router
     await complete(kv_fleet, words(40, "after-"))  # this one shows the gap
-    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["repaired"] == 1)
-    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    assert await settle(kv_fleet, lambda: view(kv_fleet, "p0")["repaired"] == 1), seen(kv_fleet)
+    assert await settle(kv_fleet, agrees(kv_fleet, "p0")), seen(kv_fleet)
     assert view(kv_fleet, "p0")["unrepaired"] == 0
 
 
 async def test_a_gap_the_replay_cannot_repair_drops_the_engine(kv_fleet: Harness) -> None:
     p0 = kv_fleet.engines["p0"]
     await complete(kv_fleet, words(40, "before-"))
-    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    assert await settle(kv_fleet, agrees(kv_fleet, "p0")), seen(kv_fleet)
     await knob(kv_fleet, "p0", drop_next=1, forget=True)
     await complete(kv_fleet, words(40, "lost-"))
     await complete(kv_fleet, words(40, "after-"))
-    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["unrepaired"] == 1)
+    assert await settle(kv_fleet, lambda: view(kv_fleet, "p0")["unrepaired"] == 1), seen(kv_fleet)
     # what it held before the gap is gone from the router; only what came after is there
     assert view(kv_fleet, "p0")["blocks"] < len(p0.prefix_cache.blocks)
 
 
 async def test_an_engine_that_restarts_is_dropped_then_rebuilt(kv_fleet: Harness) -> None:
     await complete(kv_fleet, words(40, "old-"))
-    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    assert await settle(kv_fleet, agrees(kv_fleet, "p0")), seen(kv_fleet)
     await knob(kv_fleet, "p0", restart=True)  # sequence from 0, the cache empty
     await complete(kv_fleet, words(40, "new-"))
-    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["restarts"] == 1)
-    await settle(kv_fleet, agrees(kv_fleet, "p0"))
+    assert await settle(kv_fleet, lambda: view(kv_fleet, "p0")["restarts"] == 1), seen(kv_fleet)
+    assert await settle(kv_fleet, agrees(kv_fleet, "p0")), seen(kv_fleet)
 
 
 async def test_garbage_and_floods_are_counted_and_serving_goes_on(kv_fleet: Harness) -> None:
     await knob(kv_fleet, "p0", garbage_next=1)
     await complete(kv_fleet, words(40, "garbage-"))
-    await settle(kv_fleet, lambda: view(kv_fleet, "p0")["rejected"].get("batch", 0) == 1)
+    rejected = await settle(kv_fleet, lambda: view(kv_fleet, "p0")["rejected"].get("batch") == 1)
+    assert rejected, seen(kv_fleet)
     await knob(kv_fleet, "p0", flood=20_000)
     body = await complete(kv_fleet, words(10, "during-"))  # answered while the flood is read
     assert body["choices"][0]["text"]
@@ -243,8 +250,8 @@ async def test_listen_mode_reads_every_engine_through_one_bound_socket(
     harness = await serve_router(nursery, Router(config), engines)
     await attached(engines.values())
     await complete(harness, words(40, "listen-"))
-    await settle(harness, agrees(harness, "p0"))
-    await settle(harness, agrees(harness, "d0"))
+    assert await settle(harness, agrees(harness, "p0")), seen(harness)
+    assert await settle(harness, agrees(harness, "d0")), seen(harness)
     assert view(harness, "p0")["blocks"] > 0
     await finish(harness)
 
@@ -273,7 +280,7 @@ async def test_a_local_tokenizer_json_places_text_prompts_without_asking_the_eng
     url = harness.router.fleet.by_id["d1"].url + "/v1/completions"
     answer = await harness.http.request("POST", url, content=msgspec.json.encode(body))
     assert answer.status == 200
-    await settle(harness, agrees(harness, "d1"))
+    assert await settle(harness, agrees(harness, "d1")), seen(harness)
     await complete(harness, prompt)
     assert harness.router.journal.lines[-1].attempts[0].consumer == "d1"
     assert harness.router.tokens.asked == 0  # no /tokenize: the ids came from the file
@@ -295,7 +302,7 @@ async def test_a_tokenizer_that_hangs_costs_one_request_its_bound_then_none(
     kv_fleet: Harness,
 ) -> None:
     await complete(kv_fleet, words(40, "warm-"))
-    await settle(kv_fleet, kv_fleet.router.fleet.precise.any_live)
+    assert await settle(kv_fleet, kv_fleet.router.fleet.precise.any_live), seen(kv_fleet)
     for engine in kv_fleet.engines.values():
         engine.faults.push(Fault(kind="hang", leg="tokenize", rate=1.0))
     tokens = kv_fleet.router.tokens

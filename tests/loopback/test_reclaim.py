@@ -124,8 +124,10 @@ async def test_a_refused_decode_leaves_an_orphan_that_is_reclaimed_at_once(
 async def test_a_client_gone_after_prefill_leaves_no_kv_behind(nursery: trio.Nursery) -> None:
     harness = await start_fleet(nursery, {"p0": "prefill", "d0": "decode"})
     harness.engines["d0"].faults.push(Fault(kind="hang", leg="decode"))
-    with trio.move_on_after(0.3):  # a user who gives up while the decode has not started
-        await harness.post("/v1/completions", {**BODY, "stream": True})
+    async with trio.open_nursery() as client:  # a user who gives up before the first token
+        client.start_soon(harness.post, "/v1/completions", {**BODY, "stream": True})
+        await harness.engines["d0"].wait_running()  # the decode leg is there, and hangs
+        client.cancel_scope.cancel()
     await settled(harness)
     (line,) = harness.router.journal.lines
     assert (line.outcome, line.attempts[0].handoff) == ("cancelled", "orphaned")

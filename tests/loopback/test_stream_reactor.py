@@ -105,16 +105,18 @@ async def test_on_due_is_called_at_its_time_and_names_the_next(
 
 
 async def test_cancellation_unparks_and_the_callback_never_runs_after(
-    reactor: StreamReactor,
+    reactor: StreamReactor, autojump_clock: trio.testing.MockClock
 ) -> None:
     ours, theirs = socket.socketpair()
     calls: list[str] = []
+    start = trio.current_time()
     with trio.move_on_after(0.05) as scope:
         await reactor.park(ours.fileno(), lambda: calls.append("late"))
     assert scope.cancelled_caught
+    assert trio.current_time() == start + 0.05  # the deadline, to the tick (virtual time)
     theirs.send(b"after the deadline")
     await trio.testing.wait_all_tasks_blocked()
-    await trio.sleep(0.01)  # a turn of the reactor's loop, had the socket stayed in it
+    await trio.sleep(0.01)  # virtual: a turn of the reactor's loop, had the socket stayed in it
     assert calls == []
     ours.close()
     theirs.close()

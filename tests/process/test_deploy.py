@@ -691,7 +691,7 @@ def test_promtool_unit_tests_of_the_alerts_pass() -> None:
 
 async def test_promtool_finds_no_lint_in_a_real_scrape(nursery: trio.Nursery) -> None:
     text, _ = await scrape_after_traffic(nursery)
-    await lint_exposition(text.encode())
+    assert await lint_exposition(text.encode()) == (0, "")
 
 
 # --- the guide ----------------------------------------------------------------------------

@@ -200,7 +200,8 @@ async def test_prometheus_answers_every_dashboard_query_and_alert(
                 if health == ["up"] and ejected and float(scrapes[0]["value"][1]) >= 5:
                     break
         # promtool lints a scrape taken under this load
-        await lint_exposition((await harness.get("/metrics")).body)
+        linted = await lint_exposition((await harness.get("/metrics")).body)
+        assert linted == (0, ""), linted
 
         assert await api.query('narwhal_requests_total{status=~"5.."} > 0')
         empty = []

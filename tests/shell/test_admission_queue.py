@@ -209,10 +209,11 @@ async def test_draining_answers_queued_requests_503_at_once(
     clients = Clients(fleet, nursery)
     await clients.send("running")
     await clients.send("queued", Priority.INTERACTIVE)
+    assert fleet.router.admission.queued() == 1
     fleet.router.begin_drain()
     await clients.wait_ended("queued")
     when, status, message = clients.sinks["queued"].error
-    assert (when, status) == (0.0, 503)
+    assert (when, status) == (0.0, 503)  # at once, not after the grace (5 s)
     assert message == "the router is shutting down"
     assert clients.line("queued").outcome == "rejected"
     await drained(fleet)
@@ -264,6 +265,30 @@ async def test_a_decode_that_has_started_leaves_room_on_its_consumer(
     await clients.send("next", stream=True)
     assert fleet.router.admission.queued() == 0  # went on while "long" still streams
     await drained(fleet)
+
+
+async def test_reservations_are_held_during_the_legs(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """Each leg holds its engine from its placement to its end: the producer while it
+    prefills, the consumer while it decodes."""
+    fleet = await memory_fleet(nursery, prefill_delay=PREFILL_S, itl_s=1.0, placement=NO_SCRAPES)
+    producer, consumer = fleet.router.fleet.engines
+    clients = Clients(fleet, nursery)
+    await clients.send("r", stream=True)  # its prefill takes a virtual second
+    assert (producer.inflight, consumer.inflight) == (
+        {"prefill": 1, "decode": 0},
+        {"prefill": 0, "decode": 0},
+    )
+    await trio.sleep(PREFILL_S + 0.5)  # virtual: its prefill is done, its first token out
+    assert clients.sinks["r"].committed
+    assert (producer.inflight, consumer.inflight) == (
+        {"prefill": 0, "decode": 0},
+        {"prefill": 0, "decode": 1},
+    )
+    await drained(fleet)
+    assert clients.status("r") == 200
+    assert consumer.inflight == {"prefill": 0, "decode": 0}
 
 
 async def test_without_the_queue_every_request_goes_on_at_once(

@@ -7,15 +7,21 @@ its budget.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import trio
+import trustme
 
 from narwhal.core.config import EngineConfig, RecoveryConfig, ServingConfig
+from narwhal.core.faults import ConnectTimeout
+from narwhal.engines.client import EngineClient
 from narwhal.fake_engine.faults import Fault
 from tests.support.fleet import MODEL
 from tests.support.memory_fleet import memory_fleet
+from tests.support.memory_network import MemoryNetwork
 
 STREAM = {"model": MODEL, "prompt": "one two three", "max_tokens": 8, "stream": True}
 CHAT = {
@@ -148,6 +154,31 @@ async def test_connect_timeout_on_the_prefill_leg(
     when, status, message = sink.error
     assert (when, status) == (1.5, 504)
     assert message.startswith("connect to engine")
+
+
+async def test_the_tls_handshake_is_bounded_by_the_connect_timeout(
+    nursery: trio.Nursery, autojump_clock: Any, tmp_path: Path
+) -> None:
+    """A peer that takes the connection and never answers the ClientHello: the connect
+    budget covers the connect and the handshake together, a ConnectTimeout (504)."""
+    ca_file = tmp_path / "engines-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(ca_file))
+    network = MemoryNetwork(nursery)
+    network.listen("127.0.0.1", 8443, _never_answers)
+    client = EngineClient(ca_file=str(ca_file), connect_timeout_s=0.2, connect=network.open_stream)
+    url = "https://127.0.0.1:8443"
+    with pytest.raises(ConnectTimeout) as caught:
+        await client.get(url, "/health")
+    assert trio.current_time() == 0.2
+    assert caught.value.status == 504
+    assert client.connections()[url] == (0, 0)
+    await client.aclose()
+
+
+async def _never_answers(stream: trio.abc.Stream) -> None:
+    async with stream:
+        await stream.receive_some()  # the ClientHello, left unanswered
+        await trio.sleep_forever()
 
 
 async def test_connection_delay_spends_the_first_token_budget(

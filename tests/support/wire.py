@@ -1,4 +1,4 @@
-"""Raw-socket helpers: what a client reads off the wire."""
+"""Raw-socket helpers: what a client sends and reads off the wire."""
 
 from __future__ import annotations
 
@@ -13,6 +13,25 @@ async def read_answer(stream: trio.SocketStream) -> bytes:
         return await stream.receive_some(65536)
     except trio.BrokenResourceError:
         return b""
+
+
+def statuses(raw: bytes) -> list[int]:
+    """Status codes of every response on the connection, in order."""
+    out = []
+    for line in raw.split(b"\r\n"):
+        if line.startswith(b"HTTP/1.1 "):
+            out.append(int(line.split()[1]))
+    return out
+
+
+def request(
+    body: bytes, *headers: bytes, path: bytes = b"/v1/completions", close: bool = True
+) -> bytes:
+    """One request; ``close`` asks the router to close after answering (no idle wait)."""
+    head = [b"POST " + path + b" HTTP/1.1", b"host: 127.0.0.1", b"content-type: application/json"]
+    if close:
+        head.append(b"connection: close")
+    return b"\r\n".join([*head, *headers, b"", b""]) + body
 
 
 async def open_stream_and_vanish(url: str, body: bytes) -> None:

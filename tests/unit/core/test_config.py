@@ -1,10 +1,7 @@
-"""The fleet file: defaults, every problem reported with its path, `serve` refusing bad files."""
+"""The fleet file: defaults, every problem reported with its path (how `serve` refuses a bad
+file, as a process, is in tests/process/test_cli_errors.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -190,28 +187,6 @@ def test_several_problems_are_reported_together() -> None:
 def test_syntax_errors_and_bad_extensions() -> None:
     assert _problems("model = ")[0].startswith("syntax:")
     assert _problems("{}", fmt="yaml") == ["file extension: must be .toml or .json, got 'yaml'"]
-
-
-def test_serve_exits_non_zero_with_the_list_not_a_traceback(tmp_path: Path) -> None:
-    bad = tmp_path / "fleet.toml"
-    bad.write_text(
-        'model = ""\n[[engines]]\nid = "e"\nurl = "nope"\n[engine]\nmax_connections = 0\n'
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "narwhal", "serve", "--config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.splitlines() == [
-        f"invalid fleet file {bad}: 3 problem(s)",
-        "  model: must be a non-empty string (got '')",
-        "  engines[0].url: must be an http:// or https:// URL, got 'nope'",
-        "  engine.max_connections: must be an integer >= 1 (got 0)",
-    ]
 
 
 def test_kv_events_keys_are_checked() -> None:

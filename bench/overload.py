@@ -60,7 +60,8 @@ from peers import (
 )
 from placement import warm_up
 
-from narwhal.engines.transport import ConnectFailed, Pool, TransportError, tcp_connect
+from narwhal.core.faults import EngineFault, Phase
+from narwhal.engines.transport import Pool, tcp_connect
 
 CAPACITY = 10.0  # requests/s the fleet below finishes (its consumers' slots)
 PROMPT_WORDS, OUTPUT_TOKENS = 200, 32
@@ -195,7 +196,9 @@ async def one(pool: Pool, arrival: Arrival, t0: float) -> Outcome:
     sent_at = t0 + arrival.at
     first: float | None = None
     tail = b""
-    async with await pool.request(b"POST", b"/v1/completions", headers, arrival.body) as resp:
+    async with await pool.request(
+        b"POST", b"/v1/completions", headers, arrival.body, phase=Phase.DECODE
+    ) as resp:
         while (batch := await resp.next_batch()) is not None:
             if first is None and b"data: {" in batch:
                 first = trio.current_time() - sent_at
@@ -207,8 +210,7 @@ async def one(pool: Pool, arrival: Arrival, t0: float) -> Outcome:
 async def replay(
     arrivals: list[Arrival], url: str, run: Run, pid: int | None, cpu_at: float
 ) -> None:
-    host, port = url.removeprefix("http://").split(":")
-    pool = Pool(host, int(port), tcp_connect, 60.0, 4096)
+    pool = Pool(url, tcp_connect, 60.0, 4096)
     t0 = trio.current_time()
 
     async def send(arrival: Arrival) -> None:
@@ -216,7 +218,7 @@ async def replay(
         with trio.move_on_after(CLIENT_TIMEOUT_S):
             try:
                 outcome = await one(pool, arrival, t0)
-            except (ConnectFailed, TransportError) as exc:
+            except EngineFault as exc:
                 outcome = Outcome(arrival, type(exc).__name__)
         outcome.done_at = trio.current_time() - t0
         run.outcomes.append(outcome)

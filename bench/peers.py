@@ -47,7 +47,8 @@ from pathlib import Path
 import msgspec
 import trio
 
-from narwhal.engines.transport import ConnectFailed, Pool, TransportError, tcp_connect
+from narwhal.core.faults import EngineFault, Phase
+from narwhal.engines.transport import Pool, tcp_connect
 
 URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -218,7 +219,11 @@ async def one_request(
     first: float | None = None
     tail = b""
     async with await pool.request(
-        b"POST", b"/v1/completions", [(b"content-type", b"application/json")], body
+        b"POST",
+        b"/v1/completions",
+        [(b"content-type", b"application/json")],
+        body,
+        phase=Phase.DECODE,
     ) as resp:
         try:
             while (batch := await resp.next_batch()) is not None:
@@ -258,6 +263,7 @@ async def prefill_leg(pool: Pool, body: dict) -> bytes:  # type: ignore[type-arg
         b"/v1/completions",
         [(b"content-type", b"application/json")],
         msgspec.json.encode(pre),
+        phase=Phase.PREFILL,
     ) as resp:
         return await resp.read_all(1 << 22)
 
@@ -286,7 +292,7 @@ async def drive(scenario: Scenario, send: Callable[[int], object], result: Resul
         for i in remaining:
             try:
                 failure, first, e2e = await send(i)  # type: ignore[misc]
-            except (ConnectFailed, TransportError, KeyError, msgspec.DecodeError) as exc:
+            except (EngineFault, KeyError, msgspec.DecodeError) as exc:
                 # a request the target (or the machine) could not serve is a failure to
                 # report, not the end of the run; why, with the numbers taken out (ports)
                 why = re.sub(r"\d+", "N", str(exc))[:100]
@@ -315,10 +321,9 @@ def run_load(
         width = scenario.concurrency + 8
 
         def pool_for(u: str) -> Pool:
-            host, port = u.removeprefix("http://").split(":")
             # thousands of connects at once overflow the SYN queue (tcp_max_syn_backlog);
             # the kernel's retries (1 s, 3 s, 7 s...) then exceed a short timeout
-            return Pool(host, int(port), tcp_connect, 60.0, width)
+            return Pool(u, tcp_connect, 60.0, width)
 
         def body(i: int) -> dict:  # type: ignore[type-arg]
             return {

@@ -208,7 +208,8 @@ from peers import (
 )
 from stream_client import Outcome, stream_request
 
-from narwhal.engines.transport import ConnectFailed, Pool, TransportError, tcp_connect
+from narwhal.core.faults import EngineFault
+from narwhal.engines.transport import Pool, tcp_connect
 
 OUTPUT_TOKENS = 16
 RATE = 8.0  # requests per second: what this shared 2-core machine drives without being the limit
@@ -811,8 +812,7 @@ def kv_streams(url: str) -> tuple[tuple[int, int] | None, float | None]:
 
 
 def pool_for(url: str, width: int = 1024) -> Pool:
-    host, port = url.removeprefix("http://").split(":")
-    return Pool(host, int(port), tcp_connect, 60.0, width)
+    return Pool(url, tcp_connect, 60.0, width)
 
 
 async def tenant_loop(tenant: Tenant, url: str, run: Run, t0: float, seed: int) -> None:
@@ -867,7 +867,7 @@ async def attempt(request: Request, pool: Pool, body: bytes) -> Outcome:
     with trio.move_on_after(REQUEST_TIMEOUT_S):
         try:
             return await request(pool, body)
-        except (ConnectFailed, TransportError) as exc:
+        except EngineFault as exc:
             return Outcome(failure=type(exc).__name__)
     return Outcome(failure="timeout")
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from narwhal.core.faults import Phase
 from narwhal.engines.transport import Pool
 
 DONE = b"data: [DONE]"
@@ -96,7 +97,7 @@ async def stream_request(pool: Pool, path: bytes, body: bytes) -> Outcome:
     outcome = Outcome()
     reader = _Reader(time.perf_counter(), outcome)
     async with await pool.request(
-        b"POST", path, [(b"content-type", b"application/json")], body
+        b"POST", path, [(b"content-type", b"application/json")], body, phase=Phase.DECODE
     ) as resp:
         try:
             while (batch := await resp.next_batch()) is not None:

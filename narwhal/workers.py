@@ -52,7 +52,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, FleetConfig
-from narwhal.core.faults import error_json
+from narwhal.core.faults import InvalidFleetFile, ReloadNotApplied, ReloadUnanswered
 from narwhal.frontdoor.server import hypercorn_config, serve
 from narwhal.kv_relay import start_relay
 from narwhal.logs import announce, log_event
@@ -569,8 +569,7 @@ class ParentLink:
                 raise ConfigError("<none>", ["the router was not started from a fleet file"])
             check_workers(load_config(path), self.count, path)  # refused here, not by each
         except ConfigError as exc:
-            body = error_json(400, exc.render(), "invalid_fleet_file", problems=exc.problems)
-            return 400, body
+            return InvalidFleetFile(exc).answer()
         self._asked += 1
         asked = self._asked
         self._answered[asked] = answered = trio.Event()
@@ -582,12 +581,10 @@ class ParentLink:
             del self._answered[asked]
         results = self._answers.pop(asked, None)
         if results is None:
-            message = "reload: the parent process did not answer; the workers may differ"
-            return 504, error_json(504, message, "reload_incomplete")
+            return ReloadUnanswered().answer()
         failed = [r["worker"] for r in results if "error" in r]
         if failed:
-            message = f"reload did not apply on worker(s) {failed}; the workers may differ"
-            return 409, error_json(409, message, "reload_incomplete", workers=results)
+            return ReloadNotApplied(failed, results).answer()
         mine = next((r for r in results if r.get("worker") == self.index), results[0])
         change = {k: mine[k] for k in ("engines", "added", "removed") if k in mine}
         return 200, _encode({**change, "workers": results})

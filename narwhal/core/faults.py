@@ -2,8 +2,10 @@
 
 Each fault carries the phase it happened in, the HTTP status the client sees, whether a
 fresh attempt may be made for it, and its breaker class (which later issues feed to the
-per-engine breaker). Engine and transport errors are translated into these at the
-boundary (``narwhal.engines.client``), so nothing above it sees transport or h11 types.
+per-engine breaker). Every error answer the router gives is one of these, rendered by the
+fault itself (``error_json``). The transport's libraries' errors become engine faults at
+one boundary (the table of ``narwhal.engines.boundary``), so nothing above it sees
+transport, trio or h11 types; a clock that ran out becomes its fault through ``ran_out``.
 
 Client-visible messages name engines by id, never by URL (SPEC 3): a fault keeps its full
 ``message`` (with the engine's address) for logs and the journal, and ``error_body()``,
@@ -16,25 +18,14 @@ import re
 from enum import StrEnum
 from functools import lru_cache
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self
 from urllib.parse import urlsplit
 
 import msgspec
 
+from narwhal.core.config import ConfigError
+
 _encode = msgspec.json.Encoder().encode
-
-
-def error_json(
-    status: int,
-    message: str,
-    kind: str = "invalid_request_error",
-    param: str | None = None,
-    **extra: Any,
-) -> bytes:
-    """The one error body of SPEC 3: ``{"error": {"message", "type", "param", "code"}}``
-    (``extra`` adds fields, such as a fleet file's ``problems``)."""
-    error = {"message": message, "type": kind, "param": param, "code": status, **extra}
-    return _encode({"error": error})
 
 
 class Phase(StrEnum):
@@ -93,17 +84,29 @@ class RequestFault(Exception):
 
     param: str | None = None  # the request field at fault, when one is
 
+    def details(self) -> dict[str, object]:
+        """Fields the error object carries after the four of every error (none here)."""
+        return {}
+
     def error_body(self) -> dict[str, object]:
+        """The one error object: ``{"message", "type", "param", "code"}``, then ``details``."""
         return {
             "message": self.client_message(),
             "type": self.kind,
             "param": self.param,
             "code": self.status,
+            **self.details(),
         }
 
     def error_json(self) -> bytes:
-        """The JSON answer before the commit point, or the terminal event's payload."""
+        """The JSON answer before the commit point, or the terminal event's payload:
+        ``{"error": error_body}``."""
         return _encode({"error": self.error_body()})
+
+    def answer(self) -> tuple[int, bytes]:
+        """The whole answer to a request refused or failed before its commit point:
+        (status, JSON body)."""
+        return self.status, self.error_json()
 
 
 def name_engine(message: str, url: str, engine_id: str | None) -> str:
@@ -341,6 +344,149 @@ class ModelNotServed(RequestFault):
         client's mistake or an attack) is shown cut, so the answer stays small."""
         shown = model if len(model) <= 256 else model[:256] + "..."
         return cls(f"model '{shown}' is not served here", phase=Phase.ADMISSION)
+
+
+class Unauthorized(RequestFault):
+    """No API key, or one the router does not know, on an endpoint that needs one."""
+
+    status = 401
+    kind = "authentication_error"
+
+    def __init__(self) -> None:
+        super().__init__("missing or invalid API key", phase=Phase.ADMISSION)
+
+
+class Forbidden(RequestFault):
+    """An admin endpoint asked without the admin rule's leave (``message`` says which)."""
+
+    status = 403
+    kind = "permission_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, phase=Phase.ADMISSION)
+
+
+class NoSuchEndpoint(RequestFault):
+    status = 404
+    kind = "not_found_error"
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(f"no such endpoint: {method} {path}", phase=Phase.ADMISSION)
+
+
+class MethodNotAllowed(RequestFault):
+    """An endpoint that takes POST asked with another method."""
+
+    status = 405
+    kind = "method_not_allowed"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path} takes POST", phase=Phase.ADMISSION)
+
+
+class FramingError(RequestFault):
+    """The front door could not frame the request (RFC 9112): answered, then the
+    connection closes. 400, or the status the parser named (413: a chunk announced past
+    the body limit), with the type the app gives the same status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message, phase=Phase.ADMISSION)
+        self.status = status
+        self.kind = "request_too_large" if status == 413 else "invalid_request_error"
+
+
+class InvalidFleetFile(RequestFault):
+    """A reload whose fleet file does not load: nothing changed; each problem is listed."""
+
+    status = 400
+    kind = "invalid_fleet_file"
+
+    def __init__(self, error: ConfigError) -> None:
+        super().__init__(error.render(), phase=Phase.ADMISSION)
+        self.problems = error.problems
+
+    def details(self) -> dict[str, object]:
+        return {"problems": self.problems}
+
+
+class ReloadIncomplete(RequestFault):
+    """A fleet file that loaded, but not everywhere: the workers may differ."""
+
+    kind = "reload_incomplete"
+
+
+class ReloadUnanswered(ReloadIncomplete):
+    """The parent process did not answer a worker's reload in time."""
+
+    status = 504
+
+    def __init__(self) -> None:
+        message = "reload: the parent process did not answer; the workers may differ"
+        super().__init__(message, phase=Phase.ADMISSION)
+
+
+class ReloadNotApplied(ReloadIncomplete):
+    """Some workers could not apply the file; ``workers`` holds every worker's answer."""
+
+    status = 409
+
+    def __init__(self, failed: list[int], workers: list[dict[str, Any]]) -> None:
+        message = f"reload did not apply on worker(s) {failed}; the workers may differ"
+        super().__init__(message, phase=Phase.ADMISSION)
+        self.workers = workers
+
+    def details(self) -> dict[str, object]:
+        return {"workers": self.workers}
+
+
+class Clock(StrEnum):
+    """A request's named timeouts (docs/architecture.md, the life-cycle table)."""
+
+    DEADLINE = "deadline"  # serving.request_timeout_s, from arrival
+    DRAIN = "drain"  # serving.graceful_timeout_s, once a graceful shutdown began
+    PREFILL = "prefill"  # serving.prefill_timeout_s over one prompt-side leg
+    FIRST_TOKEN = "first_token"  # engine.first_token_timeout_s, until the first token
+    SILENCE = "silence"  # engine.decode_read_timeout_s between an engine's reads
+
+
+class Caught(Protocol):
+    """A cancel scope once it has ended, as ``trio.CancelScope`` (core imports no trio)."""
+
+    @property
+    def cancelled_caught(self) -> bool: ...
+
+
+def ran_out(
+    clock: Clock,
+    budget_s: float,
+    *,
+    phase: Phase,
+    engine_id: str | None = None,
+    leg: str = "prefill",
+    scope: Caught | None = None,
+) -> RequestFault:
+    """The fault of ``clock`` having run out after ``budget_s`` (of engine ``engine_id``,
+    for an engine's clock; ``leg`` names a prompt-side leg, the path of a pass-through).
+    ``scope``: the cancel scope that held the clock, when the caller has one; it must
+    have caught its cancellation (an ended scope that did not is a bug, raised as one)."""
+    if scope is not None and not scope.cancelled_caught:
+        raise ValueError(f"the {clock} clock did not run out")
+    engine = f"engine {engine_id}"
+    match clock:
+        case Clock.DEADLINE:
+            return DeadlineExpired(budget_s, phase=phase)
+        case Clock.DRAIN:
+            message = f"the request outlived the graceful timeout ({budget_s:g}s)"
+            return ShuttingDown(f"router shutting down: {message}", phase=phase)
+        case Clock.PREFILL:
+            message = f"{leg} on {engine} took longer than {budget_s:g}s"
+            return PrefillTimeout(message, phase=phase, engine_id=engine_id)
+        case Clock.FIRST_TOKEN:
+            message = f"no first token within {budget_s:g}s from {engine}"
+            return FirstTokenTimeout(message, phase=phase, engine_id=engine_id)
+        case Clock.SILENCE:
+            message = f"engine went silent between tokens: nothing from {engine} for {budget_s:g}s"
+            return SilenceTimeout(message, phase=phase, engine_id=engine_id)
 
 
 class EngineFaults:

@@ -3,8 +3,8 @@
 Timeouts are the caller's cancel scopes; the only timeout applied here is the connect
 timeout (the TCP connect and, for an ``https://`` engine, the TLS handshake). The transport
 (``narwhal.engines.transport``, h11 on trio) bounds each engine's pool with a capacity
-limiter and returns what each socket read brought as one batch.
-Transport errors become engine faults here, at the boundary.
+limiter and returns what each socket read brought as one batch, and raises what its
+libraries raise as engine faults (the table of ``narwhal.engines.boundary``).
 """
 
 from __future__ import annotations
@@ -19,22 +19,12 @@ import msgspec
 import trio
 
 from narwhal.core.connector import NixlConnector, PrefillResult
-from narwhal.core.faults import (
-    ConnectTimeout,
-    EngineFault,
-    EngineStatusError,
-    EngineUnreachable,
-    Phase,
-    StreamBroken,
-)
+from narwhal.core.faults import EngineStatusError, Phase, StreamBroken
 from narwhal.engines.transport import (
     IDLE_EXPIRY_S,
-    BodyTooLarge,
     Connect,
-    ConnectFailed,
     Pool,
     Response,
-    TransportError,
     tcp_connect,
     tls_connect,
     tls_context,
@@ -44,6 +34,8 @@ from narwhal.tracing import NO_HEADERS, Headers
 MAX_PREFILL_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
 DRAIN_TIMEOUT_S = 1.0
+# what a decode stream's broken reads say first, once its engine answered 200
+BROKEN_STREAM = "stream ended before [DONE]: "
 _encode = msgspec.json.Encoder().encode
 
 
@@ -80,20 +72,13 @@ class _EnginePool:
 
     def __init__(self, base_url: str, client: EngineClient) -> None:
         self.base_url = base_url.rstrip("/")
-        parts = urlsplit(self.base_url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        scheme = urlsplit(self.base_url).scheme
         connect = client.connect  # http: the plain path, nothing added
-        if parts.scheme == "https":
+        if scheme == "https":
             connect = tls_connect(connect, client.tls_context())
-        elif parts.scheme != "http":  # the config refuses these: never a silent downgrade
-            connect = _refuse_scheme(parts.scheme)
-        self.pool = Pool(
-            parts.hostname or "",
-            port,
-            connect,
-            client.connect_timeout_s,
-            client.max_connections,
-        )
+        elif scheme != "http":  # the config refuses these: never a silent downgrade
+            connect = _refuse_scheme(scheme)
+        self.pool = Pool(self.base_url, connect, client.connect_timeout_s, client.max_connections)
         headers = [(b"content-type", b"application/json"), (b"accept", b"*/*")]
         if client.api_key:
             headers.append((b"authorization", b"Bearer " + client.api_key.encode()))
@@ -117,23 +102,15 @@ class _EnginePool:
         body: bytes,
         request_id: str,
         phase: Phase,
-        broken: str = "",
         trace: Headers = NO_HEADERS,
     ) -> Response:
-        try:
-            return await self.pool.request(
-                method, path.encode(), self.headers_for(request_id, trace), body
-            )
-        except BaseException as exc:
-            fault = translate(exc, phase, self.base_url, broken)
-            if fault is None:
-                raise
-            raise fault from None
+        headers = self.headers_for(request_id, trace)
+        return await self.pool.request(method, path.encode(), headers, body, phase=phase)
 
 
 def _refuse_scheme(scheme: str) -> Connect:
     async def refuse(host: str, port: int) -> trio.abc.Stream:
-        raise ConnectFailed(f"unsupported URL scheme {scheme!r} (http and https only)")
+        raise OSError(f"unsupported URL scheme {scheme!r} (http and https only)")
 
     return refuse
 
@@ -236,7 +213,7 @@ class EngineClient:
         async with await engine.request(
             b"POST", path, payload, request_id, Phase.PREFILL, trace=trace
         ) as response:
-            data = await _read(response, engine, Phase.PREFILL, MAX_PREFILL_RESPONSE_BYTES)
+            data = await response.read_all(MAX_PREFILL_RESPONSE_BYTES)
         if response.status != 200:
             message, kind = error_message(data, response.status)
             raise EngineStatusError(
@@ -252,29 +229,21 @@ class EngineClient:
         async with await engine.request(
             b"POST", "/v1/completions", payload, request_id, Phase.HANDOFF
         ) as response:
-            await _read(response, engine, Phase.HANDOFF, MAX_ERROR_BODY_BYTES, truncate=True)
+            await response.read_within(MAX_ERROR_BODY_BYTES)
         return response.status
 
     async def get(self, url: str, path: str) -> tuple[int, bytes]:
         """A small GET (health, version, models), bounded by the caller's scope."""
-        status, data = await self.get_within(url, path, MAX_PREFILL_RESPONSE_BYTES)
-        if data is None:
-            too_large = BodyTooLarge(
-                f"engine response larger than {MAX_PREFILL_RESPONSE_BYTES} bytes"
-            )
-            raise engine_fault(too_large, Phase.ADMISSION, url)
-        return status, data
+        engine = self._engine(url)
+        async with await engine.request(b"GET", path, b"", "", Phase.ADMISSION) as response:
+            data = await response.read_all(MAX_PREFILL_RESPONSE_BYTES)
+        return response.status, data
 
     async def get_within(self, url: str, path: str, limit: int) -> tuple[int, bytes | None]:
         """``get``, its body None when it is over ``limit`` bytes (the rest is not read)."""
         engine = self._engine(url)
         async with await engine.request(b"GET", path, b"", "", Phase.ADMISSION) as response:
-            try:
-                data: bytes | None = await response.read_all(limit)
-            except BodyTooLarge:
-                data = None
-            except TransportError as exc:
-                raise engine_fault(exc, Phase.ADMISSION, engine.base_url) from None
+            data = await response.read_within(limit)
         return response.status, data
 
     def limiter(self, url: str) -> trio.CapacityLimiter:
@@ -347,11 +316,11 @@ class DecodeStream:
             b"POST", self._endpoint, payload, self._request_id, Phase.DECODE, trace=self._trace
         )
         self._response = response
-        if response.status != 200:
+        if response.status == 200:
+            response.errors.broken = BROKEN_STREAM
+        else:
             try:
-                data = await _read(
-                    response, engine, Phase.DECODE, MAX_ERROR_BODY_BYTES, truncate=True
-                )
+                data = await response.read_within(MAX_ERROR_BODY_BYTES) or b""
             finally:
                 await self.aclose()
             message, kind = error_message(data, response.status)
@@ -384,8 +353,8 @@ class DecodeStream:
             assert response is not None
         try:
             batch = await response.next_batch()
-        except BaseException as exc:
-            await self.fail(exc)
+        except BaseException:
+            await self.aclose()  # its fault, or a cancellation, ends the stream
             raise
         if batch is None:
             await self.aclose()
@@ -398,18 +367,10 @@ class DecodeStream:
 
     def read_nowait(self) -> bytes | None:
         """``read`` without waiting, in the stream reactor's task: b"" when nothing is
-        there yet; None: ``read`` goes on (the end, or anything else that may wait). A
-        ``TransportError`` raised here goes to ``fail`` in the request's task."""
+        there yet; None: ``read`` goes on (the end, or anything else that may wait). The
+        engine fault raised here is handed to the request's task, which closes the stream."""
         response = self._response
         return None if response is None else response.read_nowait()
-
-    async def fail(self, exc: BaseException) -> None:
-        """The read failed with ``exc``: close, and raise it as an engine fault (return:
-        not a transport error, the caller re-raises it)."""
-        await self.aclose()
-        fault = translate(exc, Phase.DECODE, self._engine.base_url, "stream ended before [DONE]: ")
-        if fault is not None:
-            raise fault from None
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Read what follows ``[DONE]`` (the end of the chunked body), so the connection
@@ -423,7 +384,7 @@ class DecodeStream:
                         part := await response.next_batch()
                     ) is not None and size < MAX_ERROR_BODY_BYTES:
                         size += len(part)
-                except TransportError:
+                except StreamBroken:
                     pass  # after [DONE] the answer is whole: the connection is not reused
         await self.aclose()
 
@@ -431,39 +392,3 @@ class DecodeStream:
         response, self._response = self._response, None
         if response is not None:
             await response.aclose()
-
-
-async def _read(
-    response: Response, engine: _EnginePool, phase: Phase, limit: int, *, truncate: bool = False
-) -> bytes:
-    try:
-        return await response.read_all(limit)
-    except TransportError as exc:
-        if truncate and isinstance(exc, BodyTooLarge):
-            return b""
-        raise engine_fault(exc, phase, engine.base_url) from None
-
-
-def translate(exc: BaseException, phase: Phase, url: str, broken: str = "") -> EngineFault | None:
-    """The engine fault for a transport error (None: not a transport error, re-raise it)."""
-    if isinstance(exc, ConnectFailed | TransportError):
-        return engine_fault(exc, phase, url, broken)
-    return None
-
-
-def engine_fault(
-    exc: ConnectFailed | TransportError, phase: Phase, url: str, broken: str = ""
-) -> EngineFault:
-    """The one translation of the transport's errors into engine faults (SPEC 6).
-
-    The message names the engine by its URL, for logs and the journal; the fault carries
-    the URL too, so the client's copy names the engine by id instead (SPEC 3)."""
-    if isinstance(exc, ConnectFailed):
-        if exc.timed_out:
-            return ConnectTimeout(f"connect to engine {url} timed out", phase=phase, engine_url=url)
-        return EngineUnreachable(
-            f"cannot connect to engine {url}: {exc}", phase=phase, engine_url=url
-        )
-    return StreamBroken(
-        f"{broken}connection to engine {url} broke: {exc}", phase=phase, engine_url=url
-    )

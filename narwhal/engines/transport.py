@@ -11,6 +11,8 @@ encode/httpcore#1093, cannot happen), and the capacity limiter in front bounds t
 
 Timeouts are the caller's cancel scopes, except the connect timeout, which bounds the TCP
 connect and, for an ``https://`` engine, the TLS handshake together (``tls_connect``).
+What the libraries raise leaves as engine faults: ``EngineErrors`` (``narwhal.engines.boundary``)
+wraps the connect and each of a response's steps (``start``, ``next_batch``, ``read_nowait``).
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ import ssl
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Self
+from urllib.parse import urlsplit
 
 import h11
 import trio
 
-from narwhal.fast_io import STREAM_GONE, read_nowait, read_when_ready, write_nowait
+from narwhal.core.faults import Phase, StreamBroken
+from narwhal.engines.boundary import BodyTooLarge, EngineClosed, EngineErrors, Step
+from narwhal.fast_io import read_nowait, read_when_ready, write_nowait
 from narwhal.stream.chunked import ChunkedDecoder, ChunkedError
 
+# (host, port) -> an open stream; OSError when the engine cannot be reached
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never race its close
 # idle connections kept per engine: past a burst the rest close at once, so the descriptors
@@ -36,27 +42,6 @@ IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never ra
 MAX_IDLE = 128
 READ_SIZE = 65536
 wait_readable = trio.lowlevel.wait_readable
-
-
-class TransportError(Exception):
-    """The connection broke or the peer broke HTTP; ``before_response`` when nothing of a
-    response had arrived yet (a reused connection closed under us: safe to retry once)."""
-
-    def __init__(self, message: str, *, before_response: bool = False) -> None:
-        super().__init__(message)
-        self.before_response = before_response
-
-
-class BodyTooLarge(TransportError):
-    """The engine's body is longer than the caller's limit."""
-
-
-class ConnectFailed(Exception):
-    """The engine could not be reached (refused, unresolvable, or the connect timed out)."""
-
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
 
 
 async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
@@ -77,30 +62,21 @@ def tls_context(ca_file: str = "") -> ssl.SSLContext:
 def tls_connect(connect: Connect, context: ssl.SSLContext) -> Connect:
     """``connect``, then a TLS handshake verifying the engine's certificate for the host it
     was reached by. Its failure (an untrusted or mismatched certificate, a peer that does
-    not speak TLS) is a ConnectFailed like a refused connection; the pool's connect timeout
-    bounds the handshake too. Nothing is sent before the handshake has verified the peer."""
+    not speak TLS: trio's BrokenResourceError) is the engine's unreachability, as a refused
+    connection is (the boundary's table); the pool's connect timeout bounds the handshake
+    too. Nothing is sent before the handshake has verified the peer."""
 
     async def connect_tls(host: str, port: int) -> trio.abc.Stream:
         stream = await connect(host, port)
         tls = trio.SSLStream(stream, context, server_hostname=host, https_compatible=True)
         try:
             await tls.do_handshake()
-        except trio.BrokenResourceError as exc:
-            await trio.aclose_forcefully(stream)
-            raise ConnectFailed(f"TLS handshake failed: {_tls_problem(exc)}") from None
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
         return tls
 
     return connect_tls
-
-
-def _tls_problem(exc: trio.BrokenResourceError) -> str:
-    cause = exc.__cause__
-    if isinstance(cause, ssl.SSLCertVerificationError):
-        return f"certificate verify failed: {cause.verify_message}"
-    return _describe(cause or exc)
 
 
 class _Connection:
@@ -156,33 +132,32 @@ class _Connection:
 
 
 class Pool:
-    """Kept-alive connections to one engine, at most ``max_connections`` in use."""
+    """Kept-alive connections to the engine at ``url``, at most ``max_connections`` in use."""
 
     def __init__(
-        self, host: str, port: int, connect: Connect, connect_timeout_s: float, max_connections: int
+        self, url: str, connect: Connect, connect_timeout_s: float, max_connections: int
     ) -> None:
-        self.host, self.port = host, port
+        parts = urlsplit(url)
+        self.url = url  # as the engine's faults name it
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.connect = connect
         self.connect_timeout_s = connect_timeout_s
         self.limiter = trio.CapacityLimiter(max_connections)
         self.idle: list[_Connection] = []
         self.active = 0
 
-    async def _checkout(self) -> tuple[_Connection, bool]:
+    async def _checkout(self, phase: Phase) -> tuple[_Connection, bool]:
         now = trio.current_time()
         while self.idle:
             conn = self.idle.pop()
             if conn.looks_alive(now):
                 return conn, True
             await _close(conn)
-        with trio.move_on_after(self.connect_timeout_s) as connect_clock:
-            try:
-                stream = await self.connect(self.host, self.port)
-            except OSError as exc:
-                raise ConnectFailed(str(exc) or type(exc).__name__) from None
-            return _Connection(stream), False
-        assert connect_clock.cancelled_caught
-        raise ConnectFailed(f"connect timed out after {self.connect_timeout_s:g}s", timed_out=True)
+        connect_errors = EngineErrors(Step.CONNECT, self.url, phase)
+        with connect_errors, trio.fail_after(self.connect_timeout_s):
+            stream = await self.connect(self.host, self.port)
+        return _Connection(stream), False
 
     def _checkin(self, conn: _Connection, *, fresh: bool = False) -> bool:
         """Keep ``conn`` for reuse; False when ``MAX_IDLE`` are kept already (close it)."""
@@ -195,25 +170,31 @@ class Pool:
         return True
 
     async def request(
-        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        phase: Phase,
     ) -> Response:
         """Send a request and read the response head; the caller reads the body and closes
-        the Response. Holds a capacity-limiter slot until then."""
-        response = Response(self)
+        the Response. Holds a capacity-limiter slot until then. Its faults are of ``phase``."""
+        response = Response(self, phase)
         # with its checkpoint even when a slot is free: dropping it saved no CPU that could
         # be measured, and it paces a burst of new requests' connects
         await self.limiter.acquire_on_behalf_of(response)
         try:
             for _ in range(2):  # a reused connection closed under us gets one fresh retry
-                conn, reused = await self._checkout()
+                conn, reused = await self._checkout(phase)
                 response.conn = conn
                 self.active += 1
                 try:
                     await response.start(method, target, headers, body)
                     return response
-                except TransportError as exc:
+                except StreamBroken:
                     await response.drop_connection()
-                    if not (reused and exc.before_response):
+                    if not (reused and response.errors.gone):
                         raise
             raise AssertionError("unreachable")  # pragma: no cover
         except BaseException:
@@ -236,23 +217,23 @@ class Pool:
 
 
 def _feed_chunked(decoder: ChunkedDecoder, data: bytes) -> list[bytes]:
-    """One socket read's bytes through the chunked decoder; never an empty part."""
+    """One socket read's bytes through the chunked decoder; never an empty part. The
+    connection's end (no bytes) before the last chunk breaks the framing too."""
     if not data:
-        raise TransportError(
-            "engine broke HTTP: peer closed connection without sending complete "
-            "message body (incomplete chunked read)"
+        raise ChunkedError(
+            "peer closed connection without sending complete message body (incomplete chunked read)"
         )
-    try:
-        return decoder.feed(data)
-    except ChunkedError as exc:
-        raise TransportError(f"engine broke HTTP: {exc}") from None
+    return decoder.feed(data)
 
 
 class Response:
-    """One response being read; ``next_batch`` coalesces what each socket read brought."""
+    """One response being read; ``next_batch`` coalesces what each socket read brought.
+    Each step that calls the libraries (``start``, ``next_batch``, ``read_nowait``) runs
+    inside ``errors``: what they raise leaves as the engine's fault."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, phase: Phase) -> None:
         self.pool = pool
+        self.errors = EngineErrors(Step.EXCHANGE, pool.url, phase)
         self.conn: _Connection | None = None
         self.status = 0
         self.done = False
@@ -273,22 +254,18 @@ class Response:
             (b"content-length", b"%d" % len(body)),
             *headers,
         ]
-        try:
+        with self.errors:
             data = conn.h11.send(h11.Request(method=method, target=target, headers=all_headers))
             data += conn.h11.send(h11.Data(data=body)) or b""
             data += conn.h11.send(h11.EndOfMessage()) or b""
             await conn.send(data)
-        except STREAM_GONE as exc:
-            raise TransportError(
-                f"connection broke: {_describe(exc)}", before_response=True
-            ) from None
-        event = await self._next_event(head=True)
-        while isinstance(event, h11.InformationalResponse):
-            event = await self._next_event(head=True)
-        assert isinstance(event, h11.Response)
-        self.status = event.status_code
-        if _is_chunked(event):
-            self._take_chunked_body(conn, event)
+            event = await self._next_event()
+            while isinstance(event, h11.InformationalResponse):
+                event = await self._next_event()
+            assert isinstance(event, h11.Response)
+            self.status = event.status_code
+            if _is_chunked(event):
+                self._take_chunked_body(conn, event)
 
     def _take_chunked_body(self, conn: _Connection, head: h11.Response) -> None:
         """From here on the body is ours to decode; h11 saw only the head (it accepts no
@@ -299,46 +276,28 @@ class Response:
         )
         early, _ = conn.h11.trailing_data
         if early:
-            self._early = self._decode(bytes(early))
+            self._early = self._chunked.feed(bytes(early))  # never an empty part
 
     def _h11_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
-        """The next parsed event; the peer's protocol errors become TransportError."""
+        """The next parsed event; the engine's close where more was due, EngineClosed."""
         conn = self.conn
         assert conn is not None
-        try:
-            return conn.h11.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise TransportError(f"engine broke HTTP: {exc}") from None
+        event = conn.h11.next_event()
+        if isinstance(event, h11.ConnectionClosed):
+            raise EngineClosed
+        return event
 
-    async def _next_event(self, *, head: bool = False) -> h11.Event:
+    async def _next_event(self) -> h11.Event:
         while True:
             event = self._h11_event()
-            if isinstance(event, h11.ConnectionClosed):
-                raise TransportError("connection closed by engine", before_response=head)
             if isinstance(event, h11.Event):
                 return event
-            await self._receive(head)  # NEED_DATA (PAUSED only follows a complete response)
+            await self._receive()  # NEED_DATA (PAUSED only follows a complete response)
 
-    async def _receive(self, head: bool) -> None:
+    async def _receive(self) -> None:
         conn = self.conn
         assert conn is not None
-        try:
-            data = await conn.receive()
-        except STREAM_GONE as exc:
-            raise TransportError(
-                f"connection broke: {_describe(exc)}", before_response=head
-            ) from None
-        try:
-            conn.h11.receive_data(data)
-        except h11.RemoteProtocolError as exc:  # pragma: no cover - h11 raises on next_event
-            raise TransportError(f"engine broke HTTP: {exc}") from None
-
-    def _decode(self, data: bytes) -> list[bytes]:
-        assert self._chunked is not None
-        try:
-            return self._chunked.feed(data)  # never an empty part
-        except ChunkedError as exc:
-            raise TransportError(f"engine broke HTTP: {exc}") from None
+        conn.h11.receive_data(await conn.receive())
 
     async def _next_chunked(self, decoder: ChunkedDecoder) -> bytes | None:
         """The relay's read, in one function: wait until readable, read once, decode."""
@@ -349,13 +308,10 @@ class Response:
             self._early = []
         fd = conn.fd
         while not parts and not decoder.done:
-            try:
-                if fd < 0:
-                    data = await conn.receive()
-                else:  # conn.receive's socket path, one call less: this runs once per token
-                    data = await read_when_ready(fd, READ_SIZE)
-            except STREAM_GONE as exc:
-                raise TransportError(f"connection broke: {_describe(exc)}") from None
+            if fd < 0:
+                data = await conn.receive()
+            else:  # conn.receive's socket path, one call less: this runs once per token
+                data = await read_when_ready(fd, READ_SIZE)
             parts = _feed_chunked(decoder, data)
         if decoder.done:
             self.done = True
@@ -385,11 +341,12 @@ class Response:
         assert conn is not None
         try:
             data = read_nowait(conn.fd, READ_SIZE)
-        except OSError as exc:
-            raise TransportError(f"connection broke: {_describe(exc)}") from None
-        if data is None:
-            return b""  # a spurious readiness: nothing yet
-        parts = _feed_chunked(decoder, data)
+            if data is None:
+                return b""  # a spurious readiness: nothing yet
+            parts = _feed_chunked(decoder, data)
+        except Exception as exc:  # per token: see EngineErrors.raise_fault
+            self.errors.raise_fault(exc)
+            raise
         if decoder.done:
             self._early = parts
             return None
@@ -401,8 +358,16 @@ class Response:
         """The body bytes that arrived together; None at the end of the body."""
         if self.done:
             return None
-        if self._chunked is not None:
-            return await self._next_chunked(self._chunked)
+        try:
+            if self._chunked is not None:
+                return await self._next_chunked(self._chunked)
+            return await self._next_data()
+        except Exception as exc:  # per token: see EngineErrors.raise_fault
+            self.errors.raise_fault(exc)
+            raise
+
+    async def _next_data(self) -> bytes | None:
+        """``next_batch`` of a body h11 reads (one with a length, or up to the close)."""
         parts: list[bytes] = []
         while True:
             event = self._h11_event()
@@ -414,23 +379,29 @@ class Response:
             elif event is h11.NEED_DATA:
                 if parts:
                     break
-                await self._receive(False)
-            elif isinstance(event, h11.ConnectionClosed):
-                raise TransportError("connection closed by engine")
+                await self._receive()
         if self.done and not parts:
             await self.aclose()
             return None
         return b"".join(parts) if len(parts) != 1 else parts[0]
 
-    async def read_all(self, limit: int) -> bytes:
-        """The whole body, or TransportError when it is larger than ``limit``."""
+    async def read_within(self, limit: int) -> bytes | None:
+        """The whole body; None when it is larger than ``limit`` (the rest is not read)."""
         parts, size = [], 0
         while (part := await self.next_batch()) is not None:
             parts.append(part)
             size += len(part)
             if size > limit:
-                raise BodyTooLarge(f"engine response larger than {limit} bytes")
+                return None
         return b"".join(parts)
+
+    async def read_all(self, limit: int) -> bytes:
+        """The whole body; one larger than ``limit`` is the engine's fault."""
+        data = await self.read_within(limit)
+        if data is None:
+            with self.errors:
+                raise BodyTooLarge(limit)
+        return data
 
     async def drop_connection(self) -> None:
         """Give the connection back (complete exchange) or close it; keep the slot."""
@@ -484,7 +455,3 @@ def _is_chunked(head: h11.Response) -> bool:
 async def _close(conn: _Connection) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(1):
         await conn.stream.aclose()
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__

@@ -19,7 +19,6 @@ from narwhal.core.faults import (
     Phase,
     RequestFault,
     TooLarge,
-    error_json,
 )
 from narwhal.frontdoor.direct import DirectBody
 
@@ -206,9 +205,9 @@ async def _linger(receive: Receive) -> None:
 async def refuse_websocket(receive: Receive, send: Send) -> None:
     """A WebSocket upgrade gets a plain 400 (hypercorn's ``websocket.http.response``)."""
     await receive()  # websocket.connect
-    body = error_json(400, "websocket: not served here; the API is plain HTTP")
-    headers = _json_headers(400, body, None, ((b"connection", b"close"),))
-    await send({"type": "websocket.http.response.start", "status": 400, "headers": headers})
+    status, body = BadRequest("websocket: not served here; the API is plain HTTP").answer()
+    headers = _json_headers(status, body, None, ((b"connection", b"close"),))
+    await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
     await send({"type": "websocket.http.response.body", "body": body})
 
 

@@ -76,7 +76,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
-from narwhal.core.faults import error_json
+from narwhal.core.faults import FramingError
 from narwhal.fast_io import STREAM_GONE, read_when_ready, write_nowait
 from narwhal.frontdoor.app_queue import AppQueue
 from narwhal.frontdoor.direct import DIRECT_BODY, ON_DISCONNECT, DirectBody
@@ -377,8 +377,7 @@ class Http11Protocol(H11Protocol):
         status = 400 if status_code >= 500 else status_code
         refusal = getattr(self.connection, "refusal", "")
         message = refusal or f"request framing: malformed HTTP/1.1 ({status})"
-        kind = "request_too_large" if status == 413 else "invalid_request_error"  # as the app's
-        payload = error_json(status, message, kind)
+        payload = FramingError(status, message).error_json()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(payload)),

@@ -18,12 +18,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from narwhal.core.classify import classify
 from narwhal.core.config import ConfigError
 from narwhal.core.faults import (
+    BadRequest,
     BodyCut,
     BodyTimeout,
+    Forbidden,
+    InvalidFleetFile,
+    MethodNotAllowed,
+    NoSuchEndpoint,
     Phase,
     RequestFault,
     TooLarge,
-    error_json,
+    Unauthorized,
 )
 from narwhal.core.requests import parse_request
 from narwhal.frontdoor.answers import (
@@ -126,20 +131,18 @@ class RouterApp:
         rid = scope.setdefault(REQUEST_ID, request_id(scope)) if completion or passed else None
         problem = headers_problem(headers) or framing_problem(headers)
         if problem is not None:
-            self._journal_refusal(rid, path, problem.status, problem.message, scope)
+            self._journal_refusal(rid, path, problem, scope)
             await respond_and_close(receive, send, problem.status, problem.error_json(), rid)
             return
         if path.startswith("/narwhal/"):
             refusal = self._admin_refusal(scope)
             if refusal is not None:
-                body = error_json(403, refusal, "permission_error")
-                await answer_unread(scope, receive, send, 403, body)
+                await answer_unread(scope, receive, send, refusal.status, refusal.error_json())
                 return
         elif path not in _OPEN_PATHS and not self.router.api_keys.allows(headers):
-            message = "missing or invalid API key"
-            self._journal_refusal(rid, path, 401, message, scope)
-            body = error_json(401, message, "authentication_error")
-            await answer_unread(scope, receive, send, 401, body, rid)
+            unknown = Unauthorized()
+            self._journal_refusal(rid, path, unknown, scope)
+            await answer_unread(scope, receive, send, unknown.status, unknown.error_json(), rid)
             return
         if completion and method == "POST":
             assert rid is not None
@@ -156,8 +159,10 @@ class RouterApp:
         if method == "POST" and path.startswith("/narwhal/") and not complete:
             # an admin action happens for a whole request only, not for one still arriving
             message = "an admin request's body must be empty or small, and complete"
-            body = error_json(413, message, "request_too_large")
-            await answer_read(receive, send, 413, body, rid, complete)
+            too_large = TooLarge(message, phase=Phase.ADMISSION)
+            await answer_read(
+                receive, send, too_large.status, too_large.error_json(), rid, complete
+            )
             return
         if (method, path) == ("POST", "/narwhal/reload") and self.workers is not None:
             status, body = await self.workers.reload_everywhere()  # every worker has answered
@@ -170,16 +175,15 @@ class RouterApp:
         """Every endpoint that reads no body: (status, body, content type)."""
         router = self.router
         if path in _COMPLETION_PATHS or path in _PASS_THROUGH_PATHS:
-            return 405, error_json(405, f"{path} takes POST", "method_not_allowed"), JSON_TYPE
+            return _as_answer(MethodNotAllowed(path))
         if (method, path) == ("POST", "/narwhal/reload"):
             try:
                 change = router.reload_file()
             except ConfigError as exc:
-                body = error_json(400, exc.render(), "invalid_fleet_file", problems=exc.problems)
-                return 400, body, JSON_TYPE
+                return _as_answer(InvalidFleetFile(exc))
             return 200, msgspec.json.encode(change), JSON_TYPE
         if method not in ("GET", "HEAD"):  # HEAD: hypercorn sends the head of the GET answer
-            return 404, _not_found(method, path), JSON_TYPE
+            return _as_answer(NoSuchEndpoint(method, path))
         maintenance = router.health.maintenance
         if path == "/health":
             status = b"maintenance" if maintenance else b"ok"
@@ -198,7 +202,7 @@ class RouterApp:
             return 200, router.metrics.render(), CONTENT_TYPE_LATEST.encode()
         if path == "/narwhal/engines":
             return 200, self._engines_view(), JSON_TYPE
-        return 404, _not_found(method, path), JSON_TYPE
+        return _as_answer(NoSuchEndpoint(method, path))
 
     def _engines_view(self) -> bytes:
         """The engines as this process sees them, and which process that is: each worker
@@ -213,26 +217,28 @@ class RouterApp:
             {"worker": worker, **msgspec.json.decode(self.router.engines_view())}
         )
 
-    def _admin_refusal(self, scope: Scope) -> str | None:
+    def _admin_refusal(self, scope: Scope) -> Forbidden | None:
         """SPEC 3: admin keys alone open ``/narwhal/*``; without them, loopback peers only."""
         admin = self.router.admin_keys
         if admin.required:
             if admin.allows(scope["headers"]):
                 return None
-            return "admin endpoint: needs an admin key (serving.admin_keys_env)"
+            return Forbidden("admin endpoint: needs an admin key (serving.admin_keys_env)")
         client = scope.get("client")
         if client and str(client[0]).startswith(_LOOPBACK):
             return None
-        return "admin endpoint: loopback only when serving.admin_keys_env is not set"
+        return Forbidden("admin endpoint: loopback only when serving.admin_keys_env is not set")
 
     def _journal_refusal(
-        self, rid: bytes | None, path: str, status: int, message: str, scope: Scope
+        self, rid: bytes | None, path: str, fault: RequestFault, scope: Scope
     ) -> None:
         """A completion request (it has an id) refused before admission is journaled."""
         if rid is not None:
             self.router.admission.received += 1
             caller = self._caller(scope)
-            self.router.journal_unadmitted(rid.decode(), path, "rejected", status, message, caller)
+            self.router.journal_unadmitted(
+                rid.decode(), path, "rejected", fault.status, fault.message, caller
+            )
 
     def _caller(self, scope: Scope) -> Caller:
         """Who sent the request, for its journal line (the key by a hash only)."""
@@ -378,15 +384,11 @@ class RouterApp:
             try:
                 named = msgspec.json.decode(raw, type=_WaveRequest).engines
             except (msgspec.MsgspecError, RecursionError) as exc:
-                await _error(send, 400, "invalid_request_error", f"engines: {exc}")
+                await _respond_fault(send, BadRequest(f"engines: {exc}"))
                 return
             if sorted(named) != fleet_ids:
-                await _error(
-                    send,
-                    400,
-                    "invalid_request_error",
-                    f"engines: a wave is the whole engine set {fleet_ids}, got {sorted(named)}",
-                )
+                wave = f"a wave is the whole engine set {fleet_ids}, got {sorted(named)}"
+                await _respond_fault(send, BadRequest(f"engines: {wave}"))
                 return
         outcomes = await health.readmit_wave()
         body = {"maintenance": health.maintenance, "engines": outcomes}
@@ -398,18 +400,17 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-def _not_found(method: str, path: str) -> bytes:
-    return error_json(404, f"no such endpoint: {method} {path}", "not_found_error")
+def _as_answer(fault: RequestFault) -> tuple[int, bytes, bytes]:
+    """``fault`` as ``_answer`` returns an answer: (status, body, content type)."""
+    return *fault.answer(), JSON_TYPE
 
 
 class _WaveRequest(msgspec.Struct):
     engines: list[str]
 
 
-async def _error(
-    send: Send, status: int, kind: str, message: str, rid: bytes | None = None
-) -> None:
-    await respond(send, status, error_json(status, message, kind), rid)
+async def _respond_fault(send: Send, fault: RequestFault) -> None:
+    await respond(send, *fault.answer())
 
 
 def _journal_framing(

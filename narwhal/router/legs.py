@@ -21,13 +21,7 @@ from narwhal import tracing
 from narwhal.core import resume
 from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
-from narwhal.core.faults import (
-    EngineFaults,
-    FirstTokenTimeout,
-    Phase,
-    PrefillTimeout,
-    SilenceTimeout,
-)
+from narwhal.core.faults import Clock, EngineFaults, Phase, ran_out
 from narwhal.core.fleet import DecodeClaim, EngineState, Leg
 from narwhal.core.request import Decode, RequestMachine
 from narwhal.core.requests import ClientRequest
@@ -127,9 +121,8 @@ class RequestLegs(RunRecord):
                             request_id=backend_id,
                             trace=self._leg_trace(span),
                         )
-            assert prefill_clock.cancelled_caught
-            message = f"prefill on engine {producer.id} took longer than {budget:g}s"
-            raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=producer.id)
+            clock, phase = Clock.PREFILL, Phase.PREFILL
+            raise ran_out(clock, budget, phase=phase, engine_id=producer.id, scope=prefill_clock)
 
     # ---- the decode leg --------------------------------------------------------------------
 
@@ -182,17 +175,11 @@ class RequestLegs(RunRecord):
                     await stream.drain()
                     return
             if not self._leg_output():
-                raise FirstTokenTimeout(
-                    f"no first token within {budget:g}s from engine {consumer.id}",
-                    phase=Phase.STREAM if self.lifecycle.output_seen else Phase.DECODE,
-                    engine_id=consumer.id,
-                )
-            raise SilenceTimeout(
-                f"engine went silent between tokens: nothing from engine {consumer.id} for "
-                f"{engine.decode_read_timeout_s:g}s",
-                phase=Phase.STREAM,
-                engine_id=consumer.id,
-            )
+                phase = Phase.STREAM if self.lifecycle.output_seen else Phase.DECODE
+                clock, budget_s = Clock.FIRST_TOKEN, budget
+            else:
+                phase, clock, budget_s = Phase.STREAM, Clock.SILENCE, engine.decode_read_timeout_s
+            raise ran_out(clock, budget_s, phase=phase, engine_id=consumer.id, scope=decode_clock)
 
     def _leg_output(self) -> bool:
         """The running decode leg relayed a token (a continuation's first is its own)."""

@@ -27,15 +27,15 @@ from narwhal.core.classify import Flow
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import (
     BadRequest,
+    Clock,
     DeadlineExpired,
     EngineFaults,
     InternalError,
     ModelNotServed,
     NoCapacity,
     Phase,
-    PrefillTimeout,
     RequestFault,
-    ShuttingDown,
+    ran_out,
 )
 from narwhal.core.fleet import LEGS, EngineState, Fleet
 from narwhal.core.requests import ClientRequest
@@ -332,15 +332,19 @@ class Router:
                 else:  # it left the queue another way: its wait is all it did
                     run.queued_s = trio.current_time() - run.arrival
         if limit.cancelled_caught and not run.client_left:  # else nobody is left to tell
-            ended: RequestFault = DeadlineExpired(timeout, phase=run.phase)
-            if self.drain_deadline < deadline:  # the drain's deadline was the one that came
-                grace = self.config.serving.graceful_timeout_s
-                ended = ShuttingDown(
-                    f"router shutting down: the request outlived the graceful timeout ({grace:g}s)",
-                    phase=run.phase,
-                )
+            ended = self._limit_fault(limit, deadline, timeout, run.phase)
             with trio.move_on_after(FAIL_SEND_BOUND_S):
                 await run.fail(ended)
+
+    def _limit_fault(
+        self, limit: trio.CancelScope, deadline: float, timeout: float, phase: Phase
+    ) -> RequestFault:
+        """The fault of a request's ``limit`` that ran out: the drain's, when its deadline
+        came before the request's own (``deadline``, ``timeout`` after its arrival)."""
+        if self.drain_deadline < deadline:
+            grace = self.config.serving.graceful_timeout_s
+            return ran_out(Clock.DRAIN, grace, phase=phase, scope=limit)
+        return ran_out(Clock.DEADLINE, timeout, phase=phase, scope=limit)
 
     def _dispatch_by(self, run: Run) -> float:
         """The latest a queued request is worth sending on: its deadline less the time a
@@ -375,7 +379,7 @@ class Router:
                     answer = 200, await self._pass_leg(path, body, rid, headers, attempt, arrival)
                 except RequestFault as exc:
                     fault = exc
-                    answer = fault.status, fault.error_json()
+                    answer = fault.answer()
                 nursery.cancel_scope.cancel()  # the watcher's task
         finally:
             self.admission.done()
@@ -409,7 +413,7 @@ class Router:
                 else:
                     attempt.producer = engine.id
                 budget = serving.prefill_timeout_s
-                with trio.move_on_after(budget):
+                with trio.move_on_after(budget) as clock:
                     with EngineFaults(engine.id, engine.url):
                         return await self.client.pass_through(
                             engine.url,
@@ -418,17 +422,17 @@ class Router:
                             request_id=f"{rid}-a1-{path.strip('/')}",
                             trace=tracing.incoming(headers),
                         )
-                message = f"{path} on engine {engine.id} took longer than {budget:g}s"
-                raise PrefillTimeout(message, phase=Phase.PREFILL, engine_id=engine.id)
+                raise ran_out(
+                    Clock.PREFILL,
+                    budget,
+                    phase=Phase.PREFILL,
+                    engine_id=engine.id,
+                    leg=path,
+                    scope=clock,
+                )
             finally:
                 self._running.discard(limit)
-        if self.drain_deadline < arrival + timeout:
-            grace = serving.graceful_timeout_s
-            raise ShuttingDown(
-                f"router shutting down: the request outlived the graceful timeout ({grace:g}s)",
-                phase=Phase.PREFILL,
-            )
-        raise DeadlineExpired(timeout, phase=Phase.PREFILL)
+        raise self._limit_fault(limit, arrival + timeout, timeout, Phase.PREFILL)
 
     def _pass_model(self, body: bytes) -> tuple[bytes, str | None]:
         """A tokenizer request's body for its engine, and the served name whose engines

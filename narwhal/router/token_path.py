@@ -33,9 +33,9 @@ from typing import Protocol
 
 import trio
 
+from narwhal.core.faults import StreamBroken
 from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import DecodeStream
-from narwhal.engines.transport import TransportError
 from narwhal.metrics import RequestBuckets
 from narwhal.router.stream_reactor import RESUME, Resume, StreamReactor
 from narwhal.stream.assemble import Echo
@@ -174,8 +174,8 @@ class TokenPath:
                     try:
                         due = self.due if self.due > -math.inf else math.inf
                         pending = await reactor.park(fd, self.on_ready, due, self.on_due)
-                    except TransportError as exc:
-                        await stream.fail(exc)
+                    except StreamBroken:  # the engine's read broke (``read_nowait``): it ends
+                        await stream.aclose()
                         raise
                     finally:
                         self.parked_fd = -1

@@ -12,8 +12,7 @@ import pytest
 import trio
 
 from narwhal.core.faults import EngineStatusError, EngineUnreachable, Phase, name_engine
-from narwhal.engines.client import translate
-from narwhal.engines.transport import ConnectFailed, TransportError
+from narwhal.engines.boundary import EngineClosed, EngineErrors, Step
 from narwhal.fake_engine.faults import Fault
 from tests.support.fleet import MODEL, finish, post_raw, start_fleet
 
@@ -71,8 +70,8 @@ def test_name_engine_replaces_every_spelling_of_the_address(
 
 
 def test_the_fault_keeps_the_url_and_the_client_gets_the_id() -> None:
-    fault = translate(
-        ConnectFailed("all attempts to connect to 10.0.0.5:8000 failed"), Phase.PREFILL, URL
+    fault = EngineErrors(Step.CONNECT, URL, Phase.PREFILL).fault(
+        OSError("all attempts to connect to 10.0.0.5:8000 failed")
     )
     assert isinstance(fault, EngineUnreachable)
     assert fault.engine_url == URL
@@ -89,7 +88,9 @@ def test_the_fault_keeps_the_url_and_the_client_gets_the_id() -> None:
         "code": 502,
     }
     assert URL in fault.message  # unchanged, for the journal and the logs
-    broken = translate(TransportError("connection closed by engine"), Phase.DECODE, URL, "x: ")
+    reading = EngineErrors(Step.EXCHANGE, URL, Phase.DECODE)
+    reading.broken = "x: "
+    broken = reading.fault(EngineClosed())
     assert broken is not None
     broken.engine_id = "d0"
     assert broken.error_body()["message"] == (

@@ -366,8 +366,9 @@ def _why(exc: Exception) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from narwhal.frontdoor.server import close_sockets, hypercorn_config
+    from narwhal.frontdoor.server import close_sockets
     from narwhal.logs import announce, configure
+    from narwhal.router.serving import hypercorn_config
 
     configure(args.log_format, args.log_level)
     fleet = load_fleet(args.config)
@@ -382,9 +383,9 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_workers(args, fleet, hc)
     sockets = listen(hc, args.host, args.port)
     from narwhal import tracing
-    from narwhal.frontdoor.server import serve
     from narwhal.router.journal import Journal
     from narwhal.router.service import Router
+    from narwhal.router.serving import serve
 
     tracing.setup()  # OTEL_* environment; off unless it asks for an exporter
     try:

@@ -40,7 +40,7 @@ from narwhal.core.config import (
     ServingConfig,
     load_config,
 )
-from narwhal.frontdoor.server import hypercorn_config
+from narwhal.router.serving import hypercorn_config
 
 try:  # the parent of --workers N (narwhal.workers) waits this long past hypercorn's bound
     from narwhal.workers import STOP_MARGIN_S as WORKERS_STOP_MARGIN_S

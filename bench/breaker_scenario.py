@@ -22,9 +22,9 @@ import trio
 from narwhal.core.config import EngineConfig, EngineSpec, FleetConfig, RecoveryConfig, ServingConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.fake_engine.faults import Fault
-from narwhal.frontdoor.server import serve
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
+from narwhal.router.serving import serve
 
 MODEL = "fake-model"
 

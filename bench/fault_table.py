@@ -19,8 +19,8 @@ import trio
 
 from narwhal.core.config import EngineConfig, EngineSpec, FleetConfig, ServingConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
-from narwhal.frontdoor.server import serve
 from narwhal.router.service import Router
+from narwhal.router.serving import serve
 from narwhal.stream.sse import SSEParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the catalogue is the tests'

@@ -405,8 +405,9 @@ def _why(exc: Exception) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from narwhal.frontdoor.server import close_sockets, hypercorn_config
+    from narwhal.frontdoor.server import close_sockets
     from narwhal.logs import announce, configure
+    from narwhal.router.serving import hypercorn_config
 
     configure(args.log_format, args.log_level)
     fleet = serving_fleet(args.config)
@@ -419,7 +420,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers > 1:
         return _serve_workers(args, fleet, hc)
     sockets = listen(hc, args.host, args.port)
-    from narwhal.frontdoor.server import serve
+    from narwhal.router.serving import serve
 
     try:
         router = start_router(fleet, args.config, args.journal)

@@ -21,9 +21,10 @@ from hypercorn.config import Sockets
 
 from narwhal.core.config import EngineSpec, FleetConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
-from narwhal.frontdoor.server import bind_sockets, hypercorn_config, serve
+from narwhal.frontdoor.server import bind_sockets
 from narwhal.logs import configure as configure_logs
 from narwhal.router.service import Router
+from narwhal.router.serving import hypercorn_config, serve
 from narwhal.stream.sse import DONE, SSEParser
 
 MODEL = "fake-model"

@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar, get_args
 
 from prometheus_client import (
@@ -30,6 +31,9 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import INF, floatToGoString
 
 from narwhal.core.breaker import ProbeOutcome
 from narwhal.core.disaggregation import DECISIONS
@@ -81,6 +85,79 @@ CLASSES = tuple(c.value for c in Priority)
 SHEDS = tuple(e.value for e in Exit if e is not Exit.DISPATCHED)
 
 
+class BatchedHistogram(Collector):
+    """An unlabelled histogram whose observations come in batches (``RequestBuckets``),
+    through prometheus-client's public API: its counts are the children of a counter (one
+    per bucket, and ``le="sum"`` for the sum) kept out of every registry, and as a
+    collector it exports them as the histogram family a ``Histogram`` exports, the same
+    bytes (``_bucket``, ``_count``, ``_sum``, ``_created``). Under multiprocess mode the
+    counts are in the workers' files as every value is, and ``Metrics.render`` turns the
+    summed counter into the same histogram family (``histogram_of``)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        registry: CollectorRegistry | None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        # the upper bounds, +Inf last, as a Histogram makes them
+        self.bounds = [*map(float, buckets), *([] if buckets[-1] == INF else [INF])]
+        self._les = [floatToGoString(b) for b in self.bounds]  # type: ignore[no-untyped-call]
+        self._counter = Counter(name, documentation, ("le",), registry=None)
+        self._per_bucket = [self._counter.labels(le) for le in self._les]
+        self._total = self._counter.labels("sum")
+        self._since = time.time()  # the family's _created, as a Histogram's
+        if registry is not None:
+            registry.register(self)
+
+    def add(self, counts: Sequence[int], total: float) -> None:
+        """``counts[i]`` observations in the bucket of ``bounds[i]``, summing ``total``."""
+        for bucket, count in zip(self._per_bucket, counts, strict=True):
+            if count:
+                bucket.inc(count)
+        self._total.inc(total)
+
+    def describe(self) -> Iterable[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> Iterable[Metric]:
+        values: dict[str, float] = {}
+        created = False  # whether the counter says _created series are exported
+        for metric in self._counter.collect():
+            for sample in metric.samples:
+                if sample.name == self.name + "_total":
+                    values[sample.labels["le"]] = sample.value
+                else:
+                    created = True
+        family = self.histogram_of(values)
+        if created:
+            family.add_sample(self.name + "_created", {}, self._since)
+        return [family]
+
+    def histogram_of(self, values: dict[str, float], *, sum_first: bool = False) -> Metric:
+        """The histogram family of the counts ``values`` (by ``le``; the sum at
+        ``"sum"``): as a ``Histogram`` collects it, or with ``sum_first``, as prometheus-
+        client's multiprocess collector merges a histogram's files (its order)."""
+        total = values.get("sum", 0.0)
+        cumulative, count = [], 0.0
+        for le in self._les:
+            count += values.get(le, 0.0)
+            cumulative.append((le, count))
+        if not sum_first:
+            return HistogramMetricFamily(
+                self.name, self.documentation, buckets=cumulative, sum_value=total
+            )
+        family = Metric(self.name, self.documentation, "histogram")
+        family.add_sample(self.name + "_sum", {}, total)
+        for le, value in cumulative:
+            family.add_sample(self.name + "_bucket", {"le": le}, value)
+        family.add_sample(self.name + "_count", {}, count)
+        return family
+
+
 class RequestBuckets:
     """One request's observations of a histogram, counted here and added to it once
     (``flush``): the per-token path takes no lock and calls no metric
@@ -90,9 +167,9 @@ class RequestBuckets:
 
     __slots__ = ("_bounds", "_counts", "_histogram", "_sum")
 
-    def __init__(self, histogram: Histogram) -> None:
+    def __init__(self, histogram: BatchedHistogram) -> None:
         self._histogram = histogram
-        self._bounds: list[float] = histogram._upper_bounds
+        self._bounds = histogram.bounds
         self._counts = [0] * len(self._bounds)
         self._sum = 0.0
 
@@ -106,11 +183,7 @@ class RequestBuckets:
         counts = self._counts
         if not any(counts):
             return
-        histogram = self._histogram  # each value has its own lock, as in ``observe``
-        for bucket, count in zip(histogram._buckets, counts, strict=True):
-            if count:
-                bucket.inc(count)
-        histogram._sum.inc(self._sum)
+        self._histogram.add(counts, self._sum)
         self._counts = [0] * len(counts)
         self._sum = 0.0
 
@@ -217,11 +290,13 @@ class Metrics:
             ("version", "python", "trio", "hypercorn"),
             "livemax",
         )
-        self.token_gap = histogram(
+        # observed per token, added per request (RequestBuckets)
+        self.token_gap = BatchedHistogram(
             "narwhal_inter_token_latency_seconds",
             "Time between generated tokens, per token (vLLM's inter-token latency): a read "
             "that brings k tokens after a gap counts k tokens a k-th of it apart.",
             GAP_BUCKETS,
+            registry,
         )
         self.duration = histogram(
             "narwhal_request_duration_seconds",
@@ -598,7 +673,8 @@ class Metrics:
         # the workers' files cannot forget a label set: an engine that left the fleet is
         # dropped here, as remove_engine drops it from a single process's registry
         registry.unregister(collector)
-        registry.register(_CurrentEngines(collector, frozenset(self.engines)))
+        histograms = _AsHistograms(collector, [self.token_gap])
+        registry.register(_CurrentEngines(histograms, frozenset(self.engines)))
         return generate_latest(registry)
 
 
@@ -617,6 +693,24 @@ class _CurrentEngines:
                 if "engine" not in sample.labels or sample.labels["engine"] in self.engines
             ]
             yield metric
+
+
+class _AsHistograms:
+    """A collector's metrics with each batched histogram's summed counter (its name, type
+    counter) as that histogram's family."""
+
+    def __init__(self, inner: Any, batched: Iterable[BatchedHistogram]) -> None:
+        self.inner = inner
+        self.batched = {histogram.name: histogram for histogram in batched}
+
+    def collect(self) -> Iterator[Any]:
+        for metric in self.inner.collect():
+            histogram = self.batched.get(metric.name)
+            if histogram is None or metric.type != "counter":
+                yield metric
+                continue
+            values = {sample.labels["le"]: sample.value for sample in metric.samples}
+            yield histogram.histogram_of(values, sum_first=True)
 
 
 def _versions() -> tuple[str, str, str, str]:

@@ -5,7 +5,7 @@ router would, then gives each worker its own listening socket on the same host a
 (``SO_REUSEPORT``: the kernel spreads new connections over the workers' sockets by a hash
 of their addresses, so no worker can take another's share, as one worker's accept burst
 (``narwhal.frontdoor.listener``) could from one shared queue) and a control channel (one end of
-a socketpair, JSON lines: ``Message``). Each worker is ``narwhal.frontdoor.server.serve`` in its own
+a socketpair, JSON lines: ``Message``). Each worker is ``narwhal.router.serving.serve`` in its own
 process, exactly as a single router: lifespan, active health, the drain.
 
 * SIGTERM or SIGINT to the parent: every worker is told to stop and drains as one router
@@ -53,10 +53,10 @@ from prometheus_client.multiprocess import mark_process_dead
 from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import InvalidFleetFile, ReloadNotApplied, ReloadUnanswered
-from narwhal.frontdoor.server import hypercorn_config, serve
 from narwhal.kv_relay import start_relay
 from narwhal.logs import announce, log_event
 from narwhal.router.service import Router, check_workers
+from narwhal.router.serving import hypercorn_config, serve
 
 log = logging.getLogger("narwhal.workers")
 

@@ -78,7 +78,7 @@ class AsgiSink:
 
     @property
     def direct(self) -> DirectBody | None:
-        """The write to the connection without waiting (``narwhal.router.token_path``)."""
+        """The write to the connection without waiting (the router's per-token path)."""
         return self._direct
 
     async def end(self, data: bytes = b"") -> None:

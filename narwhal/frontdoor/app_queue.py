@@ -8,10 +8,16 @@ request has one writer (the connection's read loop) and, nearly always, one read
 list and the tasks parked on it serve. Same rules as the channel: ``put`` waits while
 ``limit`` events are queued, each call is a checkpoint (cancellable while it waits, a
 schedule point when it does not), and an event is taken by exactly one ``get``.
+
+``AppTaskGroup`` is the connection's task group (hypercorn's ``TaskGroup`` interface,
+``hypercorn.typing.TaskGroup``): each request's app task takes its events from an
+``AppQueue``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import Any
 
 import outcome
@@ -67,3 +73,67 @@ class AppQueue:
             return trio.lowlevel.Abort.SUCCEEDED
 
         return await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+class AppTaskGroup:
+    """Hypercorn's trio ``TaskGroup`` (0.18), written again: the same nursery and the same
+    app task (``run_app``), whose receive queue is an ``AppQueue`` rather than a trio
+    memory channel (about 1.3 KB less for each open request)."""
+
+    def __init__(self) -> None:
+        self._nursery: trio.Nursery | None = None
+        self._opened: Any = None  # the nursery's context manager, while open
+
+    async def spawn_app(
+        self, app: Any, config: Any, scope: Any, send: Callable[[Any], Awaitable[None]]
+    ) -> Callable[[Any], Awaitable[None]]:
+        queue = AppQueue(config.max_app_queue_size)
+        self.spawn(run_app, app, config, scope, queue.get, send)
+        return queue.put
+
+    def spawn(self, func: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(func, *args)
+
+    async def __aenter__(self) -> AppTaskGroup:
+        self._opened = trio.open_nursery()
+        self._nursery = await self._opened.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self._opened.__aexit__(exc_type, exc_value, tb)
+        finally:
+            self._opened = self._nursery = None
+
+
+async def run_app(
+    app: Any,
+    config: Any,
+    scope: Any,
+    receive: Callable[[], Awaitable[Any]],
+    send: Callable[[Any], Awaitable[None]],
+) -> None:
+    """One request's app, as hypercorn's task group runs it: an exception the app lets out
+    is logged, and ``send(None)`` then tells the stream the app is done (a response never
+    begun is answered 500). Cancellation passes."""
+    try:
+        await app(scope, receive, send, trio.to_thread.run_sync, trio.from_thread.run)
+    except trio.Cancelled:
+        raise
+    except BaseExceptionGroup as error:
+        _, other_errors = error.split(trio.Cancelled)
+        if other_errors is not None:
+            await config.log.exception("Error in ASGI Framework")
+            await send(None)
+        else:
+            raise
+    except Exception:
+        await config.log.exception("Error in ASGI Framework")
+    finally:
+        await send(None)

@@ -1,7 +1,8 @@
-"""One client connection: hypercorn's trio ``TCPServer`` with the router's front-door rules.
+"""One client connection: hypercorn's trio ``TCPServer``, written again with the router's
+front-door rules, over hypercorn's HTTP/1.1 protocol.
 
 The router faces the open network (SPEC 3, "HTTP hygiene"; invariants 9 and 10). Hypercorn's
-connection handler is kept whole except for five rules, each in code below:
+connection handler is written again with five rules of its own, each in code below:
 
 1. **One connection's failure is its own.** An exception escaping a connection's tasks
    (a protocol bug, a codec bug) reaches hypercorn's server nursery and ends the process.
@@ -39,8 +40,10 @@ and cancels it at every request; a task per connection waiting on the shutdown e
 about 2 KB a connection); the read loop waits
 until the socket is readable before reading (trio tries the read first, and between
 requests that try always fails); and ``cork`` lets a response's head go out with its first
-chunk, and its last chunk with the end, in one write each. Every change is checked at
-start against the hypercorn it was written for (``SHAPES``, ``narwhal.frontdoor.shapes``);
+chunk, and its last chunk with the end, in one write each. ``ClientConnection`` runs none
+of ``TCPServer``'s code; what of hypercorn's protocol and h11 runs against ours is checked at
+start against the versions it was written for (``narwhal.frontdoor.seams``), the only module
+that touches their private names;
 ``docs/upstream.md`` writes each up as an upstream bug report;
 ``bench/results/server-fixes.md`` has the figures.
 """
@@ -67,57 +70,18 @@ import h2.connection
 import h2.errors
 import h11
 import trio
-from h11._readers import ChunkedReader
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
-from hypercorn.trio.task_group import TaskGroup, _handle
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
 from narwhal.core.faults import FramingError
 from narwhal.fast_io import STREAM_GONE, read_when_ready, write_nowait
-from narwhal.frontdoor.app_queue import AppQueue
+from narwhal.frontdoor.app_queue import AppTaskGroup
 from narwhal.frontdoor.direct import DIRECT_BODY, ON_DISCONNECT, DirectBody
+from narwhal.frontdoor.seams import H11Hooks, announced_chunk_rest, with_reason
 
 log = logging.getLogger("narwhal.connection")
-# what ClientConnection copies, overrides or relies on (narwhal.frontdoor.shapes checks it at start)
-SHAPES = {
-    # AppTaskGroup's: the receive queue it replaces, and the app runner it calls as it is
-    "hypercorn.trio.task_group:TaskGroup.spawn_app": "487c35772c8bd89c",
-    "hypercorn.trio.task_group:_handle": "06081a56a9930825",
-    "hypercorn.trio.tcp_server:TCPServer.run": "30e3a0c602fd1a3e",  # copied as _serve
-    "hypercorn.trio.tcp_server:TCPServer.protocol_send": "22b51ba714d07580",
-    # its send_lock, which SendLock replaces (protocol_send takes it with ``async with``)
-    "hypercorn.trio.tcp_server:TCPServer.__init__": "9a410c19165519ee",
-    "hypercorn.trio.tcp_server:TCPServer._read_data": "73588ef2e57091d4",
-    "hypercorn.trio.tcp_server:TCPServer._close": "544a46e0eb9f7c16",
-    "hypercorn.protocol.h11:H11Protocol._check_protocol": "aeddfcf3da9e5d85",
-    "hypercorn.protocol.h11:H11Protocol._send_error_response": "41dc5295e47f10cd",
-    "hypercorn.protocol:ProtocolWrapper.handle": "4cb5ff14d1842513",  # Http11Only's place
-    # HTTPStream gets the protocol's app from here: Http11Protocol puts _call_app there
-    "hypercorn.protocol.h11:H11Protocol._create_stream": "7170bf28649d95f1",
-    # the read loop's idle scope stands in for these: the timer's task, and the Updated
-    # events (idle at the connection's start and after each response, busy at each request)
-    "hypercorn.trio.tcp_server:TCPServer._idle_timeout": "076077a62ad1c28f",
-    # context.terminated, which ServerEnd wraps (serve_connections sets it at shutdown)
-    "hypercorn.trio.worker_context:EventWrapper": "7c96abfd4a9ca2dc",
-    # the chunk being read, whose announced size _Http11Connection checks (_bytes_in_chunk)
-    "h11._readers:ChunkedReader": "4d2629eeaaf366b6",
-    # where the app's disconnect is told (Http11Protocol._close_stream comes first)
-    "hypercorn.protocol.h11:H11Protocol._close_stream": "6250ae85040025b4",
-    "hypercorn.protocol.http_stream:HTTPStream.handle": "5cc61571acaf1005",
-    "hypercorn.protocol.h11:H11Protocol._maybe_recycle": "dba7c077157520be",
-    # its keep-alive budget, which a shutdown spends (ClientConnection._serve_no_more)
-    "hypercorn.protocol.h11:H11Protocol.stream_send": "c7ef437818f28b28",
-    "hypercorn.protocol.h11:H11Protocol._handle_events": "ef9aeffc27380262",
-    # can_read, which PipelineWatch wraps (_handle_events clears and waits on it while a
-    # pipelined request waits, _maybe_recycle sets it)
-    "hypercorn.protocol.h11:H11Protocol.__init__": "5acca53c7d41773d",
-    # what _Http11Connection wraps to give a status line its reason phrase
-    "h11._connection:Connection.send_with_data_passthrough": "cc5fc10f82964da6",
-}
 
 
 class Rest(Enum):
@@ -136,7 +100,7 @@ _LINGER_RESET = struct.pack("ii", 1, 0)
 SIOCOUTQNSD = 0x894B  # linux/sockios.h: bytes in a socket's send queue not yet sent
 
 
-# scope keys shared with the app (narwhal.router.app): the request id it gave the request,
+# scope keys shared with the app (the router's): the request id it gave the request,
 # and the framing error that ended the request's body
 REQUEST_ID = "narwhal.request_id"
 FRAMING_ERROR = "narwhal.framing_error"
@@ -173,8 +137,8 @@ HTTP2_REFUSAL = _http2_refusal()
 
 
 class AppHooks(Protocol):
-    """What the connection asks of the router's app (``narwhal.router.app.RouterApp``),
-    handed to it by the serve loop (``narwhal.frontdoor.server``)."""
+    """What the connection asks of the app it serves (the router's), handed to it by the
+    serve loop (``narwhal.frontdoor.server``)."""
 
     def max_request_bytes(self) -> int | None: ...
     def connection_failed(self) -> None: ...
@@ -208,13 +172,7 @@ class _Http11Connection(h11.Connection):
     def send_with_data_passthrough(self, event: Any) -> list[bytes] | None:
         kind = type(event)
         if (kind is h11.Response or kind is h11.InformationalResponse) and not event.reason:
-            event = kind(
-                status_code=event.status_code,
-                headers=event.headers,  # already validated: _parsed keeps them as they are
-                http_version=event.http_version,
-                reason=reason_phrase(event.status_code),
-                _parsed=True,
-            )
+            event = with_reason(event, reason_phrase(event.status_code))
         return super().send_with_data_passthrough(event)
 
     def receive_data(self, data: bytes) -> None:
@@ -241,10 +199,10 @@ class _Http11Connection(h11.Connection):
         """A chunk announced larger than the body may be is refused (413) when announced:
         waiting for its bytes would hold the connection until the body timeout, and end in
         a 408 that blames the client's speed, not its size."""
-        reader = self._reader
-        if type(reader) is not ChunkedReader:
+        rest = announced_chunk_rest(self)
+        if rest is None:
             return
-        announced = self._body_read + reader._bytes_in_chunk  # read, and the chunk's rest
+        announced = self._body_read + rest  # read, and the chunk's rest
         limit = self.body_limit()
         # past the limit already read, the app has the bytes that exceed it, and answers
         if limit is not None and self._body_read <= limit < announced:
@@ -319,10 +277,11 @@ class PipelineWatch:
             raise ClientGone
 
 
-class Http11Protocol(H11Protocol):
+class Http11Protocol(H11Hooks):
     """Hypercorn's HTTP/1.1 protocol with the front door's h11 (``_Http11Connection``), its
     pipeline watch, and the app called with the extensions ``narwhal.frontdoor.direct``
-    names: the direct write and the disconnect hook of the request's stream."""
+    names: the direct write and the disconnect hook of the request's stream. Hypercorn's
+    private hooks are reached through ``H11Hooks`` (``narwhal.frontdoor.seams``)."""
 
     def __init__(
         self, *args: Any, client: ClientConnection, hooks: AppHooks | None = None, **kwargs: Any
@@ -359,13 +318,13 @@ class Http11Protocol(H11Protocol):
         else:
             self._on_close = (stream, callback)
 
-    async def _check_protocol(self, event: h11.Request) -> None:
+    async def check_request(self, event: h11.Request) -> None:
         if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
             raise PriorKnowledgeHTTP2
         # Anything else, ``Upgrade: h2c`` included, is served in HTTP/1.1: hypercorn's own
         # check would switch the connection to its HTTP/2 protocol.
 
-    async def _send_error_response(self, status_code: int) -> None:
+    async def answer_malformed(self, status_code: int) -> None:
         """h11 found the request malformed: answer it, then hypercorn closes the connection.
 
         h11 hints 501 for a transfer coding other than chunked; to us, fronting an HTTP API,
@@ -388,40 +347,30 @@ class Http11Protocol(H11Protocol):
             scope[FRAMING_ERROR], scope[FRAMING_STATUS] = message, status
             headers.append((b"x-request-id", scope.setdefault(REQUEST_ID, request_id(scope))))
         headers += self.config.response_headers("h11")
-        await self._send_h11_event(h11.Response(status_code=status, headers=headers))
-        await self._send_h11_event(h11.Data(data=payload))
-        await self._send_h11_event(h11.EndOfMessage())
+        await self.write_event(h11.Response(status_code=status, headers=headers))
+        await self.write_event(h11.Data(data=payload))
+        await self.write_event(h11.EndOfMessage())
 
-    async def _close_stream(self) -> None:
-        """Tells the app's ``ON_DISCONNECT`` callback, then hypercorn's ``http.disconnect``.
-        Not when the router closed the connection itself (``ClientConnection._abort``):
-        the request that made it close knows already, and ends with its own outcome."""
+    async def write_event(self, event: Any) -> None:
+        """``event`` through h11 to the connection, as hypercorn writes its own: once the
+        client's side has failed, what h11 refuses to write is dropped."""
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+        else:
+            if data is not None:
+                await self.send(RawData(data=data))
+
+    def stream_closing(self) -> None:
+        """Tells the app's ``ON_DISCONNECT`` callback (hypercorn's ``http.disconnect``
+        follows). Not when the router closed the connection itself
+        (``ClientConnection._abort``): the request that made it close knows already, and
+        ends with its own outcome."""
         heard, self._on_close = self._on_close, None
         if heard is not None and heard[0] is self.stream and not self._client.aborted:
             heard[1]()
-        await super()._close_stream()
-
-
-class AppTaskGroup(TaskGroup):
-    """Hypercorn's task group, whose app task takes its events from an ``AppQueue`` (a
-    list) rather than a trio memory channel: about 1.3 KB less for each open request."""
-
-    async def spawn_app(
-        self, app: Any, config: Any, scope: Any, send: Callable[[Any], Awaitable[None]]
-    ) -> Callable[[Any], Awaitable[None]]:
-        queue = AppQueue(config.max_app_queue_size)
-        assert self._nursery is not None
-        self._nursery.start_soon(
-            _handle,
-            app,
-            config,
-            scope,
-            queue.get,
-            send,
-            trio.to_thread.run_sync,
-            trio.from_thread.run,
-        )
-        return queue.put
 
 
 class Http11Only:
@@ -444,7 +393,7 @@ class Http11Only:
 
 class SendLock:
     """A lock that any task may release (trio's ``Lock`` insists on its owner): the part
-    of ``trio.Lock`` that hypercorn's ``TCPServer`` and ``ClientConnection`` use."""
+    of ``trio.Lock`` that ``ClientConnection`` uses for its writes."""
 
     def __init__(self) -> None:
         self._semaphore = trio.Semaphore(1, max_value=1)
@@ -505,13 +454,29 @@ class ServerEnd:
         return bool(self._event.is_set())
 
 
-class ClientConnection(TCPServer):
-    """Hypercorn's connection handler with the rules in this module's docstring."""
+class ClientConnection:
+    """Hypercorn's trio connection handler (``TCPServer``, 0.18) written again with the
+    rules in this module's docstring: the same arguments, the same protocol events, none of
+    its code (``docs/upstream.md``)."""
 
     _last_logged = -ERROR_LOG_INTERVAL_S
 
-    def __init__(self, *args: Any, hooks: AppHooks | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        app: Any,
+        config: Any,
+        context: Any,
+        state: Any,
+        stream: Any,
+        *,
+        hooks: AppHooks | None = None,
+    ) -> None:
+        self.app = app  # hypercorn's wrapped ASGI app (hypercorn.utils.wrap_app)
+        self.config = config
+        self.context = context
+        self.state = state  # the lifespan's state, copied into each request's scope
+        self.stream = stream  # a trio SocketStream, or an SSLStream over one
+        self.protocol: Http11Only  # made once the connection's addresses are known
         self._hooks = hooks
         # the idle timer: the read loop's scope, whose deadline is keep_alive_timeout after
         # the connection went idle, inf while a request is served (no task of its own)
@@ -527,7 +492,6 @@ class ClientConnection(TCPServer):
         # hypercorn's trio.Lock, owner-free: a write that the stream reactor's task began
         # (write_nowait) may leave its rest to the request's task (write_rest)
         self._lock = SendLock()
-        self.send_lock = self._lock  # type: ignore[assignment]  # TCPServer's uses
         self._h11: Http11Protocol | None = None  # the protocol, once it is made
         self._server_end.add(self)  # last: it may call server_ends at once
 
@@ -540,8 +504,21 @@ class ClientConnection(TCPServer):
             self._server_end.discard(self)
             await self._close()
 
+    async def _close(self) -> None:
+        """The end of the connection, as hypercorn's: our half closed, then the stream."""
+        with suppress(
+            trio.BrokenResourceError,
+            AttributeError,  # TLS: the stream cannot half-close
+            trio.BusyResourceError,
+            trio.ClosedResourceError,
+        ):
+            await self.stream.send_eof()
+        await self.stream.aclose()
+
     async def _serve(self) -> None:
-        """``TCPServer.run`` with ``Http11Only`` in place of hypercorn's ``ProtocolWrapper``."""
+        """Hypercorn's ``TCPServer.run`` with ``Http11Only`` in place of its
+        ``ProtocolWrapper``, ``AppTaskGroup`` in place of its task group, and the idle timer
+        as the read loop's cancel scope."""
         stream = self.stream
         try:
             try:
@@ -558,7 +535,6 @@ class ClientConnection(TCPServer):
             client = parse_socket_addr(socket.family, socket.getpeername())
             server = parse_socket_addr(socket.family, socket.getsockname())
             async with AppTaskGroup() as task_group:
-                self._task_group = task_group
                 h11_protocol = Http11Protocol(
                     self.app,
                     self.config,
@@ -573,7 +549,7 @@ class ClientConnection(TCPServer):
                     hooks=self._hooks,
                 )
                 # hypercorn's ProtocolWrapper would switch to HTTP/2; ours has its interface
-                self.protocol = Http11Only(h11_protocol, self.protocol_send)  # type: ignore[assignment]
+                self.protocol = Http11Only(h11_protocol, self.protocol_send)
                 self._h11 = h11_protocol
                 if self._terminating:
                     self._serve_no_more()
@@ -581,7 +557,8 @@ class ClientConnection(TCPServer):
                     await self._read_data()
                 if self._idle.cancelled_caught:  # idle past keep_alive_timeout, or shutdown
                     with trio.CancelScope(shield=True):
-                        await self._initiate_server_close()
+                        await self.protocol.handle(Closed())
+                        await self.stream.aclose()
         except OSError:
             pass
 
@@ -601,7 +578,7 @@ class ClientConnection(TCPServer):
                 self._h11.watch.watch(self._tcp_socket())
             if socket is None or self.config.read_timeout:
                 try:
-                    await super()._read_data()
+                    await self._receive_stream()
                 except ClientGone:
                     await self.protocol.handle(Closed())
             else:
@@ -609,8 +586,22 @@ class ClientConnection(TCPServer):
         finally:
             self._idle.deadline = inf  # reading is over: nothing is left to time out
 
+    async def _receive_stream(self) -> None:
+        """Hypercorn's read loop, through trio's stream (TLS, a test's stream, or a read
+        timeout to keep): read until the client's end, an error or the timeout."""
+        while True:
+            try:
+                with trio.fail_after(self.config.read_timeout or inf):
+                    data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                break
+            await self.protocol.handle(RawData(bytes(data)))
+            if data == b"":
+                break
+        await self.protocol.handle(Closed())
+
     async def _read_socket(self, socket: trio.socket.SocketType) -> None:
-        """``TCPServer._read_data`` on a plain socket (no read timeout): wait until readable,
+        """The read loop on a plain socket (no read timeout): wait until readable,
         then read once. A socket closed under it (``_abort``) has the descriptor -1, which
         ends the loop; the descriptor is taken afresh before each wait and read, so it is
         never another socket's."""
@@ -661,8 +652,9 @@ class ClientConnection(TCPServer):
                 await self.uncork()  # what was held back goes before a close or a recycle
             if type(event) is Updated:
                 self._updated(event.idle)
-            else:
-                await super().protocol_send(event)
+            elif isinstance(event, Closed):  # the protocol is done with the connection
+                await self._close()
+                await self.protocol.handle(Closed())
             return
         if self._corked is not None:
             self._corked.append(event.data)

@@ -10,8 +10,9 @@ the app's ``send`` (``framing_send``, in place of hypercorn's four layers) and, 
 relay's per-token path, to the connection itself without waiting (``write_nowait``). It
 corks the connection so that a response's head goes out with its first chunk and its last
 chunk with the end. Start, end (h11 writes the last chunk), HEAD, 204/304 and anything else
-keep hypercorn's path. ``docs/upstream.md`` writes it up as an upstream report,
-``bench/results/server-fixes.md`` has the figures.
+keep hypercorn's path. The framing and the checks it reproduces are checked at start with
+the rest of ``narwhal.frontdoor.seams``. ``docs/upstream.md`` writes it up as an upstream
+report, ``bench/results/server-fixes.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -20,18 +21,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import h11
-from h11._writers import ChunkedWriter
 from hypercorn.events import RawData
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+
+from narwhal.frontdoor.seams import writes_chunks
 
 # the ASGI extensions the front door offers the app (scope["extensions"])
 DIRECT_BODY = "narwhal.direct_body"  # a DirectBody
 ON_DISCONNECT = "narwhal.on_disconnect"  # register(callback): called once, when the stream closes
-# the framing DirectBody reproduces, and the stream state it reads (narwhal.frontdoor.shapes)
-SHAPES = {
-    "hypercorn.protocol.http_stream:HTTPStream.app_send": "6371d58b7f58ae8d",
-    "h11._writers:ChunkedWriter.send_data": "a526bf1ca03da915",
-}
 
 
 class Connection(Protocol):
@@ -90,7 +87,7 @@ class DirectBody:
             body
             and self._stream.state is ASGIHTTPState.RESPONSE
             and h.our_state is h11.SEND_BODY
-            and type(h._writer) is ChunkedWriter
+            and writes_chunks(h)
         ):
             return b"%x\r\n%s\r\n" % (len(body), body)
         return None

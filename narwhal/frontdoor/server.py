@@ -1,5 +1,6 @@
-"""Serving the router: hypercorn's connection handling over our own serve loop (each
-process of ``--workers N`` runs ``serve`` too: ``narwhal.workers``).
+"""The serve loop: hypercorn's connection handling for an ASGI app over our own loop (each
+process of ``--workers N`` runs ``serve`` too: ``narwhal.workers``). The app, its hooks and
+the settings come from the caller: the front door knows nothing of the router.
 
 ``serve_connections`` is hypercorn's ``worker_serve`` (its lifespan, its ``Config``, its
 worker context) with two pieces of ours where that function names its own: every
@@ -12,7 +13,6 @@ anything else in the process (a fake engine in a test, another trio server) runs
 from __future__ import annotations
 
 import gc
-import logging
 from collections.abc import Awaitable, Callable
 from functools import cache, partial
 from typing import Any
@@ -25,59 +25,18 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
-from narwhal.core.config import FleetConfig
-from narwhal.frontdoor.connection import SHAPES as CONNECTION_SHAPES
+from narwhal.frontdoor import seams
 from narwhal.frontdoor.connection import AppHooks, ClientConnection, ServerEnd
-from narwhal.frontdoor.direct import SHAPES as DIRECT_SHAPES
 from narwhal.frontdoor.listener import BurstListener
 from narwhal.frontdoor.shapes import verify
-from narwhal.router.app import RouterApp, WorkerGroup
-from narwhal.router.service import FAIL_SEND_BOUND_S, Router
-
-# what serve_connections copies: a change there is a change to check here
-SHAPES = {"hypercorn.trio.run:worker_serve": "8dc8347a9fc357ca"}
 
 
 @cache  # the installed libraries do not change under a running process
 def verify_shapes() -> None:
     """Raise ``narwhal.frontdoor.shapes.ShapeMismatch`` when the hypercorn or h11 internals
-    that the front door subclasses or copies are not the ones it was written against."""
-    verify({**CONNECTION_SHAPES, **DIRECT_SHAPES, **SHAPES})
-
-
-def hypercorn_config(
-    fleet: FleetConfig,
-    host: str,
-    port: int,
-    *,
-    certfile: str | None = None,
-    keyfile: str | None = None,
-) -> HypercornConfig:
-    """Hypercorn's settings for the router; with ``certfile`` and ``keyfile`` it serves TLS."""
-    hc = HypercornConfig()
-    hc.bind = [f"{host}:{port}"]
-    hc.certfile, hc.keyfile = certfile, keyfile  # TLS when both are set (hypercorn's rule)
-    hc.keyfile_password = ""  # an encrypted key fails at start; OpenSSL never asks a terminal
-    hc.worker_class = "trio"
-    # the router ends stragglers itself at graceful_timeout_s (with a terminal event);
-    # hypercorn's own limit only backs that up
-    hc.graceful_timeout = fleet.serving.graceful_timeout_s + FAIL_SEND_BOUND_S + 1.0
-    hc.accesslog = None
-    # hypercorn's own lines ("Running on ...", its errors) go through our formatter: in
-    # JSON mode every line on stderr is JSON
-    hc.errorlog = logging.getLogger("narwhal.frontdoor.server")
-    # Hypercorn's idle timer runs from the connection's start (or its last response) until a
-    # request's headers are complete: it bounds idle keep-alive connections and slowloris
-    # headers alike. Longer than the idle expiry of common clients (httpx: 5 s).
-    hc.keep_alive_timeout = fleet.serving.client_idle_timeout_s
-    # hypercorn's default backlog (100) overflows when many clients connect at once, and
-    # the kernel's SYN retries then add seconds to their first token (seen at 1,000 streams)
-    hc.backlog = 4096
-    # Our own limit applies to the body; this bounds headers and the h11 buffer.
-    hc.h11_max_incomplete_size = 64 * 1024
-    # HTTP/2 is not served (narwhal.frontdoor.connection): a TLS client is never offered h2
-    hc.alpn_protocols = ["http/1.1"]
-    return hc
+    that the front door runs against (``narwhal.frontdoor.seams``) are not the ones it was
+    written against."""
+    verify(seams.DIGESTS, seams.PRESENT)
 
 
 def bind_sockets(hc: HypercornConfig) -> Sockets:
@@ -102,38 +61,28 @@ def close_sockets(sockets: Sockets) -> None:
 
 
 async def serve(
-    fleet: FleetConfig,
+    app: Any,
+    hc: HypercornConfig,
     *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    router: Router | None = None,
-    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-    certfile: str | None = None,
-    keyfile: str | None = None,
+    hooks: AppHooks | None = None,
     sockets: Sockets | None = None,
-    workers: WorkerGroup | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until ``shutdown_trigger`` returns; report the base URL through ``nursery.start``.
-
-    ``sockets``: already listening, from ``bind_sockets`` on the same host, port and TLS
-    files (the command line binds before trio starts); bound here when None. ``workers``:
-    this process is one worker of ``--workers N`` (``narwhal.workers.ParentLink``)."""
+    """Serve the ASGI ``app`` with the settings ``hc`` until ``shutdown_trigger`` returns;
+    report the base URL through ``nursery.start``. ``hooks``: what the connections ask of
+    the app (``AppHooks``). ``sockets``: already listening, from ``bind_sockets`` on
+    ``hc``'s host, port and TLS files (the command line binds before trio starts); bound
+    here when None."""
     verify_shapes()
-    router = router or Router(fleet)
-    hc = hypercorn_config(fleet, host, port, certfile=certfile, keyfile=keyfile)
-    asgi: Any = RouterApp(router, workers)  # hypercorn's ASGI types are structural
-    app = wrap_app(asgi, hc.wsgi_max_body_size, "asgi")  # as hypercorn.trio.serve wraps it
+    wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")  # as hypercorn.trio.serve wraps it
     if sockets is None:
         sockets = bind_sockets(hc)
-    wait = shutdown_trigger or trio.sleep_forever
-
-    async def trigger() -> None:
-        await wait()
-        router.begin_drain()  # then the serve loop stops accepting and waits for the handlers
-
+    trigger = shutdown_trigger or trio.sleep_forever
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve_connections, app, hc, sockets, trigger, asgi))
+        binds = await nursery.start(
+            partial(serve_connections, wrapped, hc, sockets, trigger, hooks)
+        )
         # what startup made (modules, config, the app) lives as long as the process: out of
         # the collector's generations, a collection walks only what requests make
         gc.freeze()

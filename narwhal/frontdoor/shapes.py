@@ -1,10 +1,11 @@
-"""Startup check for code that replaces or copies another library's internals.
+"""Startup check for code that runs against another library's internals.
 
-``narwhal.frontdoor.connection``, ``narwhal.frontdoor.direct`` and ``narwhal.frontdoor.listener``
-each list, in ``SHAPES``, the functions of hypercorn, h11 and trio whose exact source they
-were written against (a digest of it). The versions are pinned in pyproject.toml; this
-check turns a mismatch that slipped past the pins (a patch release, a vendored copy) into a
-refusal to start with the name of what changed, never a silent fallback.
+``narwhal.frontdoor.seams`` lists the functions and classes of hypercorn and h11 whose exact
+source the front door was written against (``DIGESTS``, a digest of each) and the private
+attributes it reads that no digest covers (``PRESENT``, a check of each). The versions are
+pinned in pyproject.toml; this check turns a mismatch that slipped past the pins (a patch
+release, a vendored copy) into a refusal to start with the name of what changed, never a
+silent fallback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import importlib
 import inspect
 import textwrap
+from collections.abc import Callable, Mapping
 
 
 class ShapeMismatch(RuntimeError):
@@ -31,12 +33,18 @@ def resolve(path: str) -> object:
     for name in attrs.split("."):
         obj = inspect.getattr_static(obj, name) if isinstance(obj, type) else getattr(obj, name)
         obj = getattr(obj, "__func__", obj)  # staticmethod / classmethod
-        obj = getattr(obj, "__narwhal_original__", obj)  # replaced already: the original
     return obj
 
 
-def mismatches(known: dict[str, str]) -> list[str]:
+def mismatches(
+    known: Mapping[str, str], present: Mapping[str, Callable[[], bool]] | None = None
+) -> list[str]:
+    """What differs: each digest in ``known`` against the installed source, and each
+    check in ``present`` (a private attribute that no digest covers) that fails."""
     problems = []
+    for name, check in (present or {}).items():
+        if not check():
+            problems.append(f"{name}: not present")
     for path, expected in known.items():
         try:
             actual = digest(resolve(path))
@@ -48,8 +56,10 @@ def mismatches(known: dict[str, str]) -> list[str]:
     return problems
 
 
-def verify(known: dict[str, str]) -> None:
-    problems = mismatches(known)
+def verify(
+    known: Mapping[str, str], present: Mapping[str, Callable[[], bool]] | None = None
+) -> None:
+    problems = mismatches(known, present)
     if problems:
         raise ShapeMismatch(
             "the installed hypercorn/h11/trio are not the versions narwhal's server fixes "

@@ -167,14 +167,14 @@ async def test_one_failing_connection_is_closed_alone(
 ) -> None:
     """Item 1: an exception inside one connection's tasks closes that connection, is
     counted, and touches neither the process nor a stream running on another connection."""
-    original = Http11Protocol._check_protocol
+    original = Http11Protocol.check_request
 
     async def explode(self: Any, event: Any) -> None:
         if event.target == b"/boom":
             raise KeyError("a codec bug")
         await original(self, event)
 
-    monkeypatch.setattr(Http11Protocol, "_check_protocol", explode)
+    monkeypatch.setattr(Http11Protocol, "check_request", explode)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True}
     async with door.http.stream(
         "POST", door.url + "/v1/completions", content=msgspec.json.encode(body)

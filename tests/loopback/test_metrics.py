@@ -8,13 +8,13 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import narwhal
 from narwhal.core.config import EngineConfig, RecoveryConfig, ServingConfig
 from narwhal.fake_engine.faults import Fault
-from narwhal.metrics import GAP_BUCKETS, RequestBuckets
+from narwhal.metrics import GAP_BUCKETS, BatchedHistogram, RequestBuckets
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True}
@@ -162,12 +162,13 @@ async def test_an_expired_handoff_is_counted(nursery: trio.Nursery) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10, allow_nan=False), st.integers(1, 8)), max_size=40))
 def test_request_buckets_count_as_observe_would(reads: list[tuple[float, int]]) -> None:
-    """Per-request buckets flushed once give the histogram ``observe`` gives."""
-
-    def histogram() -> Histogram:
-        return Histogram("gap", "", registry=CollectorRegistry(), buckets=GAP_BUCKETS)
-
-    observed, flushed = histogram(), histogram()
+    """Per-request buckets flushed once give the histogram ``observe`` gives, and the
+    batched histogram exports it as prometheus-client's ``Histogram`` does, line for line
+    (its ``_created`` time aside)."""
+    observed = Histogram(
+        "gap", "Gaps.", registry=(theirs := CollectorRegistry()), buckets=GAP_BUCKETS
+    )
+    flushed = BatchedHistogram("gap", "Gaps.", GAP_BUCKETS, ours := CollectorRegistry())
     buckets = RequestBuckets(flushed)
     for gap, k in reads:
         for _ in range(k):
@@ -176,15 +177,22 @@ def test_request_buckets_count_as_observe_would(reads: list[tuple[float, int]]) 
     buckets.flush()
     buckets.flush()  # idempotent: nothing is added twice
 
-    def samples(h: Histogram) -> dict[str, float]:
+    def samples(registry: CollectorRegistry) -> dict[str, float]:
         return {
             f"{s.name}{s.labels}": s.value
-            for metric in h.collect()
+            for metric in registry.collect()
             for s in metric.samples
             if not s.name.endswith("_created")
         }
 
-    got, want = samples(flushed), samples(observed)
+    got, want = samples(ours), samples(theirs)
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        """The exposition, its creation time and its sum left out (compared above)."""
+        text = generate_latest(registry).decode()
+        return [re.sub(r"^(gap_created|gap_sum) .*", r"\1 _", line) for line in text.splitlines()]
+
+    assert lines(ours) == lines(theirs)

@@ -81,9 +81,10 @@ FORGED = {
     "remote_port": 1,
     "remote_request_id": "forged",
 }
-# tasks that exist only while a request does: hypercorn's ASGI call and the router's own
+# tasks that exist only while a request does: the app's call (the front door's task
+# group) and the router's own
 REQUEST_TASKS = (
-    "hypercorn.trio.task_group._handle",
+    "narwhal.frontdoor.app_queue.run_app",
     "narwhal.router.service",
     "narwhal.router.request_run",
     "narwhal.router.legs",

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from narwhal import cli
 from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, EngineSpec, FleetConfig, ServingConfig
-from narwhal.frontdoor.server import hypercorn_config
+from narwhal.router.serving import hypercorn_config
 
 try:  # the parent of --workers N (narwhal.workers) waits this long past hypercorn's bound
     from narwhal.workers import STOP_MARGIN_S as WORKERS_STOP_MARGIN_S

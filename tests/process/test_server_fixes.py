@@ -1,6 +1,6 @@
 """The front door changes nothing outside itself: serving the router leaves trio's classes
 and hypercorn's module globals as they were, so other trio software in the process (a fake
-engine here) runs stock; and the internals it subclasses or copies are checked at start."""
+engine here) runs stock; and the internals it runs against are checked at start."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from narwhal.frontdoor import connection, direct, server
+from narwhal.frontdoor import seams
 from narwhal.frontdoor.shapes import ShapeMismatch, mismatches, verify
 from tests.support.paths import ROOT
 
 
 def test_the_installed_libraries_are_the_shapes_the_front_door_knows() -> None:
-    assert mismatches({**connection.SHAPES, **direct.SHAPES, **server.SHAPES}) == []
+    assert mismatches(seams.DIGESTS, seams.PRESENT) == []
 
 
 def test_another_shape_refuses_to_start_and_names_what_changed() -> None:
@@ -23,11 +23,13 @@ def test_another_shape_refuses_to_start_and_names_what_changed() -> None:
         "hypercorn.trio.tcp_server:TCPServer.run": "0" * 16,
         "hypercorn.trio.tcp_server:TCPServer.no_such_method": "0" * 16,
     }
+    absent = {"h11.Connection._no_such_attribute": lambda: False}
     with pytest.raises(ShapeMismatch) as caught:
-        verify(known)
+        verify(known, absent)
     message = str(caught.value)
     assert "TCPServer.run: source digest" in message
     assert "TCPServer.no_such_method: cannot be read" in message
+    assert "h11.Connection._no_such_attribute: not present" in message
 
 
 # run in a fresh interpreter: what serving changed would otherwise leak into other tests
@@ -37,7 +39,7 @@ import hypercorn.trio.run as worker, hypercorn.protocol.http_stream as hs
 from hypercorn.trio.tcp_server import TCPServer
 from narwhal.core.config import EngineSpec, FleetConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
-from narwhal.frontdoor.server import serve
+from narwhal.router.serving import serve
 
 before = (
     trio.SocketListener.accept, trio.SocketListener.aclose, worker.TCPServer,
@@ -86,7 +88,9 @@ def test_serving_leaves_trio_and_hypercorn_as_they_were() -> None:
 
 
 def test_every_shape_entry_is_explained_in_the_upstream_notes() -> None:
-    """What the front door subclasses or copies is written up, entry by entry."""
+    """What the front door runs against is written up, entry by entry."""
     notes = (ROOT / "docs" / "upstream.md").read_text()
-    for path in {**connection.SHAPES, **direct.SHAPES, **server.SHAPES}:
+    for path in seams.DIGESTS:
         assert path.partition(":")[2] in notes, path
+    for name in seams.PRESENT:
+        assert name in notes, name

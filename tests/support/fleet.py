@@ -12,9 +12,9 @@ import trio
 
 from narwhal.core.config import EngineConfig, EngineSpec, FleetConfig, ServingConfig
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
-from narwhal.frontdoor.server import serve
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
+from narwhal.router.serving import serve
 from narwhal.stream.chunked import ChunkedDecoder
 from narwhal.stream.sse import SSEParser
 

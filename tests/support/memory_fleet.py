@@ -21,10 +21,10 @@ from narwhal.core.config import FleetConfig
 from narwhal.core.requests import parse_request
 from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
 from narwhal.frontdoor.connection import ClientConnection, ServerEnd
-from narwhal.frontdoor.server import hypercorn_config
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
+from narwhal.router.serving import hypercorn_config
 from narwhal.stream.sse import SSEParser
 from tests.support.fleet import MODEL, fleet_config
 from tests.support.memory_network import MemoryNetwork

@@ -178,6 +178,19 @@ def test_the_upward_check_finds_one() -> None:
     ]
 
 
+def test_the_front_door_imports_nothing_of_the_router() -> None:
+    """The router hands the front door its app, hooks and settings
+    (``narwhal.router.serving``): no import runs back up from the front door."""
+    back = [
+        (module, imported)
+        for module, imports in graph().items()
+        if module.startswith("narwhal.frontdoor")
+        for imported in sorted(imports)
+        if imported.startswith("narwhal.router")
+    ]
+    assert back == []
+
+
 @pytest.mark.parametrize("name", pure_modules())
 def test_the_pure_core_reaches_no_io(name: str) -> None:
     assert io_reached(graph(), io_imports(), name) == set()

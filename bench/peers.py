@@ -373,6 +373,22 @@ def engines_toml(prefills: list[str], decodes: list[str]) -> str:
     )
 
 
+SETTINGS: list[str] = []  # --set: SECTION.KEY=VALUE lines for our targets' fleet files
+
+
+def sections_toml(settings: list[str]) -> str:
+    """``--set admission.queue=false`` as fleet-file sections: ``[admission]\nqueue = false``
+    (the same for this tree and the baseline)."""
+    sections: dict[str, list[str]] = {}
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        section, _, key = name.partition(".")
+        if not key or not value:
+            raise SystemExit(f"--set {setting!r}: SECTION.KEY=VALUE, e.g. admission.queue=false")
+        sections.setdefault(section, []).append(f"{key} = {value}")
+    return "".join(f"[{name}]\n" + "\n".join(lines) + "\n" for name, lines in sections.items())
+
+
 def start_narwhal(
     p_url: str,
     d_url: str,
@@ -393,7 +409,7 @@ def start_narwhal(
         # the peers have no first-token timeout: measure routing, not our 2.5 s default;
         # the engines' 480 s KV lease (start_engines), stated on this side too
         "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n"
-        f"kv_lease_s = {BENCH_KV_LEASE_S}\n",
+        f"kv_lease_s = {BENCH_KV_LEASE_S}\n" + sections_toml(SETTINGS),
         tmp,
         name=name,
         root=root,
@@ -808,11 +824,19 @@ def main() -> int:
         "--rounds", type=int, help="interleaved rounds per scenario (default 5 with --baseline)"
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a fleet-file line for our targets, e.g. admission.queue=false",
+    )
+    parser.add_argument(
         "--logs",
         help="keep the logs in this folder (the last scenario's; our journal has every one)",
     )
     args = parser.parse_args()
     os.environ["PEERS_VENV"] = args.peers_venv
+    SETTINGS.extend(args.set)
     global FAST_ENGINES
     FAST_ENGINES = args.engines == "fast"
     global KEEP_LOGS

@@ -56,7 +56,7 @@ import secrets
 import select
 import socket as stdlib_socket
 import struct
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from contextlib import suppress
 from enum import Enum
 from fcntl import ioctl
@@ -294,21 +294,25 @@ class Http11Protocol(H11Hooks):
             self.connection.body_limit = hooks.max_request_bytes
         self.can_read = self.watch = PipelineWatch(self.can_read)
         self._client = client
-        self._app = self.app
-        self.app = self._call_app  # what hypercorn's HTTPStream calls for each request
+        self._app: Any = self.app  # the ASGI app itself (``narwhal.frontdoor.server.serve``'s)
+        self.app = self.call_app  # what hypercorn's HTTPStream calls for each request
         # the stream whose app asked to hear of its close, and the callback
         self._on_close: tuple[Any, Callable[[], None]] | None = None
 
-    async def _call_app(
+    def call_app(
         self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
+        """The app's call for one request, with the server's features in its scope: the
+        app's own coroutine, returned, not awaited here, so the request's task holds no
+        frame of this call while it runs (a held stream's memory, bench/results/)."""
         stream = self.stream  # HTTP/1.1: the stream of this request (one at a time)
         if scope["type"] == "http" and isinstance(stream, HTTPStream):
             direct = DirectBody(stream, self.connection, self._client)
             scope["extensions"][DIRECT_BODY] = direct
             scope["extensions"][ON_DISCONNECT] = partial(self._hear_close, stream)
             send = direct.framing_send(send, self.send)
-        await self._app(scope, receive, send, sync_spawn, call_soon)
+        coroutine: Coroutine[Any, Any, None] = self._app(scope, receive, send)
+        return coroutine
 
     def _hear_close(self, stream: HTTPStream, callback: Callable[[], None]) -> None:
         """``ON_DISCONNECT``: ``callback`` is called once, when ``stream`` closes (at once
@@ -471,7 +475,7 @@ class ClientConnection:
         *,
         hooks: AppHooks | None = None,
     ) -> None:
-        self.app = app  # hypercorn's wrapped ASGI app (hypercorn.utils.wrap_app)
+        self.app = app  # the ASGI app itself, called with (scope, receive, send)
         self.config = config
         self.context = context
         self.state = state  # the lifespan's state, copied into each request's scope

@@ -34,7 +34,7 @@ DIGESTS = {
     "hypercorn.protocol.h11:H11Protocol._check_protocol": "aeddfcf3da9e5d85",
     "hypercorn.protocol.h11:H11Protocol._send_error_response": "41dc5295e47f10cd",
     "hypercorn.protocol.h11:H11Protocol._close_stream": "6250ae85040025b4",
-    # where HTTPStream gets the protocol's app (our _call_app)
+    # where HTTPStream gets the protocol's app (our call_app)
     "hypercorn.protocol.h11:H11Protocol._create_stream": "7170bf28649d95f1",
     # the pipelined-request wait on can_read (and the hooks' callers), can_read set when a
     # response ends, and the keep-alive budget a shutdown spends

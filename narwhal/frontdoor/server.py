@@ -75,14 +75,11 @@ async def serve(
     ``hc``'s host, port and TLS files (the command line binds before trio starts); bound
     here when None."""
     verify_shapes()
-    wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")  # as hypercorn.trio.serve wraps it
     if sockets is None:
         sockets = bind_sockets(hc)
     trigger = shutdown_trigger or trio.sleep_forever
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(
-            partial(serve_connections, wrapped, hc, sockets, trigger, hooks)
-        )
+        binds = await nursery.start(partial(serve_connections, app, hc, sockets, trigger, hooks))
         # what startup made (modules, config, the app) lives as long as the process: out of
         # the collector's generations, a collection walks only what requests make
         gc.freeze()
@@ -103,7 +100,11 @@ async def serve_connections(
     and on ``shutdown_trigger`` the listeners close, every connection is told
     (``ServerEnd``) and gets ``hc.graceful_timeout`` to finish."""
     lifespan_state: LifespanState = {}
-    lifespan = Lifespan(app, hc, lifespan_state)
+    # hypercorn's lifespan calls the app as its wrapper does (five arguments); a request
+    # calls the app itself (``Http11Protocol.call_app``): a held stream's task keeps no
+    # frame of the wrapper's
+    wrapped = wrap_app(app, hc.wsgi_max_body_size, "asgi")  # as hypercorn.trio.serve wraps it
+    lifespan = Lifespan(wrapped, hc, lifespan_state)
     context = WorkerContext(None)
     end = context.terminated = ServerEnd(context.terminated)
     async with trio.open_nursery() as lifespan_nursery:

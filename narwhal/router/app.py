@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Coroutine
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -81,13 +82,18 @@ class RouterApp:
         self.workers = workers
         self.started = int(time.time())
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            await self._http(scope, receive, send)
-        elif scope["type"] == "websocket":
-            await refuse_websocket(receive, send)
-        elif scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
+        """The coroutine that serves ``scope``, returned rather than awaited, as every
+        dispatch below: the server awaits it, and a held stream's task keeps no frame of
+        the routing (bench/results/request-machine)."""
+        kind = scope["type"]
+        if kind == "http":
+            return self._route(scope, receive, send)
+        if kind == "websocket":
+            return refuse_websocket(receive, send)
+        if kind == "lifespan":
+            return self._lifespan(receive, send)
+        return _nothing()
 
     def max_request_bytes(self) -> int:
         """The body limit of the fleet file in force (a reload may change it); the
@@ -123,7 +129,8 @@ class RouterApp:
         await self.router.aclose()
         await send({"type": "lifespan.shutdown.complete"})
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _route(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
+        """The coroutine that answers an HTTP request: its refusal, or its endpoint's."""
         path, method, headers = scope["path"], scope["method"], scope["headers"]
         completion = path in _COMPLETION_PATHS
         passed = path in _PASS_THROUGH_PATHS
@@ -132,29 +139,30 @@ class RouterApp:
         problem = headers_problem(headers) or framing_problem(headers)
         if problem is not None:
             self._journal_refusal(rid, path, problem, scope)
-            await respond_and_close(receive, send, problem.status, problem.error_json(), rid)
-            return
+            return respond_and_close(receive, send, problem.status, problem.error_json(), rid)
         if path.startswith("/narwhal/"):
             refusal = self._admin_refusal(scope)
             if refusal is not None:
-                await answer_unread(scope, receive, send, refusal.status, refusal.error_json())
-                return
+                return answer_unread(scope, receive, send, refusal.status, refusal.error_json())
         elif path not in _OPEN_PATHS and not self.router.api_keys.allows(headers):
             unknown = Unauthorized()
             self._journal_refusal(rid, path, unknown, scope)
-            await answer_unread(scope, receive, send, unknown.status, unknown.error_json(), rid)
-            return
+            return answer_unread(scope, receive, send, unknown.status, unknown.error_json(), rid)
         if completion and method == "POST":
             assert rid is not None
-            await self._completion(path, scope, receive, send, rid)
-            return
+            return self._completion(path, scope, receive, send, rid)
         if passed and method == "POST":
             assert rid is not None
-            await self._pass_through(path, scope, receive, send, rid)
-            return
+            return self._pass_through(path, scope, receive, send, rid)
         if (method, path) == ("POST", "/narwhal/lifecycle/readmit"):
-            await self._readmit_wave(receive, send)
-            return
+            return self._readmit_wave(receive, send)
+        return self._bodiless(scope, receive, send, rid)
+
+    async def _bodiless(
+        self, scope: Scope, receive: Receive, send: Send, rid: bytes | None
+    ) -> None:
+        """An endpoint that reads no body: the body is read to its end and dropped."""
+        method, path = scope["method"], scope["path"]
         complete = await finish_reading(scope, receive)  # nothing below reads a body
         if method == "POST" and path.startswith("/narwhal/") and not complete:
             # an admin action happens for a whole request only, not for one still arriving
@@ -424,3 +432,7 @@ def _journal_framing(
     status = scope.get(FRAMING_STATUS, 400)
     router.journal_unadmitted(rid, path, "rejected", status, framing, caller)
     return True
+
+
+async def _nothing() -> None:
+    """A scope of a type this app does not serve."""

@@ -8,6 +8,7 @@ the ``finally``/``async with`` blocks below it on every exit path.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import os
@@ -231,10 +232,89 @@ class Router:
         client's, where an incoming W3C ``traceparent`` is read: continued by the request's
         span with tracing on, passed to the engine legs unchanged with it off.
 
-        The client's disconnect cancels the request's nursery: a watcher task awaits
-        ``wait_disconnect``, unless the server offers ``on_disconnect`` (it registers a
+        One cancel scope ends the request: its deadline, or the drain's if a graceful
+        shutdown ends first (``begin_drain`` brings the deadline forward: ``_running``), or
+        its client's disconnect. The server offers ``on_disconnect`` (it registers a
         callback called when the client goes, at once if it has gone already), which costs
-        the request no task of its own."""
+        the request no task of its own; without it a watcher task awaits
+        ``wait_disconnect`` (``_watched``). The run is awaited from here, with no call of
+        its own between: a held stream's task keeps one frame fewer."""
+        if on_disconnect is None:
+            return await self._watched(req, rid, sink, wait_disconnect, caller, headers, flow)
+        run, traced = self._begin(req, rid, sink, caller, headers, flow)
+        try:
+            deadline, timeout = run.deadline, run.config.serving.request_timeout_s
+            limit = trio.CancelScope(deadline=min(deadline, self.drain_deadline))
+            on_disconnect(partial(self._disconnected, limit, run))
+            with limit:
+                self._running.add(limit)
+                dispatched = False
+                try:
+                    run.queued_s = await self.admission.dispatch(
+                        run.flow.cls,
+                        run.flow.tenant,
+                        run.arrival,
+                        self._dispatch_by(run),
+                        local=run.local_possible(),
+                        pool=run.req.model,
+                    )
+                    dispatched = True
+                    await run.execute()
+                except RequestFault as fault:
+                    await run.fail(fault)
+                except Exception as exc:
+                    # a bug of ours must still end the request honestly, never hang it
+                    log.exception("request %s failed inside the router", run.rid)
+                    await run.fail(
+                        InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
+                    )
+                finally:
+                    self._running.discard(limit)
+                    if dispatched:
+                        self.admission.done()
+                    else:  # it left the queue another way: its wait is all it did
+                        run.queued_s = trio.current_time() - run.arrival
+            if limit.cancelled_caught and not run.client_left:  # else nobody is left to tell
+                ended = self._limit_fault(limit, deadline, timeout, run.phase)
+                with trio.move_on_after(FAIL_SEND_BOUND_S):
+                    await run.fail(ended)
+        finally:
+            self._end(run, traced)
+        return run
+
+    async def _watched(
+        self,
+        req: ClientRequest,
+        rid: str,
+        sink: ClientSink,
+        wait_disconnect: Callable[[], Awaitable[None]],
+        caller: Caller | None,
+        headers: Sequence[tuple[bytes, bytes]],
+        flow: Flow | None,
+    ) -> Run:
+        """``handle`` for a server that offers no disconnect callback: a watcher task in
+        the request's nursery calls it when ``wait_disconnect`` returns."""
+        async with trio.open_nursery() as nursery:
+
+            def on_disconnect(callback: Callable[[], None]) -> None:
+                nursery.start_soon(_call_after, wait_disconnect, callback)
+
+            run = await self.handle(
+                req, rid, sink, wait_disconnect, caller, headers, on_disconnect, flow
+            )
+            nursery.cancel_scope.cancel()  # the watcher's task
+        return run
+
+    def _begin(
+        self,
+        req: ClientRequest,
+        rid: str,
+        sink: ClientSink,
+        caller: Caller | None,
+        headers: Sequence[tuple[bytes, bytes]],
+        flow: Flow | None,
+    ) -> tuple[Run, contextvars.Token[dict[str, str] | None] | None]:
+        """The request's run, its span (tracing on) and its admission."""
         run: Run = (
             FanOutRun(self, self.config, req, rid, sink)
             if req.fanout > 1
@@ -260,81 +340,33 @@ class Router:
         else:  # not a participant: the client's trace context goes to the legs as it came
             run.trace = tracing.incoming(headers)
         self.admission.admit()
-        try:
-            # one scope ends the request: its deadline, the drain's, its client's disconnect
-            limit = trio.CancelScope(deadline=min(run.deadline, self.drain_deadline))
-            if on_disconnect is not None:  # the front door calls back: no task, no nursery
-                on_disconnect(partial(self._disconnected, limit, run))
-                await self._run_until_deadline(run, limit)
-            else:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._watch, wait_disconnect, limit, run)
-                    await self._run_until_deadline(run, limit)
-                    nursery.cancel_scope.cancel()  # the watcher's task
-        finally:
-            if not run.lifecycle.finished:
-                run.cancel()  # the client is gone (or so is the notice of its failure)
-            if run.outcome == "completed":
-                self.retry_budget.earn()
-            line = run.journal_line()
-            self.journal.write(line)
-            self._export(line)
-            log_request(line)
-            self.admission.release()
-            if run.span is not None:
-                if line.status is not None:
-                    run.span.set_attribute("http.response.status_code", line.status)
-                tracing.end(
-                    run.span,
-                    line.outcome,
-                    line.message,
-                    status=line.status,
-                    phase=line.phase,
-                    attempts=len(line.attempts),
-                    tokens=line.tokens,
-                )
-            if traced is not None:
-                log_context.reset(traced)
-        return run
+        return run, traced
 
-    async def _run_until_deadline(self, run: Run, limit: trio.CancelScope) -> None:
-        """``run`` within ``limit``: until its deadline, or the drain's if a graceful
-        shutdown ends first (``begin_drain`` brings the deadline forward: ``_running``), or
-        until its client leaves (``_disconnected`` cancels it, perhaps before it starts)."""
-        timeout = run.config.serving.request_timeout_s
-        deadline = run.deadline
-        with limit:
-            self._running.add(limit)
-            dispatched = False
-            try:
-                run.queued_s = await self.admission.dispatch(
-                    run.flow.cls,
-                    run.flow.tenant,
-                    run.arrival,
-                    self._dispatch_by(run),
-                    local=run.local_possible(),
-                    pool=run.req.model,
-                )
-                dispatched = True
-                await run.execute()
-            except RequestFault as fault:
-                await run.fail(fault)
-            except Exception as exc:
-                # a bug of ours must still end the request honestly, never hang it
-                log.exception("request %s failed inside the router", run.rid)
-                await run.fail(
-                    InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
-                )
-            finally:
-                self._running.discard(limit)
-                if dispatched:
-                    self.admission.done()
-                else:  # it left the queue another way: its wait is all it did
-                    run.queued_s = trio.current_time() - run.arrival
-        if limit.cancelled_caught and not run.client_left:  # else nobody is left to tell
-            ended = self._limit_fault(limit, deadline, timeout, run.phase)
-            with trio.move_on_after(FAIL_SEND_BOUND_S):
-                await run.fail(ended)
+    def _end(self, run: Run, traced: contextvars.Token[dict[str, str] | None] | None) -> None:
+        """Its one journal line, its metrics and log line, its span: on every exit path."""
+        if not run.lifecycle.finished:
+            run.cancel()  # the client is gone (or so is the notice of its failure)
+        if run.outcome == "completed":
+            self.retry_budget.earn()
+        line = run.journal_line()
+        self.journal.write(line)
+        self._export(line)
+        log_request(line)
+        self.admission.release()
+        if run.span is not None:
+            if line.status is not None:
+                run.span.set_attribute("http.response.status_code", line.status)
+            tracing.end(
+                run.span,
+                line.outcome,
+                line.message,
+                status=line.status,
+                phase=line.phase,
+                attempts=len(line.attempts),
+                tokens=line.tokens,
+            )
+        if traced is not None:
+            log_context.reset(traced)
 
     def _limit_fault(
         self, limit: trio.CancelScope, deadline: float, timeout: float, phase: Phase
@@ -623,15 +655,6 @@ class Router:
         """Return once no admitted request is left (reservations are released by then)."""
         await self.admission.wait_drained()
 
-    async def _watch(
-        self,
-        wait_disconnect: Callable[[], Awaitable[None]],
-        scope: trio.CancelScope,
-        run: Run,
-    ) -> None:
-        await wait_disconnect()
-        self._disconnected(scope, run)
-
     def _disconnected(self, scope: trio.CancelScope, run: Run) -> None:
         if run.lifecycle.finished:
             # hypercorn reports the end of a completed response as a disconnect too; what
@@ -702,3 +725,8 @@ def _warn_plain_http_keys(config: FleetConfig) -> None:
             "the token travels unencrypted (use https:// and engine.ca_file)",
             {"engines": exposed},
         )
+
+
+async def _call_after(event: Callable[[], Awaitable[None]], callback: Callable[[], None]) -> None:
+    await event()
+    callback()

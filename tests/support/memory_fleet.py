@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 import trio
 from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.utils import wrap_app
 
 from narwhal.core.config import FleetConfig
 from narwhal.core.requests import parse_request
@@ -93,11 +92,10 @@ class MemoryFleet:
         assert self.network is not None
         hc = hypercorn_config(self.config, "127.0.0.1", 0)
         asgi = RouterApp(self.router)
-        app = wrap_app(asgi, hc.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
         context = WorkerContext(None)
         context.terminated = ServerEnd(context.terminated)
         client, server = self.network.socket_pair()
-        conn = ClientConnection(app, hc, context, {}, server, hooks=asgi)  # type: ignore[arg-type]
+        conn = ClientConnection(asgi, hc, context, {}, server, hooks=asgi)  # type: ignore[arg-type]
         self.network.nursery.start_soon(conn.run)
         return client
 

@@ -15,6 +15,7 @@ from narwhal.core.breaker import Breaker
 from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
 from narwhal.core.flow import Saturation, room_left
+from narwhal.core.lora_slots import RecentAdapters
 from narwhal.core.policies import PrefixRing
 from narwhal.core.precise_index import PreciseIndex
 from narwhal.core.prefix_index import PrefixIndex
@@ -28,6 +29,7 @@ HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engin
 
 class EngineState:
     __slots__ = (
+        "adapters",
         "breaker",
         "checked_at",
         "decoding",
@@ -65,6 +67,9 @@ class EngineState:
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
+        # the LoRA adapters placed on it or seen running there: what its idle adapter slots
+        # hold, which its report does not list (placement's adapter affinity)
+        self.adapters = RecentAdapters()
         # the names it serves, from its last good /v1/models (None: it never gave one, and
         # serves the fleet's model); lists refused since it was added
         self.served: Served | None = None
@@ -83,15 +88,21 @@ class EngineState:
         self.prefilling: set[int] = set()
         self.mark = 0
 
-    def scrape_mark(self) -> tuple[int, int]:
-        """What the scrape going out now may count of ours (for ``note_report``)."""
-        return self.sent, self.decoding
+    def scrape_mark(self) -> tuple[int, int, int]:
+        """What the scrape going out now may count of ours, and the adapters placed before
+        it (for ``note_report``)."""
+        return self.sent, self.decoding, self.adapters.clock
 
-    def note_report(self, report: EngineReport | None, mark: tuple[int, int] = (0, 0)) -> None:
+    def note_report(
+        self, report: EngineReport | None, mark: tuple[int, int, int] = (0, 0, 0)
+    ) -> None:
         """A new account of its load, from a scrape sent at ``mark`` (``scrape_mark``);
         None: scraping stopped, and every leg not started counts again."""
         self.report = report
-        self.mark, self.decoding_at_mark = mark if report is not None else (0, 0)
+        sent, decoding, placed = mark
+        self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
+        if report is not None and report.lora is not None:
+            self.adapters.seen_running(report.lora.running, placed)
 
     @property
     def pending(self) -> int:
@@ -407,6 +418,9 @@ class Fleet:
         stream is unknown until it is live again."""
         self.prefixes.forget(engine_id)
         self.precise.drop(engine_id)
+        engine = self.by_id.get(engine_id)
+        if engine is not None:  # nor what its adapter slots were believed to hold
+            engine.adapters.forget()
 
     def reserve(
         self, engine: EngineState, leg: Leg, claim: DecodeClaim | None = None

@@ -5,9 +5,11 @@ a retry must avoid are used only when nothing else is left; then:
 
 * one candidate: it (reason ``only``);
 * a request for a LoRA adapter, with ``adapter_affinity``: among the candidates under the
-  load bound, those that have the adapter loaded (running or waiting on it), else those
-  with a free adapter slot, else all of them (an engine whose slots hold other adapters
-  pays a swap); one left: it (``adapter``), several: the rules below among them;
+  load bound, the cheapest for the adapter (``lora_slots.tier``): those that have it
+  loaded (running or waiting on it, or idle in a slot by what this router placed there or
+  saw running), else those with a free adapter slot, else those that swap out an idle
+  adapter, else those where it runs but another adapter waits for its slot, else the rest
+  (a swap that waits); one left: it (``adapter``), several: the rules below among them;
 * with prefix affinity, the engine the prefix index believes holds the longest leading part
   of the prompt, among those under the load bound (``prefix_match``; equal matches go by
   the ring's order for producers, by load for consumers);
@@ -21,6 +23,10 @@ Load is this router's legs on the engine plus the rest of the engine's queue fro
 scrape (the engine counts our legs too: they count once); a consumer's KV cache usage
 weighs in. Ties prefer a consumer other than the producer, then
 rotate with ``turn``, so equal engines share the load.
+
+The one state placement writes: the engine chosen for an adapter's request notes that
+adapter as its most recent (``RecentAdapters.placed``), since the request is on its way
+there and the engine's series may never show it (a prefill can end between two scrapes).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Literal
 
 from narwhal.core.config import PlacementConfig
 from narwhal.core.fleet import EngineState, Leg
+from narwhal.core.lora_slots import SLOT_FREE, tier
 from narwhal.core.policies import EngineLoad, PrefixRing, bound, least_loaded
 from narwhal.core.precise_index import PreciseIndex, TokenPrompt
 from narwhal.core.prefix_index import BLOCK_TOKENS, PrefixIndex, Prompt
@@ -86,31 +93,32 @@ def choose(
     request's prompt prefix (producers only), ``ring`` the producers' ring, ``prompt`` and
     ``index`` the request's blocks and what each engine is believed to hold; ``precise``
     and ``tokens`` what engines with a live event stream say they hold, and the request's
-    token ids (``held_tokens``); ``adapter`` the LoRA adapter it runs under. ``other_leg``
-    is the engine that runs the attempt's other leg: it is chosen only when no other
-    candidate is left, since a handoff to the producer itself would leave the prefill's
-    blocks held for the lease with nobody to read them."""
+    token ids (``held_tokens``); ``adapter`` the LoRA adapter it runs under (the engine
+    chosen notes it as placed there). ``other_leg`` is the engine that runs the attempt's
+    other leg: it is chosen only when no other candidate is left, since a handoff to the
+    producer itself would leave the prefill's blocks held for the lease with nobody to
+    read them."""
     pool = [e for e in candidates if e.id not in avoid] or list(candidates)
     pool = [e for e in pool if e.id != other_leg] or pool
     if len(pool) <= 1:
-        return Choice(pool[0], "only") if pool else None
+        return _chosen(pool[0], "only", adapter) if pool else None
     consumer = leg == "decode"
     costs = {e.id: load_of(e, now, config.metrics_interval_s).cost(consumer=consumer) for e in pool}
     if adapter is not None and config.adapter_affinity:
         pool = with_adapter(pool, adapter, costs, config, now)
         if len(pool) == 1:
-            return Choice(pool[0], "adapter")
+            return _chosen(pool[0], "adapter", adapter)
     if config.prefix_affinity and prompt is not None and index is not None:
         ranked = ring if not consumer else None  # producers' equal matches: the ring's order
         holdings = Holdings(prompt, index, now, precise, tokens)
         held = longest_match(pool, costs, config.affinity_load_factor, holdings, ranked, key)
         if held is not None:
-            return Choice(held, "prefix_match")
+            return _chosen(held, "prefix_match", adapter)
     if not consumer and config.prefix_affinity and key is not None and ring is not None:
         home, spilled = ring.choose(key, costs, config.affinity_load_factor)
         for engine in pool:
             if engine.id == home:
-                return Choice(engine, "spill" if spilled else "affinity")
+                return _chosen(engine, "spill" if spilled else "affinity", adapter)
     # the rotation is over the candidates' own order: fleet positions would tie producers
     # that sit two apart in the fleet file (p0, d0, p1), and one of them would take all
     position = {id(e): i for i, e in enumerate(candidates)}
@@ -120,27 +128,28 @@ def choose(
         return (position[id(e)] - turn) % n
 
     if config.policy == "round_robin":
-        return Choice(min(pool, key=rotation), "round_robin")
+        return _chosen(min(pool, key=rotation), "round_robin", adapter)
     chosen = least_loaded(pool, rng, lambda e: (costs[e.id], rotation(e)))
     assert chosen is not None  # the pool has two or more
-    return Choice(chosen, "least_loaded")
+    return _chosen(chosen, "least_loaded", adapter)
 
 
-ADAPTER_LOADED, ADAPTER_SLOT_FREE, ADAPTER_SWAP = 0, 1, 2
+def _chosen(engine: EngineState, reason: Reason, adapter: str | None) -> Choice:
+    """The choice; an adapter's request notes the adapter as placed on the engine."""
+    if adapter is not None:
+        engine.adapters.placed(adapter)
+    return Choice(engine, reason)
 
 
 def adapter_tier(engine: EngineState, adapter: str, now: float, interval_s: float) -> int:
-    """What a request for ``adapter`` costs the engine, by its fresh report: nothing (it is
-    loaded), a load into a free slot, or a swap. No fresh adapter series counts as a free
-    slot: nothing says it would swap."""
+    """What a request for ``adapter`` costs the engine (``lora_slots.tier``), by its fresh
+    report and the adapters it ran last. No fresh adapter series counts as a free slot:
+    nothing says it would swap."""
     report = engine.report
     lora = report.lora if report is not None and report.fresh(now, interval_s) else None
     if lora is None:
-        return ADAPTER_SLOT_FREE
-    loaded = lora.loaded
-    if adapter in loaded:
-        return ADAPTER_LOADED
-    return ADAPTER_SLOT_FREE if len(loaded) < lora.max_lora else ADAPTER_SWAP
+        return SLOT_FREE
+    return tier(lora, engine.adapters.recent(), adapter)
 
 
 def with_adapter(

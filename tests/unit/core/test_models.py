@@ -8,7 +8,7 @@ import random
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from narwhal.core.config import (
@@ -20,12 +20,14 @@ from narwhal.core.config import (
 )
 from narwhal.core.engine_report import EngineReport, parse_report
 from narwhal.core.faults import BreakerClass, ModelNotServed
+from narwhal.core.fleet import EngineState as Engine
 from narwhal.core.fleet import Fleet
 from narwhal.core.flow import Entry, FlowQueue, Priority
 from narwhal.core.placement import choose
 from narwhal.core.prefix_index import PrefixIndex, prompt_of
 from narwhal.core.requests import parse_request
 from narwhal.core.served_models import MAX_NAMES, Catalog, Served, parse_models
+from narwhal.fake_engine.lora import AdapterSlots
 
 # vLLM 0.32's /v1/models with --served-model-name tiny --enable-lora --lora-modules a=DIR
 VLLM = {
@@ -219,11 +221,13 @@ def test_the_lora_series_newest_label_set_is_the_one_that_holds() -> None:
     assert parse_report(plain, at=0.0).lora is None
 
 
-def _lora(engine_report_at: float, running: str, max_lora: int = 1) -> EngineReport:
+def _lora(
+    engine_report_at: float, running: str, max_lora: int = 1, waiting: str = ""
+) -> EngineReport:
     text = (
         "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
         f'vllm:lora_requests_info{{max_lora="{max_lora}",running_lora_adapters="{running}",'
-        'waiting_lora_adapters=""} 1.0\n'
+        f'waiting_lora_adapters="{waiting}"}} 1.0\n'
     )
     return parse_report(text, at=engine_report_at)
 
@@ -254,6 +258,152 @@ def test_adapter_affinity_prefers_loaded_then_a_free_slot_then_a_swap() -> None:
     stale = choose(fleet.consumers, "decode", config, rng=random.Random(0), now=10.0, adapter="a")
     assert stale is not None
     assert stale.reason == "least_loaded"
+
+
+HOT_COLD = _served("tiny", "hot:tiny", "cold:tiny", "z:tiny")
+AFFINITY = PlacementConfig(prefix_affinity=False)
+
+
+def _to(engines: list[Engine], adapter: str) -> str:
+    """Where a request for ``adapter`` goes among ``engines``, and why."""
+    got = choose(engines, "decode", AFFINITY, rng=random.Random(0), now=0.0, adapter=adapter)
+    assert got is not None
+    return f"{got.engine.id}:{got.reason}"
+
+
+def test_an_idle_engine_is_believed_to_hold_the_adapter_it_ran_last() -> None:
+    """vllm:lora_requests_info lists nothing on an idle engine, though its one slot still
+    holds what ran there: the adapter the router placed there or saw running last."""
+    fleet = _fleet(("d0", HOT_COLD), ("d1", HOT_COLD), ("d2", HOT_COLD))
+    d0, d1, d2 = fleet.engines
+    for engine in fleet.engines:
+        engine.note_report(_lora(0.0, ""), engine.scrape_mark())
+    assert _to([d0], "hot") == "d0:only"  # the router sends hot to d0; it ends unseen
+    d0.note_report(_lora(0.0, ""), d0.scrape_mark())
+    assert _to([d0, d1, d2], "hot") == "d0:adapter"  # no load
+    assert _to([d0, d1], "cold") == "d1:adapter"  # a free slot, not hot's
+    # d1 ran cold, then d1 and d2 ran z: a swap of an idle adapter beats a wait
+    d1.note_report(_lora(0.0, "z"), d1.scrape_mark())
+    d2.note_report(_lora(0.0, "z"), d2.scrape_mark())
+    d1.note_report(_lora(0.0, ""), d1.scrape_mark())
+    assert _to([d1, d2], "cold") == "d1:adapter"
+    assert _to([d1], "hot") == "d1:only"
+    # another router's requests, seen running only: the one seen last holds the slot
+    for running in ("cold", "z", ""):
+        d0.note_report(_lora(0.0, running), d0.scrape_mark())
+    assert _to([d0, d1], "z") == "d0:adapter"
+    # a scrape under way while the router sent cold there: its z is older than cold
+    mark = d2.scrape_mark()
+    assert _to([d2], "cold") == "d2:only"
+    d2.note_report(_lora(0.0, "z"), mark)
+    d2.note_report(_lora(0.0, ""), d2.scrape_mark())
+    assert _to([d0, d2], "cold") == "d2:adapter"
+    # an engine that left placement may come back restarted: its slot reads as free
+    fleet.forget_cached("d2")
+    assert _to([d0, d2], "hot") == "d2:adapter"  # d0 holds z: a swap
+
+
+RUNS = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["none", "seen", "late"])),
+    max_size=10,
+)
+
+
+def _ran(max_loras: int, runs: list[tuple[str, str]]) -> tuple[Fleet, AdapterSlots]:
+    """d0 (``max_loras`` slots) after serving ``runs`` one by one, as the router placed
+    them, beside what the fake engine's slots (vLLM's LRU) hold then. Each run's scrape
+    saw it running ("seen"), was answered only after the next placement ("late"), or
+    missed it; d0 is idle at the end, and its last scrape says so. ``free`` has a slot
+    free; every slot of ``busy`` runs z."""
+    names = _served("tiny", *(f"{a}:tiny" for a in "abcdz"))
+    fleet = _fleet(("d0", names), ("dfree", names), ("dbusy", names))
+    d0, free, busy = fleet.engines
+    free.note_report(_lora(0.0, ""), free.scrape_mark())
+    busy.note_report(_lora(0.0, "z"), busy.scrape_mark())
+    slots = AdapterSlots(max_loras)
+    late: tuple[tuple[int, int, int], str] | None = None
+    for adapter, scrape in runs:
+        assert _to([d0], adapter) == "d0:only"
+        if late is not None:
+            d0.note_report(_lora(0.0, late[1], max_loras), late[0])
+            late = None
+        ticket = slots.arrive(adapter)
+        assert slots.admit(ticket) is not None
+        if scrape == "seen":
+            d0.note_report(_lora(0.0, slots.labels()[0], max_loras), d0.scrape_mark())
+        elif scrape == "late":
+            late = (d0.scrape_mark(), slots.labels()[0])
+        slots.release(adapter)
+    if late is not None:
+        d0.note_report(_lora(0.0, late[1], max_loras), late[0])
+    d0.note_report(_lora(0.0, "", max_loras), d0.scrape_mark())
+    return fleet, slots
+
+
+@given(st.integers(1, 3), RUNS)
+def test_an_idle_engines_slots_hold_what_vllm_kept_there(
+    max_loras: int, runs: list[tuple[str, str]]
+) -> None:
+    """Over any order of requests an engine served one by one, and whichever scrapes saw
+    them: a request for an adapter its slots still hold (by vLLM's LRU, the fake engine's
+    AdapterSlots) goes back there before an engine with a free slot; one they do not hold
+    goes to the free slot when this engine would swap; and an idle engine is never ranked
+    behind one whose every slot runs another adapter."""
+    for adapter in "abcd":
+        fleet, slots = _ran(max_loras, runs)
+        d0, free, _ = fleet.engines
+        held, room = adapter in slots.loaded, len(slots.loaded) < max_loras
+        if held or not room:
+            assert _to([d0, free], adapter) == ("d0:adapter" if held else "dfree:adapter")
+        fleet, _ = _ran(max_loras, runs)
+        d0, _, busy = fleet.engines
+        assert _to([d0, busy], adapter) == "d0:adapter"
+
+
+def test_an_engine_that_owes_a_swap_gets_no_more_of_the_running_adapter() -> None:
+    """d0 runs hot and cold waits for its one slot: more hot there would run past cold and
+    keep it waiting. Hot goes to any engine that has it, a free slot or an idle adapter to
+    swap out, and to d0 only before an engine where it would wait for a slot itself; cold
+    joins the load due on d0."""
+    fleet = _fleet(("d0", HOT_COLD), ("d1", HOT_COLD))
+    d0, d1 = fleet.engines
+    d0.note_report(_lora(0.0, "hot", waiting="cold"), d0.scrape_mark())
+    for running in ("hot", "", "z"):
+        d1.note_report(_lora(0.0, running), d1.scrape_mark())
+        d1.note_report(_lora(0.0, ""), d1.scrape_mark())  # idle: holds what ran last
+        assert _to([d0, d1], "hot") == "d1:adapter"
+    d1.note_report(_lora(0.0, "hot"), d1.scrape_mark())
+    assert _to([d0, d1], "hot") == "d1:adapter"  # running there with nothing owed
+    d1.note_report(_lora(0.0, "z"), d1.scrape_mark())  # its slot runs z: hot would wait
+    assert _to([d0, d1], "hot") == "d0:adapter"
+    assert _to([d0, d1], "cold") == "d0:adapter"
+    # with a slot to spare, a waiting adapter waits for the batch, not a slot: none owed
+    d0.note_report(_lora(0.0, "hot", max_lora=2, waiting="cold"), d0.scrape_mark())
+    d1.note_report(_lora(0.0, ""), d1.scrape_mark())
+    assert _to([d0, d1], "hot") == "d0:adapter"
+
+
+ADAPTERS = st.sets(st.sampled_from(["hot", "cold", "z"]))
+
+
+@given(st.integers(1, 3), ADAPTERS, ADAPTERS, st.lists(st.sampled_from(["hot", "cold", "z"])))
+def test_the_running_adapter_leaves_an_engine_that_owes_a_swap_unless_all_others_would(
+    max_lora: int, running: set[str], waiting: set[str], ran: list[str]
+) -> None:
+    """d0 runs hot and cold waits for its one slot. Against any d1 that owes no swap, hot
+    goes to d1 exactly when d1 runs or waits on it, or has a slot that no adapter it runs
+    or waits on takes (one free or idle): anywhere else it would wait for a slot too."""
+    owes = bool(waiting - running) and len(running) >= max_lora
+    assume(not owes)
+    fleet = _fleet(("d0", HOT_COLD), ("d1", HOT_COLD))
+    d0, d1 = fleet.engines
+    d0.note_report(_lora(0.0, "hot", waiting="cold"), d0.scrape_mark())
+    for adapter in ran:  # what d1 ran before: its idle slots' adapters
+        d1.note_report(_lora(0.0, adapter, max_lora), d1.scrape_mark())
+    listed = running | waiting
+    d1.note_report(_lora(0.0, ",".join(running), max_lora, ",".join(waiting)), d1.scrape_mark())
+    to_d1 = "hot" in listed or len(listed) < max_lora
+    assert _to([d0, d1], "hot") == ("d1:adapter" if to_d1 else "d0:adapter")
 
 
 def test_the_prefix_index_keeps_adapters_apart() -> None:

@@ -21,12 +21,12 @@ a retry must avoid are used only when nothing else is left; then:
 
 Load is this router's legs on the engine plus the rest of the engine's queue from a fresh
 scrape (the engine counts our legs too: they count once); a consumer's KV cache usage
-weighs in. Ties prefer a consumer other than the producer, then
-rotate with ``turn``, so equal engines share the load.
+weighs in. Ties rotate with ``turn``, so equal engines share the load; an attempt's two
+legs go to two engines whenever there are two.
 
-The one state placement writes: the engine chosen for an adapter's request notes that
-adapter as its most recent (``RecentAdapters.placed``), since the request is on its way
-there and the engine's series may never show it (a prefill can end between two scrapes).
+The shell notes the engine chosen for an adapter's request as holding that adapter
+(``RecentAdapters.placed``), since the request is on its way there and the engine's series
+may never show it (a prefill can end between two scrapes).
 """
 
 from __future__ import annotations
@@ -93,32 +93,31 @@ def choose(
     request's prompt prefix (producers only), ``ring`` the producers' ring, ``prompt`` and
     ``index`` the request's blocks and what each engine is believed to hold; ``precise``
     and ``tokens`` what engines with a live event stream say they hold, and the request's
-    token ids (``held_tokens``); ``adapter`` the LoRA adapter it runs under (the engine
-    chosen notes it as placed there). ``other_leg`` is the engine that runs the attempt's
-    other leg: it is chosen only when no other candidate is left, since a handoff to the
-    producer itself would leave the prefill's blocks held for the lease with nobody to
-    read them."""
+    token ids (``held_tokens``); ``adapter`` the LoRA adapter it runs under. ``other_leg``
+    is the engine that runs the attempt's other leg: it is chosen only when no other
+    candidate is left, since a handoff to the producer itself would leave the prefill's
+    blocks held for the lease with nobody to read them."""
     pool = [e for e in candidates if e.id not in avoid] or list(candidates)
     pool = [e for e in pool if e.id != other_leg] or pool
     if len(pool) <= 1:
-        return _chosen(pool[0], "only", adapter) if pool else None
+        return Choice(pool[0], "only") if pool else None
     consumer = leg == "decode"
     costs = {e.id: load_of(e, now, config.metrics_interval_s).cost(consumer=consumer) for e in pool}
     if adapter is not None and config.adapter_affinity:
         pool = with_adapter(pool, adapter, costs, config, now)
         if len(pool) == 1:
-            return _chosen(pool[0], "adapter", adapter)
+            return Choice(pool[0], "adapter")
     if config.prefix_affinity and prompt is not None and index is not None:
         ranked = ring if not consumer else None  # producers' equal matches: the ring's order
         holdings = Holdings(prompt, index, now, precise, tokens)
         held = longest_match(pool, costs, config.affinity_load_factor, holdings, ranked, key)
         if held is not None:
-            return _chosen(held, "prefix_match", adapter)
+            return Choice(held, "prefix_match")
     if not consumer and config.prefix_affinity and key is not None and ring is not None:
         home, spilled = ring.choose(key, costs, config.affinity_load_factor)
         for engine in pool:
             if engine.id == home:
-                return _chosen(engine, "spill" if spilled else "affinity", adapter)
+                return Choice(engine, "spill" if spilled else "affinity")
     # the rotation is over the candidates' own order: fleet positions would tie producers
     # that sit two apart in the fleet file (p0, d0, p1), and one of them would take all
     position = {id(e): i for i, e in enumerate(candidates)}
@@ -128,17 +127,10 @@ def choose(
         return (position[id(e)] - turn) % n
 
     if config.policy == "round_robin":
-        return _chosen(min(pool, key=rotation), "round_robin", adapter)
+        return Choice(min(pool, key=rotation), "round_robin")
     chosen = least_loaded(pool, rng, lambda e: (costs[e.id], rotation(e)))
     assert chosen is not None  # the pool has two or more
-    return _chosen(chosen, "least_loaded", adapter)
-
-
-def _chosen(engine: EngineState, reason: Reason, adapter: str | None) -> Choice:
-    """The choice; an adapter's request notes the adapter as placed on the engine."""
-    if adapter is not None:
-        engine.adapters.placed(adapter)
-    return Choice(engine, reason)
+    return Choice(chosen, "least_loaded")
 
 
 def adapter_tier(engine: EngineState, adapter: str, now: float, interval_s: float) -> int:

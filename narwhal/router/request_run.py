@@ -269,6 +269,8 @@ class RequestRun(RequestLegs):
                 phase=Phase.ADMISSION,
             )
         self.router.metrics.placements_of(leg, choice.reason).inc()
+        if self._adapter is not None:  # on its way there: the engine's series may not say
+            choice.engine.adapters.placed(self._adapter)
         return choice.engine
 
     def _disaggregation(self, consumer: EngineState) -> Decision:

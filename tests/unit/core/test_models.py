@@ -265,9 +265,11 @@ AFFINITY = PlacementConfig(prefix_affinity=False)
 
 
 def _to(engines: list[Engine], adapter: str) -> str:
-    """Where a request for ``adapter`` goes among ``engines``, and why."""
+    """Where a request for ``adapter`` goes among ``engines``, and why; the engine then
+    notes it as placed there, as the request's run does."""
     got = choose(engines, "decode", AFFINITY, rng=random.Random(0), now=0.0, adapter=adapter)
     assert got is not None
+    got.engine.adapters.placed(adapter)
     return f"{got.engine.id}:{got.reason}"
 
 

@@ -32,6 +32,7 @@ from narwhal.config_files import (
     sets_key,
 )
 from narwhal.core.config import ConfigError, FleetConfig
+from narwhal.core.limits import check_workers
 from narwhal.logs import LogFormat
 
 if TYPE_CHECKING:
@@ -461,7 +462,6 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_workers(args: argparse.Namespace, fleet: FleetConfig, hc: HypercornConfig) -> int:
     """``--workers N``: the parent (``narwhal.workers.Supervisor``) binds one listener per
     worker and supervises them; the workers are ``worker_main``."""
-    from narwhal.router.service import check_workers
     from narwhal.workers import Supervisor, WorkerSpec, bind_worker_sockets
 
     try:

@@ -53,9 +53,10 @@ from prometheus_client.multiprocess import mark_process_dead
 from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import InvalidFleetFile, ReloadNotApplied, ReloadUnanswered
+from narwhal.core.limits import check_workers
 from narwhal.kv_relay import start_relay
 from narwhal.logs import announce, log_event
-from narwhal.router.service import Router, check_workers
+from narwhal.router.service import Router
 from narwhal.router.serving import hypercorn_config, serve
 
 log = logging.getLogger("narwhal.workers")

@@ -1,8 +1,9 @@
 """Flow control at the router, pure (SPEC 4.5): which queued request goes next, which
 ones leave, and why. The shell holds the clock and the sockets: it offers a request the
 fleet cannot take now, sheds what ``expire(now)`` returns (on the timer ``next_expiry()``
-sets, and before dispatching), asks ``next(now)`` while ``room_left`` says the fleet has
-room, removes a request whose client left, and drains the queue on SIGTERM.
+sets, and before dispatching), asks ``next_with_room(now, room)`` (or ``next(now)``) while
+``room_left`` says the fleet has room, removes a request whose client left, and drains the
+queue on SIGTERM; ``shed_fault`` is the answer to a request that left unsent.
 
 Rules the queue keeps:
 * strict priority between classes: interactive, then default, then batch;
@@ -13,6 +14,9 @@ Rules the queue keeps:
 * a request leaves by ``min(arrival + max_queue_wait_s, deadline)`` at the latest (one that
   cannot wait at all is refused on arrival); the shell may pass a deadline less a margin
   when a request dispatched at its very deadline is not worth sending;
+* a request whose room is not the head's (its consumer serves it alone, another model's
+  engines) is not held back by the head: with one kind of room queued the head goes first
+  or none does, with more the first in this order whose kind has room goes;
 * when the queue is full, an arrival displaces the newest queued request of the lowest
   class below its own; with nothing below it, the arrival is refused;
 * every offered request leaves exactly once, by one of the ``Exit``s.
@@ -35,6 +39,8 @@ from enum import StrEnum
 from typing import Literal
 
 from msgspec import Struct
+
+from narwhal.core.faults import NotDispatched, Phase, QueueDrained
 
 
 class Priority(StrEnum):
@@ -89,6 +95,9 @@ class Entry(Struct, frozen=True):
         # a NaN would compare false with everything and never leave the expiry heap
         if math.isnan(self.arrival) or math.isnan(self.deadline):
             raise ValueError(f"request {self.id!r}: arrival and deadline must be numbers")
+
+
+Kind = tuple[bool, str | None]  # the room a request needs: (its consumer alone, its model)
 
 
 class Offered(Struct, frozen=True):
@@ -146,7 +155,7 @@ class _Band:
 class FlowQueue:
     """The admission queue's state table."""
 
-    __slots__ = ("_bands", "_due", "_queued", "_seq", "max_queue_wait_s", "max_queued")
+    __slots__ = ("_bands", "_due", "_kinds", "_queued", "_seq", "max_queue_wait_s", "max_queued")
 
     def __init__(self, max_queued: int, max_queue_wait_s: float) -> None:
         if max_queued < 1 or not max_queue_wait_s >= 0:
@@ -159,6 +168,9 @@ class FlowQueue:
         self._queued: dict[Hashable, tuple[int, Entry]] = {}
         self._due: list[tuple[float, int, Hashable]] = []  # heap of (leave_by, seq, id)
         self._seq = 0
+        # queued requests by the room they need, (local, pool): while one kind is queued,
+        # ``next_with_room`` asks the head's room alone and scans nothing
+        self._kinds: dict[Kind, int] = {}
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -231,6 +243,27 @@ class FlowQueue:
                         return entry
         return None
 
+    def next_with_room(self, now: float, room: Callable[[bool, str | None], bool]) -> Entry | None:
+        """Dispatch: the next request whose engines have room (``room(local, pool)``, asked
+        at most once per kind of room), removed from the queue; None when none may go.
+        With one kind of room queued the head goes first or none does; with more, a kind
+        without room holds back no other (``next_where``)."""
+        if len(self._kinds) <= 1:
+            head = self.peek()
+            if head is None or not room(head.local, head.pool):
+                return None
+            return self.next(now)
+        known: dict[Kind, bool] = {}  # each kind's room, asked once
+
+        def ok(entry: Entry) -> bool:
+            kind = (entry.local, entry.pool)
+            found = known.get(kind)
+            if found is None:
+                found = known[kind] = room(*kind)
+            return found
+
+        return self.next_where(now, ok)
+
     def peek(self) -> Entry | None:
         """The request ``next`` would dispatch, left in the queue."""
         for cls in BY_RANK:
@@ -247,6 +280,7 @@ class FlowQueue:
             if self._alive(seq, id):
                 entry = self._queued.pop(id)[1]
                 self._bands[entry.cls].take(entry)
+                self._kind(entry, -1)
                 shed.append((entry, self.timed_out(entry)))
         return shed
 
@@ -271,12 +305,14 @@ class FlowQueue:
         self._bands = {cls: _Band() for cls in Priority}
         self._queued.clear()
         self._due.clear()
+        self._kinds.clear()
         return gone
 
     def _add(self, entry: Entry) -> None:
         self._seq += 1
         self._queued[entry.id] = (self._seq, entry)
         self._bands[entry.cls].add(entry)
+        self._kind(entry, +1)
         heapq.heappush(self._due, (self.leave_by(entry), self._seq, entry.id))
 
     def _lowest_below(self, cls: Priority) -> Entry | None:
@@ -293,11 +329,19 @@ class FlowQueue:
         self._forget(entry.id)
 
     def _forget(self, id: Hashable) -> None:
-        del self._queued[id]
+        self._kind(self._queued.pop(id)[1], -1)
         # its heap item stays until it surfaces; rebuild once dead items dominate
         if len(self._due) > 2 * len(self._queued) + 64:
             self._due = [item for item in self._due if self._alive(item[1], item[2])]
             heapq.heapify(self._due)
+
+    def _kind(self, entry: Entry, change: int) -> None:
+        kind = (entry.local, entry.pool)
+        left = self._kinds.get(kind, 0) + change
+        if left:
+            self._kinds[kind] = left
+        else:
+            del self._kinds[kind]
 
     def _alive(self, seq: int, id: Hashable) -> bool:
         slot = self._queued.get(id)
@@ -308,6 +352,15 @@ class FlowQueue:
         if entry.arrival + self.max_queue_wait_s <= entry.deadline:
             return Exit.WAIT
         return Exit.DEADLINE
+
+
+def shed_fault(queue: FlowQueue, entry: Entry, exit: Exit) -> NotDispatched:
+    """The fault that answers a request the queue let go unsent (``exit`` one in ANSWERS):
+    503 on SIGTERM (``QueueDrained``: it never started, a load balancer may retry it),
+    else 429."""
+    status, message = queue.answer(entry, exit)
+    fault = QueueDrained if status == 503 else NotDispatched
+    return fault(message, phase=Phase.ADMISSION)
 
 
 Saturation = Literal["waiting", "kv_usage"]

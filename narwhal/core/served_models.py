@@ -132,3 +132,90 @@ class Catalog:
 def _ours(name: str, parent: str | None, model: str) -> bool:
     """In the fleet model's lineage: the model itself as a base, or an adapter of it."""
     return (name == model and parent is None) or (parent is not None and parent == model)
+
+
+def read_model_list(status: int, body: bytes | None) -> Served | str | None:
+    """An engine's answer to ``GET /v1/models`` (``body`` None: it was over
+    ``MAX_LIST_BYTES``): what it serves, why its list is refused, or None when it did not
+    answer with a list (what it served stays)."""
+    if status != 200:
+        return None
+    return parse_models(body) if body is not None else f"over {MAX_LIST_BYTES} bytes"
+
+
+def probe_model(served: Served, model: str) -> str:
+    """The name a probe of an engine serving ``served`` asks for: a base model it serves
+    (the fleet's ``model`` when it serves that), so the peer it crosses with must serve it
+    too."""
+    return model if model in served else served.base() or model
+
+
+MAX_WARNED = 16  # names (and engines per name) a warning lists: a list, not a flood
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    """A served name some engines list otherwise than the fleet means it (contract 4.7):
+    those engines do not take it."""
+
+    name: str
+    parent: str | None  # the fleet's meaning: an adapter of this base, or (None) a base model
+    engines: list[str]  # the engines that list it otherwise
+
+    def meaning(self) -> str:
+        return f"an adapter of {self.parent!r}" if self.parent else "a base model"
+
+
+def conflicts(catalog: Catalog, lists: Iterable[tuple[str, Served]]) -> list[Conflict]:
+    """The catalog's conflicting names, in order, each with the engines (id, list) that
+    list it otherwise; at most ``MAX_WARNED`` of each."""
+    listed = list(lists)
+    found = []
+    for name in sorted(catalog.conflicts)[:MAX_WARNED]:
+        others = [
+            engine
+            for engine, served in listed
+            if name in served and not catalog.means(served, name)
+        ]
+        found.append(Conflict(name, catalog.served[name], others[:MAX_WARNED]))
+    return found
+
+
+def hidden_names(catalog: Catalog) -> list[tuple[str, str]]:
+    """Aliases that are also served names, in order, each with the name requests for it go
+    to instead (the alias wins); at most ``MAX_WARNED``."""
+    hiding = sorted(set(catalog.aliases) & set(catalog.served))[:MAX_WARNED]
+    return [(alias, catalog.aliases[alias]) for alias in hiding]
+
+
+def model_cards(
+    catalog: Catalog,
+    aliases: Mapping[str, str],
+    placeable: Iterable[Served],
+    model: str,
+    created: int,
+) -> dict[str, object]:
+    """``GET /v1/models`` (contract 4.7): every name the ``placeable`` engines' lists serve
+    as the fleet means it, adapters with their ``parent``, then each alias of one of them as
+    its own entry (``root``: the name it stands for). A name an alias hides is listed as
+    the alias. No name at all (no engine placeable): the fleet's ``model``, as before any
+    engine answered."""
+    names: dict[str, str | None] = {}
+    for served in placeable:
+        for name in served.parents:
+            if name not in aliases and catalog.means(served, name):
+                names[name] = catalog.served[name]
+    if not names:
+        names[model] = None
+
+    def card(name: str, **more: str | None) -> dict[str, object]:
+        fields = {"id": name, "object": "model", "created": created, "owned_by": "narwhal"}
+        return {**fields, **more}
+
+    data = [card(name, parent=parent) for name, parent in names.items()]
+    data += [
+        card(alias, root=target, parent=names[target])
+        for alias, target in aliases.items()
+        if target in names
+    ]
+    return {"object": "list", "data": data}

@@ -7,7 +7,8 @@ draining nor in maintenance, and this process is under its share of
 admitted requests that check reads, and the queue in front of the engines: with
 ``admission.queue`` a request is *dispatched* only while the fleet has room
 (``headroom``) and fewer than ``max_inflight`` are dispatched; otherwise it waits here,
-holding no engine resource. The order is ``narwhal.core.flow.FlowQueue``'s.
+holding no engine resource. The order is ``narwhal.core.flow.FlowQueue``'s; the check,
+the shares and the room are ``narwhal.core.limits``'.
 
 A queued request waits in its own task, on its own event, under a cancel scope that ends
 at the time the queue would shed it: waiting costs no other task and no timer. Room is
@@ -21,21 +22,22 @@ journal line.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from functools import partial
 from typing import Any
 
 import trio
 
-from narwhal.core.admission import inflight_share
 from narwhal.core.config import AdmissionConfig, FleetConfig, ServingConfig
-from narwhal.core.faults import (
-    Maintenance,
-    NotDispatched,
-    Overloaded,
-    Phase,
-    QueueDrained,
-    ShuttingDown,
+from narwhal.core.flow import (
+    Displaced,
+    Entry,
+    Exit,
+    FlowQueue,
+    Priority,
+    Refused,
+    shed_fault,
 )
-from narwhal.core.flow import Displaced, Entry, Exit, FlowQueue, Priority, Refused
+from narwhal.core.limits import Limits, dispatchable, refusal
 
 
 class Ticket:
@@ -75,10 +77,6 @@ class Admission:
         self._tickets: dict[Hashable, Ticket] = {}
         self._handed = 0  # dispatched from the queue, not yet running: they take room too
         self._seq = 0
-        # queued requests by the room they need (consumers alone, a model's engines):
-        # with one kind queued the queue's head decides, with more a full kind holds back
-        # no other
-        self._kinds: dict[tuple[bool, str | None], int] = {}
 
     def configure(self, config: FleetConfig) -> None:
         """Limits for what comes next (start, reload); queued requests keep their place."""
@@ -86,40 +84,37 @@ class Admission:
         self._queue.max_queue_wait_s = config.admission.max_queue_wait_s
         self.pump()
 
+    def limits(self, serving: ServingConfig) -> Limits:
+        """This process's limits: its share of ``serving``'s and the queue's."""
+        flow = self._flow
+        return Limits(
+            serving.max_inflight, flow.max_queued, flow.queue, self.worker_index, self.worker_count
+        )
+
     def limit(self, serving: ServingConfig) -> int:
         """The dispatched requests this process runs at once."""
-        return inflight_share(serving.max_inflight, self.worker_index, self.worker_count)
+        return self.limits(serving).inflight()
 
     def queue_limit(self) -> int:
-        """The requests this process holds queued at once: its share of ``max_queued``,
-        as of ``max_inflight``, so that N workers together queue no more than one router."""
-        return inflight_share(self._flow.max_queued, self.worker_index, self.worker_count)
+        """The requests this process holds queued at once: its share of ``max_queued``."""
+        return self.limits(self._serving).queued()
 
     def check(
         self, serving: ServingConfig, *, draining: bool, maintenance: bool, queues: bool = True
     ) -> None:
-        """Raise the fault that refuses a request now (503 draining or maintenance, 429 at
-        the in-flight limit; with the queue on, a request that may queue is refused at the
-        limit plus a full queue); return when it may be admitted. ``queues``: False for a
-        request that never waits (``/tokenize``), bounded by the dispatched count alone."""
-        if draining:
-            raise ShuttingDown(
-                "router shutting down: not taking new requests", phase=Phase.ADMISSION
-            )
-        if maintenance:
-            raise Maintenance(
-                "router in maintenance (whole-wave restart): an engine was ejected; "
-                "POST /narwhal/lifecycle/readmit once the fleet is back",
-                phase=Phase.ADMISSION,
-            )
-        if not self._flow.queue:
-            full = self.admitted >= self.limit(serving)
-        elif queues:
-            full = self.admitted >= self.limit(serving) + self.queue_limit()
-        else:
-            full = self.dispatched >= self.limit(serving)
-        if full:
-            raise Overloaded(self._at_limit(serving), phase=Phase.ADMISSION)
+        """Raise the fault that refuses a request now (``narwhal.core.limits.refusal``);
+        return when it may be admitted. ``queues``: False for a request that never waits
+        (``/tokenize``)."""
+        fault = refusal(
+            self.limits(serving),
+            self.admitted,
+            self.dispatched,
+            draining=draining,
+            maintenance=maintenance,
+            queues=queues,
+        )
+        if fault is not None:
+            raise fault
 
     def admit(self) -> None:
         if not self.admitted:
@@ -168,7 +163,7 @@ class Admission:
         verdict = self._queue.offer(entry, now)
         if isinstance(verdict, Refused):
             self._count_shed(entry, verdict.exit, now)
-            raise self._shed(entry, verdict.exit)
+            raise shed_fault(self._queue, entry, verdict.exit)
         if isinstance(verdict, Displaced):
             self._let_go(verdict.victim, Exit.DISPLACED)
         ticket = self._tickets[entry.id] = Ticket(entry)
@@ -193,28 +188,10 @@ class Admission:
         now = trio.current_time()
         for entry, exit in self._queue.expire(now):
             self._let_go(entry, exit)
-        while (taken := self._next(now)) is not None:
+        while (taken := self._queue.next_with_room(now, self._room)) is not None:
             self.dispatched += 1
             self._handed += 1
             self._let_go(taken, Exit.DISPATCHED)
-
-    def _next(self, now: float) -> Entry | None:
-        """The queued request to dispatch now, taken from the queue, or None."""
-        if len(self._kinds) <= 1:  # one kind of room: the head goes first or none does
-            head = self._queue.peek()
-            if head is None or not self._room(head.local, head.pool):
-                return None
-            return self._queue.next(now)
-        known: dict[tuple[bool, str | None], bool] = {}  # room, asked once per kind
-
-        def ok(entry: Entry) -> bool:
-            kind = (entry.local, entry.pool)
-            found = known.get(kind)
-            if found is None:
-                found = known[kind] = self._room(*kind)
-            return found
-
-        return self._queue.next_where(now, ok)
 
     def drain_queue(self) -> None:
         """SIGTERM: every queued request is answered 503 at once (it never started)."""
@@ -241,7 +218,7 @@ class Admission:
             self._observe(entry.cls, entry.pool, waited)
             return waited
         assert ticket.exit is not None
-        raise self._shed(entry, ticket.exit)
+        raise shed_fault(self._queue, entry, ticket.exit)
 
     def _abandon(self, ticket: Ticket, exit: Exit) -> None:
         """Its task leaves before the queue let it go (or just after: undone)."""
@@ -261,10 +238,10 @@ class Admission:
             self._count_shed(entry, exit, trio.current_time())
 
     def _room(self, local: bool = False, pool: str | None = None) -> bool:
-        if self.dispatched >= self.limit(self._serving):
-            return False
-        headroom = self.headroom(local, pool)
-        return headroom is None or headroom > self._handed
+        limit = self.limit(self._serving)
+        return dispatchable(
+            self.dispatched, limit, self._handed, partial(self.headroom, local, pool)
+        )
 
     def _went(self, cls: Priority, pool: str | None, waited: float) -> None:
         self.dispatched += 1
@@ -281,20 +258,8 @@ class Admission:
             self._metrics.queue_wait_of(cls.value, model).observe(waited)
 
     def _depth(self, entry: Entry, change: int) -> None:
-        kind = (entry.local, entry.pool)
-        left = self._kinds.get(kind, 0) + change
-        if left:
-            self._kinds[kind] = left
-        else:
-            del self._kinds[kind]
         if self._metrics is not None:
             self._metrics.queue_depth_of(entry.cls.value, self._model(entry.pool)).inc(change)
-
-    def _shed(self, entry: Entry, exit: Exit) -> NotDispatched:
-        """The fault that answers a request the queue let go without dispatching it."""
-        status, message = self._queue.answer(entry, exit)
-        fault = QueueDrained if status == 503 else NotDispatched
-        return fault(message, phase=Phase.ADMISSION)
 
     def _count_shed(self, entry: Entry, exit: Exit, now: float) -> None:
         if self._metrics is not None:
@@ -317,13 +282,3 @@ class Admission:
                 "workers": self.worker_count,
             },
         }
-
-    def _at_limit(self, serving: ServingConfig) -> str:
-        total = serving.max_inflight
-        queued = f" and max_queued={self._flow.max_queued}" if self._flow.queue else ""
-        if self.worker_count == 1:
-            return f"router is at max_inflight={total}{queued}; retry later"
-        return (
-            f"router is at max_inflight={total}{queued} (this worker's share: "
-            f"{self.limit(serving)}, of {self.worker_count} workers); retry later"
-        )

@@ -15,7 +15,9 @@ slot and runs what lifts that ejection:
   listed, and a crossed handoff in every role the engine may serve.
 
 Under ``restart_policy = "whole_wave"`` an ejection puts the router in maintenance
-instead, until every engine passes lifecycle validation together.
+instead, until every engine passes lifecycle validation together. Which probe, which peer
+and what the results say are ``narwhal.core.readmission``'s; what a model list changes is
+``narwhal.core.served_models``'.
 """
 
 from __future__ import annotations
@@ -32,7 +34,21 @@ from narwhal.core.faults import BreakerClass, RequestFault
 from narwhal.core.fleet import EngineState, Fleet, Leg
 from narwhal.core.flow import SATURATIONS
 from narwhal.core.handoff import Fate, Handoff
-from narwhal.core.served_models import MAX_LIST_BYTES, parse_models
+from narwhal.core.readmission import (
+    Probe,
+    combined,
+    crossed_verdict,
+    probe_for,
+    probe_leg,
+    probe_peer,
+)
+from narwhal.core.served_models import (
+    MAX_LIST_BYTES,
+    conflicts,
+    hidden_names,
+    probe_model,
+    read_model_list,
+)
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
 from narwhal.metrics import Metrics
@@ -185,9 +201,9 @@ class Health:
                 status, body = await client.get_within(engine.url, "/v1/models", MAX_LIST_BYTES)
             except RequestFault:
                 return
-            if status != 200:
+            served = read_model_list(status, body)
+            if served is None:
                 return
-            served = parse_models(body) if body is not None else f"over {MAX_LIST_BYTES} bytes"
             fleet = self.router.fleet
             if isinstance(served, str):
                 self.router.metrics.model_lists_refused.labels(engine.id).inc()
@@ -202,26 +218,17 @@ class Health:
         """Names some engine means otherwise than the fleet does (another parent), and
         aliases that hide a served name: said once per change of the lists."""
         fleet = self.router.fleet
-        for name in sorted(fleet.catalog.conflicts)[:16]:
-            others = [
-                e.id
-                for e in fleet.engines
-                if name in fleet.served_by(e) and not fleet.catalog.means(fleet.served_by(e), name)
-            ]
+        lists = [(e.id, fleet.served_by(e)) for e in fleet.engines]
+        for conflict in conflicts(fleet.catalog, lists):
             log.warning(
                 "model %r means %s here; engines %s list it otherwise and do not take it",
-                name,
-                f"an adapter of {fleet.catalog.served[name]!r}"
-                if fleet.catalog.served[name]
-                else "a base model",
-                others[:16],
+                conflict.name,
+                conflict.meaning(),
+                conflict.engines,
             )
-        for alias in sorted(set(fleet.aliases) & set(fleet.catalog.served))[:16]:
+        for alias, target in hidden_names(fleet.catalog):
             log.warning(
-                "alias %r hides the served name %r: requests for it go to %r",
-                alias,
-                alias,
-                fleet.aliases[alias],
+                "alias %r hides the served name %r: requests for it go to %r", alias, alias, target
             )
 
     def _noted(self, engine: EngineState, change: str | None) -> None:
@@ -260,13 +267,12 @@ class Health:
 
     async def probe(self, engine: EngineState) -> ProbeOutcome:
         """Decide, with real evidence, whether an ejected engine may take traffic again."""
-        config = self.router.config
-        if config.engine_contract is not None:
-            return await self.validate(engine)
-        if engine.breaker.ejection_cause is BreakerClass.UNREACHABLE:
-            return await self._health_check(engine)
-        leg: Leg = engine.failed_as or ("decode" if engine.spec.can_decode else "prefill")
-        return await self._inference_probe(engine, leg)
+        match probe_for(engine, contract=self.router.config.engine_contract is not None):
+            case Probe.VALIDATE:
+                return await self.validate(engine)
+            case Probe.HEALTH:
+                return await self._health_check(engine)
+        return await self._inference_probe(engine, probe_leg(engine))
 
     async def _health_check(
         self, engine: EngineState, client: EngineClient | None = None
@@ -279,44 +285,18 @@ class Health:
             return "pass" if status == 200 else "fail"
         return "fail"
 
-    def _peer(
-        self, engine: EngineState, leg: Leg, preferred: str | None, *, wave: bool = False
-    ) -> EngineState | None:
-        """A healthy engine to cross with: the preferred one when it is still healthy. In a
-        whole wave every engine is under validation together, so any of them will do."""
-        now = trio.current_time()
-        fleet = self.router.fleet
-        model = self._probe_model(engine)
-        pool = [
-            e
-            for e in (fleet.producers if leg == "prefill" else fleet.consumers)
-            if fleet.catalog.means(fleet.served_by(e), model)
-        ]
-        healthy = [e for e in pool if (wave or e.breaker.healthy(now)) and e is not engine]
-        if preferred is not None:
-            for e in healthy:
-                if e.id == preferred:
-                    return e
-        if healthy:
-            return min(healthy, key=lambda e: e.load)
-        return engine if engine in pool else None  # a lone engine crosses with itself
-
     async def _inference_probe(
         self, engine: EngineState, leg: Leg, *, wave: bool = False
     ) -> ProbeOutcome:
-        peer_leg: Leg = "prefill" if leg == "decode" else "decode"
-        preferred = engine.failed_with if leg == "decode" else None
-        peer = self._peer(engine, peer_leg, preferred, wave=wave)
+        model = self._probe_model(engine)
+        peer = probe_peer(self.router.fleet, engine, leg, model, trio.current_time(), wave=wave)
         if peer is None:
             return "inconclusive"  # no peer to cross with
         if self.router.client.limiter(peer.url).available_tokens == 0:
             return "inconclusive"  # the peer's pool is exhausted: no room to decide
         producer, consumer = (peer, engine) if leg == "decode" else (engine, peer)
         result = await self._handoff(producer, consumer, engine)
-        if result.ok:
-            return "pass"
-        failed = producer if result.failed_side == "producer" else consumer
-        return "fail" if failed is engine else "inconclusive"
+        return crossed_verdict(engine, producer, consumer, result.ok, result.failed_side)
 
     async def _handoff(
         self, producer: EngineState, consumer: EngineState, target: EngineState
@@ -341,11 +321,8 @@ class Health:
         return result
 
     def _probe_model(self, engine: EngineState) -> str:
-        """The name a probe of ``engine`` asks for: a base model it serves (the fleet's
-        when it serves that), so the peer it crosses with must serve it too."""
-        served = self.router.fleet.served_by(engine)
-        model = self.router.config.model
-        return model if model in served else served.base() or model
+        """The name a probe of ``engine`` asks for (``served_models.probe_model``)."""
+        return probe_model(self.router.fleet.served_by(engine), self.router.config.model)
 
     def _settle_probe_handoff(
         self, result: HandoffResult, producer: EngineState, consumer: EngineState
@@ -378,9 +355,7 @@ class Health:
             outcomes.append(await self._inference_probe(engine, "prefill", wave=wave))
         if engine.spec.can_decode:
             outcomes.append(await self._inference_probe(engine, "decode", wave=wave))
-        if "fail" in outcomes:
-            return "fail"
-        return "inconclusive" if "inconclusive" in outcomes else "pass"
+        return combined(outcomes)
 
     async def check_identity(self, engine: EngineState) -> str | None:
         """None when the engine is the one the contract names, else what is wrong."""
@@ -408,7 +383,7 @@ class Health:
             engines = self.router.fleet.engines
             claimed = [e for e in engines if e.breaker.start_probe(trio.current_time())]
             outcomes = {e.id: await self.validate(e, wave=True) for e in engines}
-            passed = all(o == "pass" for o in outcomes.values())
+            passed = combined(outcomes.values()) == "pass"
             for engine in claimed:
                 engine.breaker.finish_probe("pass" if passed else "fail")
                 self._probed(engine, outcomes[engine.id], wave=True)

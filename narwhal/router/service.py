@@ -27,20 +27,21 @@ from narwhal.config_files import load_config
 from narwhal.core.classify import Flow
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import (
-    BadRequest,
     Clock,
     DeadlineExpired,
     EngineFaults,
     InternalError,
-    ModelNotServed,
-    NoCapacity,
     Phase,
     RequestFault,
     ran_out,
 )
 from narwhal.core.fleet import LEGS, EngineState, Fleet
+from narwhal.core.fleet_view import fleet_view
+from narwhal.core.limits import check_workers, dispatch_by
+from narwhal.core.pass_through import pass_engine, pass_model
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget
+from narwhal.core.served_models import model_cards
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import Connect
 from narwhal.logs import count_drops as count_log_drops
@@ -66,21 +67,6 @@ log = logging.getLogger("narwhal.router")
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 Run = RequestRun | FanOutRun  # one client request: one prefill/decode chain, or a fan-out
 FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
-
-
-def check_workers(config: FleetConfig, count: int, source: str) -> None:
-    """Refuse a fleet file that cannot be split over ``count`` workers (``--workers N``)."""
-    total = config.serving.max_inflight
-    if total < count:
-        problem = (
-            f"serving.max_inflight: {total} is fewer than the {count} workers (--workers); "
-            "each worker admits its share of it, at least 1"
-        )
-        raise ConfigError(source, [problem])
-
-
-_decode_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_decode_model = msgspec.json.Decoder(str | None).decode
 
 
 class Router:
@@ -160,61 +146,20 @@ class Router:
         the name it stands for). No engine placeable: the fleet's model, as before any
         engine answered."""
         fleet, now = self.fleet, trio.current_time()
-        catalog, aliases = fleet.catalog, self.config.aliases
-        names: dict[str, str | None] = {}
-        for leg in LEGS:
-            for engine in fleet.placeable(leg, now)[0]:
-                served = fleet.served_by(engine)
-                for name in served.parents:
-                    # as the fleet means it; a name an alias hides is listed as the alias
-                    if name not in aliases and catalog.means(served, name):
-                        names[name] = catalog.served[name]
-        if not names:
-            names[self.config.model] = None
-
-        def card(name: str, **more: str | None) -> dict[str, object]:
-            fields = {"id": name, "object": "model", "created": created, "owned_by": "narwhal"}
-            return {**fields, **more}
-
-        data = [card(name, parent=parent) for name, parent in names.items()]
-        data += [
-            card(alias, root=target, parent=names[target])
-            for alias, target in aliases.items()
-            if target in names
-        ]
-        return {"object": "list", "data": data}
-
-    def _kv_view(self, engine_id: str) -> dict[str, object] | None:
-        """The engine's KV-event stream (None: ``[kv_events]`` is off)."""
-        if self.config.kv_events.mode == "off":
-            return None
-        stream = self.fleet.precise.streams.get(engine_id)
-        return {"state": "unknown"} if stream is None else stream.view()
+        placeable = (fleet.served_by(e) for leg in LEGS for e in fleet.placeable(leg, now)[0])
+        config = self.config
+        return model_cards(fleet.catalog, config.aliases, placeable, config.model, created)
 
     def engines_view(self) -> bytes:
-        now = trio.current_time()
-        held = self.fleet.held_in(now)
-        view: dict[str, object] = {
-            "model": self.config.model,
-            "aliases": dict(self.config.aliases),
-            **self.admission.view(self.config.serving),
-            "maintenance": self.health.maintenance,
-            "engines": [
-                {
-                    **e.snapshot(now, e.id in held, self.config.placement.metrics_interval_s),
-                    "saturation": e.saturation_view(
-                        now,
-                        self.config.placement.metrics_interval_s,
-                        self.config.admission.engine_waiting_limit,
-                        self.config.admission.kv_usage_limit,
-                    ),
-                    "kv_events": self._kv_view(e.id),
-                }
-                for e in self.fleet.engines
-            ],
-        }
-        if self.config.discover:
-            view["discovery"] = self.discovery.view()
+        """``GET /narwhal/engines``: this process's view of the fleet."""
+        view = fleet_view(
+            self.config,
+            self.fleet,
+            trio.current_time(),
+            admission=self.admission.view(self.config.serving),
+            maintenance=self.health.maintenance,
+            discovery=self.discovery.view() if self.config.discover else None,
+        )
         return msgspec.json.encode(view)
 
     async def handle(
@@ -379,10 +324,10 @@ class Router:
         return ran_out(Clock.DEADLINE, timeout, phase=phase, scope=limit)
 
     def _dispatch_by(self, run: Run) -> float:
-        """The latest a queued request is worth sending on: its deadline less the time a
-        first token may take (a request sent later would most likely end in a 504)."""
-        timeout = run.config.serving.request_timeout_s
-        return run.deadline - min(run.config.engine.first_token_timeout_s, timeout / 2)
+        """The latest a queued request is worth sending on (``limits.dispatch_by``)."""
+        config = run.config
+        timeout, first_token = config.serving.request_timeout_s, config.engine.first_token_timeout_s
+        return dispatch_by(run.deadline, timeout, first_token)
 
     async def pass_through(
         self,
@@ -438,7 +383,7 @@ class Router:
         with trio.CancelScope(deadline=min(arrival + timeout, self.drain_deadline)) as limit:
             self._running.add(limit)
             try:
-                body, model = self._pass_model(body)
+                body, model = pass_model(body, self.fleet.catalog, self.config.model)
                 engine = self._pass_engine(model)
                 if engine.spec.role == "decode":
                     attempt.consumer = engine.id
@@ -466,41 +411,9 @@ class Router:
                 self._running.discard(limit)
         raise self._limit_fault(limit, arrival + timeout, timeout, Phase.PREFILL)
 
-    def _pass_model(self, body: bytes) -> tuple[bytes, str | None]:
-        """A tokenizer request's body for its engine, and the served name whose engines
-        answer it: the one it names (an alias rewritten to it), else the fleet's model.
-        A name nobody serves is a 404 and a ``model`` that is not a string a 400, as for a
-        completion; a body that is not an object is the engine's to refuse."""
-        try:
-            fields = _decode_raw_fields(body)
-        except (msgspec.DecodeError, RecursionError):
-            return body, self.config.model
-        raw = fields.get("model")
-        if raw is None:
-            return body, self.config.model
-        try:
-            named = _decode_model(raw)
-        except msgspec.ValidationError:
-            raise BadRequest("model: must be a string", "model") from None
-        if named is None:
-            return body, self.config.model
-        served = self.fleet.catalog.resolve(named)
-        if served is None:
-            raise ModelNotServed.named(named)
-        if served == named:
-            return body, served
-        fields["model"] = msgspec.Raw(msgspec.json.encode(served))  # the rest as it came
-        return msgspec.json.encode(fields), served
-
     def _pass_engine(self, model: str | None = None) -> EngineState:
-        """Any placeable engine (serving ``model``): every one tokenizes alike (producers
-        first, they do the prompt-side work)."""
-        now = trio.current_time()
-        for leg in LEGS:
-            candidates = self.fleet.placeable(leg, now, model)[0]
-            if candidates:
-                return self.rng.choice(candidates)
-        raise NoCapacity("no placeable engine", phase=Phase.ADMISSION)
+        """The engine a tokenizer request goes to (``pass_through.pass_engine``)."""
+        return pass_engine(self.fleet, trio.current_time(), self.rng, model)
 
     @contextmanager
     def drain_bound(self) -> Iterator[trio.CancelScope]:

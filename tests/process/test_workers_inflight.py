@@ -12,24 +12,13 @@ from typing import Any
 
 import httpcore
 import msgspec
-import pytest
 import trio
 
-from narwhal.core.admission import inflight_share
 from narwhal.core.config import ServingConfig
 from tests.support.fleet import finish, start_fleet
 from tests.support.serve_process import MODEL, narwhal_serve, start_engines, write_fleet
 
 HELD = 12  # streams opened one after another, each on a connection of its own
-
-
-@pytest.mark.parametrize("count", range(1, 9))
-def test_the_shares_sum_to_max_inflight_and_each_is_at_least_one(count: int) -> None:
-    for total in range(count, 40):
-        shares = [inflight_share(total, index, count) for index in range(count)]
-        assert sum(shares) == total
-        assert min(shares) >= 1
-        assert max(shares) - min(shares) <= 1
 
 
 async def _open_stream(url: str) -> tuple[int, trio.SocketStream, bytes]:

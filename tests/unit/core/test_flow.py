@@ -20,6 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from narwhal.core.faults import NotDispatched, Phase, QueueDrained
 from narwhal.core.flow import (
     BY_RANK,
     RANK,
@@ -32,6 +33,7 @@ from narwhal.core.flow import (
     Refused,
     Saturation,
     room_left,
+    shed_fault,
 )
 
 HI, D, B = Priority.INTERACTIVE, Priority.DEFAULT, Priority.BATCH
@@ -492,3 +494,113 @@ def test_the_expiry_heap_stays_small_when_requests_leave_another_way() -> None:
             assert queue.next(0.0) is not None
     assert len(queue._due) <= 2 * len(queue) + 64
     assert queue.next_expiry() == 30.0
+
+
+# ---- dispatch by room: which queued request may go when only some engines have room -----
+
+
+def needing(id: Hashable, pool: str | None, cls: Priority = D, local: bool = False) -> Entry:
+    return Entry(id, cls, "t", arrival=0.0, deadline=600.0, local=local, pool=pool)
+
+
+def test_with_one_kind_of_room_queued_the_head_goes_first_or_none_does() -> None:
+    queue = FlowQueue(max_queued=10, max_queue_wait_s=30.0)
+    for id in ("r1", "r2"):
+        queue.offer(needing(id, "a"), now=0.0)
+    asked: list[tuple[bool, str | None]] = []
+
+    def no_room(local: bool, pool: str | None) -> bool:
+        asked.append((local, pool))
+        return False
+
+    assert queue.next_with_room(0.0, no_room) is None
+    assert asked == [(False, "a")]
+    assert queue.next_with_room(0.0, lambda local, pool: True) == needing("r1", "a")
+    assert len(queue) == 1
+
+
+def test_a_request_for_engines_with_room_is_not_held_back_by_one_for_full_engines() -> None:
+    queue = FlowQueue(max_queued=10, max_queue_wait_s=30.0)
+    queue.offer(needing("full-1", "a", HI), now=0.0)
+    queue.offer(needing("full-2", "a"), now=0.0)
+    queue.offer(needing("alone", "a", local=True), now=0.0)  # its consumer serves it alone
+    queue.offer(needing("roomy", "b", B), now=0.0)
+    asked: list[tuple[bool, str | None]] = []
+
+    def room(local: bool, pool: str | None) -> bool:
+        asked.append((local, pool))
+        return local or pool == "b"
+
+    assert queue.next_with_room(0.0, room) == needing("alone", "a", local=True)
+    assert asked == [(False, "a"), (True, "a")]  # each kind asked once, in the queue's order
+    assert queue.next_with_room(0.0, room) == needing("roomy", "b", B)
+    # what is left needs one room: the head decides again
+    assert queue.next_with_room(0.0, room) is None
+    assert [e.id for e in dispatch_all(queue)] == ["full-1", "full-2"]
+
+
+kinds = st.tuples(st.booleans(), st.sampled_from([None, "a", "b"]))
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("offer"), st.sampled_from(list(Priority)), kinds),
+            st.tuples(st.just("remove"), st.integers(min_value=0, max_value=30)),
+            st.tuples(st.just("expire"), st.integers(min_value=0, max_value=30)),
+            st.tuples(st.just("next"), st.sets(kinds)),
+            st.tuples(st.just("drain")),
+        ),
+        max_size=40,
+    )
+)
+def test_dispatch_by_room_takes_the_first_request_in_order_whose_room_there_is(
+    steps: list[tuple[Any, ...]],
+) -> None:
+    """However requests came and left (displaced, expired, removed, dispatched, drained),
+    ``next_with_room`` lets go the first request in the queue's order whose kind of room
+    there is (what ``next_where`` takes), asking each kind at most once."""
+    queue = FlowQueue(max_queued=6, max_queue_wait_s=10.0)
+    twin = FlowQueue(max_queued=6, max_queue_wait_s=10.0)
+    ids = count()
+    now = 0.0
+    for step in steps:
+        match step:
+            case ("offer", cls, (local, pool)):
+                offered = Entry(next(ids), cls, "t", now, now + 10.0, local, pool)
+                assert queue.offer(offered, now) == twin.offer(offered, now)
+            case ("remove", id):
+                assert queue.remove(id) == twin.remove(id)
+            case ("expire", tick):
+                now += tick / 10
+                assert queue.expire(now) == twin.expire(now)
+            case ("next", roomy):
+                asked: list[tuple[bool, str | None]] = []
+
+                def room(
+                    local: bool, pool: str | None, roomy: Any = roomy, asked: Any = asked
+                ) -> bool:
+                    asked.append((local, pool))
+                    return (local, pool) in roomy
+
+                taken = queue.next_with_room(now, room)
+                assert taken == twin.next_where(now, lambda e: (e.local, e.pool) in roomy)
+                assert len(asked) == len(set(asked))
+                assert taken is None or (taken.local, taken.pool) in roomy
+            case ("drain",):
+                assert queue.drain() == twin.drain()
+        assert len(queue) == len(twin)
+
+
+def test_a_request_the_queue_let_go_unsent_is_answered_429_or_503_on_sigterm() -> None:
+    queue = FlowQueue(max_queued=10, max_queue_wait_s=30.0)
+    waited = shed_fault(queue, entry("r"), Exit.WAIT)
+    assert type(waited) is NotDispatched
+    assert (waited.status, waited.message) == (429, "no capacity within 30s")
+    full = shed_fault(queue, entry("r"), Exit.QUEUE_FULL)
+    assert (type(full), full.status, full.message) == (NotDispatched, 429, "queue full")
+    drained = shed_fault(queue, entry("r"), Exit.DRAINED)
+    assert type(drained) is QueueDrained
+    assert (drained.status, drained.message) == (503, "the router is shutting down")
+    assert {f.phase for f in (waited, full, drained)} == {Phase.ADMISSION}

@@ -26,7 +26,20 @@ from narwhal.core.flow import Entry, FlowQueue, Priority
 from narwhal.core.placement import choose
 from narwhal.core.prefix_index import PrefixIndex, prompt_of
 from narwhal.core.requests import parse_request
-from narwhal.core.served_models import MAX_NAMES, Catalog, Served, parse_models
+from narwhal.core.served_models import (
+    MAX_LIST_BYTES,
+    MAX_NAMES,
+    MAX_WARNED,
+    Catalog,
+    Conflict,
+    Served,
+    conflicts,
+    hidden_names,
+    model_cards,
+    parse_models,
+    probe_model,
+    read_model_list,
+)
 from narwhal.fake_engine.lora import AdapterSlots
 
 # vLLM 0.32's /v1/models with --served-model-name tiny --enable-lora --lora-modules a=DIR
@@ -550,3 +563,85 @@ def test_a_name_on_two_bases_means_one_model_and_kv_never_crosses() -> None:
     mixed = Catalog.of([_served("tiny:other"), _served("tiny")], {}, "tiny")
     assert mixed.served["tiny"] is None
     assert mixed.conflicts == {"tiny"}
+
+
+# ---- what an engine's list changes, and what the fleet's names show ---------------------
+
+
+def test_only_a_200_with_a_list_changes_what_an_engine_serves() -> None:
+    body = json.dumps(VLLM).encode()
+    assert read_model_list(503, body) is None  # no answer: what it served stays
+    listed = read_model_list(200, body)
+    assert isinstance(listed, Served)
+    assert listed.parents == {"tiny": None, "a": "tiny"}
+    assert read_model_list(200, b"not json") == parse_models(b"not json")
+    assert read_model_list(200, None) == f"over {MAX_LIST_BYTES} bytes"  # cut off: refused
+
+
+def test_a_probe_asks_for_the_fleets_model_else_a_base_the_engine_serves() -> None:
+    assert probe_model(_served("other", "tiny", "a:tiny"), "tiny") == "tiny"
+    assert probe_model(_served("a:other", "other"), "tiny") == "other"
+    assert probe_model(_served("a:other"), "tiny") == "tiny"  # adapters only
+
+
+def test_names_listed_otherwise_are_named_with_the_engines_that_do_not_take_them() -> None:
+    lists = [
+        ("p0", _served("tiny", "a:tiny")),
+        ("p1", _served("other", "a:other", "tiny:other")),
+        ("d0", _served("tiny", "a:tiny")),
+    ]
+    catalog = Catalog.of((served for _, served in lists), {}, "tiny")
+    found = conflicts(catalog, lists)
+    assert found == [Conflict("a", "tiny", ["p1"]), Conflict("tiny", None, ["p1"])]
+    assert [c.meaning() for c in found] == ["an adapter of 'tiny'", "a base model"]
+
+
+def test_a_flood_of_conflicts_is_named_in_part() -> None:
+    names = [f"n{i:02}" for i in range(40)]
+    lists = [(f"e{i:02}", _served(*(f"{n}:x{i}" for n in names))) for i in range(40)]
+    found = conflicts(Catalog.of((s for _, s in lists), {}, "tiny"), lists)
+    assert [c.name for c in found] == names[:MAX_WARNED]
+    assert all(c.engines == [f"e{i:02}" for i in range(1, MAX_WARNED + 1)] for c in found)
+
+
+def test_an_alias_that_is_a_served_name_hides_it() -> None:
+    catalog = Catalog.of([_served("tiny", "a:tiny", "b:tiny")], {"b": "a", "z": "tiny"})
+    assert hidden_names(catalog) == [("b", "a")]
+
+
+def _ids(view: dict[str, object]) -> list[tuple[object, ...]]:
+    data = view["data"]
+    assert isinstance(data, list)
+    return [(m["id"], m.get("parent"), m.get("root", "-")) for m in data]
+
+
+def test_the_models_list_names_what_placeable_engines_serve_then_aliases() -> None:
+    catalog = Catalog.of([_served("tiny", "a:tiny"), _served("tiny")], {}, "tiny")
+    aliases = {"fast": "a", "gone": "b"}
+    view = model_cards(catalog, aliases, [_served("tiny", "a:tiny")], "tiny", created=7)
+    assert view["object"] == "list"
+    assert _ids(view) == [("tiny", None, "-"), ("a", "tiny", "-"), ("fast", "tiny", "a")]
+    assert view["data"][0] == {  # type: ignore[index]
+        "id": "tiny",
+        "object": "model",
+        "created": 7,
+        "owned_by": "narwhal",
+        "parent": None,
+    }
+
+
+def test_the_models_list_leaves_out_names_listed_otherwise_and_hidden_by_an_alias() -> None:
+    lists = [_served("tiny", "a:tiny", "b:tiny"), _served("other", "a:other")]
+    catalog = Catalog.of(lists, {}, "tiny")
+    view = model_cards(catalog, {"b": "a"}, lists, "tiny", created=0)
+    assert _ids(view) == [
+        ("tiny", None, "-"),
+        ("a", "tiny", "-"),
+        ("other", None, "-"),
+        ("b", "tiny", "a"),  # what requests for it get
+    ]
+
+
+def test_with_no_engine_placeable_the_models_list_is_the_fleets_model() -> None:
+    view = model_cards(Catalog({}, {}), {"fast": "tiny"}, [], "tiny", created=0)
+    assert _ids(view) == [("tiny", None, "-"), ("fast", None, "tiny")]

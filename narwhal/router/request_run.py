@@ -49,7 +49,7 @@ from narwhal.stream.continuation import Kept
 class RequestRun(RequestLegs):
     """One prefill/decode chain: its machine, its placement keys, the legs it runs."""
 
-    __slots__ = ("_adapter", "_prefix", "_prompt", "_tokens", "ttft_s")
+    __slots__ = ("_adapter", "_prefix", "_prompt", "_tokens", "prefill_s")
 
     def __init__(
         self,
@@ -78,7 +78,7 @@ class RequestRun(RequestLegs):
             choice=choice,
             lifecycle=self.lifecycle,
         )
-        self.ttft_s: float | None = None  # the prefill's answer, from the arrival
+        self.prefill_s: float | None = None  # the prefill's answer, from the arrival
         placement = config.placement
         # the LoRA adapter it runs under (None: a base model): the prefix indexes keep
         # each adapter's blocks apart
@@ -110,7 +110,7 @@ class RequestRun(RequestLegs):
         return self.machine.attempts
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
-        return self.machine.attempts, self.ttft_s, self.first_byte_s, self.tokens
+        return self.machine.attempts, self.prefill_s, self.first_byte_s, self.tokens
 
     def prompt_tokens(self) -> int | None:
         if self.prefill_result is None:  # a local attempt: its consumer's usage counts them
@@ -375,7 +375,7 @@ class RequestRun(RequestLegs):
         """One leg to the consumer with no descriptor: it computes the prompt itself. Its
         first token is bounded by the prefill and first-token budgets together."""
         self.machine.going_local(consumer.id)
-        self.ttft_s = None  # no remote prefill: the journal's ttft_s is null
+        self.prefill_s = None  # no remote prefill: the journal's prefill_s is null
         self.prefill_result = None
         self.router.fleet.turn += 1
         engine_cfg = self.config.engine
@@ -407,7 +407,7 @@ class RequestRun(RequestLegs):
             if machine.continuation is None:
                 self._remember(producer, self._prompt_blocks() if self._indexing else None)
                 self.prefill_result = result  # its prompt side is served with the answer
-                self.ttft_s = self.elapsed
+                self.prefill_s = self.elapsed
             try:
                 consumer = consumer or self._place("decode", other_leg=producer.id)
                 decode = machine.handing_off(consumer.id, trio.current_time())

@@ -587,7 +587,7 @@ class Router:
             phase="admission",
             message=message,
             attempts=[],
-            ttft_s=None,
+            prefill_s=None,
             first_byte_s=None,
             tokens=0,
             duration_s=0.0,
@@ -609,12 +609,12 @@ class Router:
             m.generation_tokens_of(model).inc(line.tokens)
         if line.prompt_tokens:
             m.prompt_tokens_of(model).inc(line.prompt_tokens)
-        if line.ttft_s is not None:
-            m.prefill_completion_of(model).observe(line.ttft_s)
+        if line.prefill_s is not None:
+            m.prefill_completion_of(model).observe(line.prefill_s)
         if line.first_byte_s is not None:
             m.time_to_first_token_of(model).observe(line.first_byte_s)
-            if line.ttft_s is not None:
-                m.kv_transfer_of(model).observe(line.first_byte_s - line.ttft_s)
+            if line.prefill_s is not None:
+                m.kv_transfer_of(model).observe(line.first_byte_s - line.prefill_s)
         if line.outcome == "cancelled" and line.phase:
             m.disconnects_of(line.phase).inc()
         m.retry_credits.set(self.retry_budget.credits)
@@ -675,7 +675,7 @@ def _pass_line(
         phase=fault.phase if fault is not None else (None if answer else "prefill"),
         message=fault.message if fault is not None else None,
         attempts=[attempt] if placed else [],
-        ttft_s=None,
+        prefill_s=None,
         first_byte_s=None,
         tokens=0,
         duration_s=trio.current_time() - arrival,

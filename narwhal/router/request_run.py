@@ -21,7 +21,7 @@ from narwhal.core import resume
 from narwhal.core.config import FleetConfig
 from narwhal.core.disaggregation import Decision, decode_first, wants_prompt_side
 from narwhal.core.disaggregation import decide as decide_local
-from narwhal.core.faults import EngineFaults, NoCapacity, Phase, RequestFault
+from narwhal.core.faults import AtEngine, NoCapacity, Phase, RequestFault
 from narwhal.core.fleet import EngineState, Leg
 from narwhal.core.handoff import Handoff
 from narwhal.core.lifecycle import State
@@ -363,7 +363,7 @@ class RequestRun(RequestLegs):
         """The consumer's context length, asked at each resume (``/v1/models``, within the
         health checks' bound): an engine restarted since may have another. None: unknown."""
         with trio.move_on_after(self.config.engine.health_timeout_s):
-            with EngineFaults(consumer.id, consumer.url):
+            with AtEngine(consumer.id, consumer.url):
                 status, models = await self.router.client.get(consumer.url, "/v1/models")
             # an adapter's card has no length of its own (vLLM lists it null): its base's
             model = self.req.model or self.config.model

@@ -26,10 +26,10 @@ from narwhal.config_files import load_config
 from narwhal.core.classify import Flow
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import (
+    AtEngine,
     BadRequest,
     Clock,
     DeadlineExpired,
-    EngineFaults,
     InternalError,
     ModelNotServed,
     NoCapacity,
@@ -414,7 +414,7 @@ class Router:
                     attempt.producer = engine.id
                 budget = serving.prefill_timeout_s
                 with trio.move_on_after(budget) as clock:
-                    with EngineFaults(engine.id, engine.url):
+                    with AtEngine(engine.id, engine.url):
                         return await self.client.pass_through(
                             engine.url,
                             path,

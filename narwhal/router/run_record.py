@@ -15,10 +15,10 @@ import trio
 from opentelemetry.trace import Span
 
 from narwhal import tracing
-from narwhal.core.classify import Flow
 from narwhal.core.config import FleetConfig
 from narwhal.core.faults import DeadlineExpired, Phase, RequestFault, ShuttingDown
 from narwhal.core.fleet import Fleet
+from narwhal.core.flow_class import Flow
 from narwhal.core.lifecycle import Input, Lifecycle, State
 from narwhal.core.records import AttemptLine, Caller, JournalLine, Outcome
 from narwhal.core.request import PHASE_OF, outcome_of

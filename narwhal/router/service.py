@@ -23,7 +23,6 @@ import trio
 
 from narwhal import tracing
 from narwhal.config_files import load_config
-from narwhal.core.classify import Flow
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import (
     AtEngine,
@@ -38,6 +37,7 @@ from narwhal.core.faults import (
     ran_out,
 )
 from narwhal.core.fleet import LEGS, EngineState, Fleet
+from narwhal.core.flow_class import Flow
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget
 from narwhal.engines.client import EngineClient

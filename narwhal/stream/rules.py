@@ -33,7 +33,7 @@ from typing import Protocol
 
 from narwhal.core.faults import Phase, RequestFault, StreamBroken
 from narwhal.stream.continuation import Kept
-from narwhal.stream.events import Kind, classify, completion_tokens, parse_payload
+from narwhal.stream.events import Kind, completion_tokens, kind_of, parse_payload
 from narwhal.stream.payloads import Chunk
 from narwhal.stream.sse import DONE_FRAME, SSEError, SSEParser, frame
 
@@ -183,7 +183,7 @@ class StreamRelay:
                     return self._finish(out)
                 if self.kept is not None:
                     self.kept.observe(chunk)
-                if classify(chunk) is Kind.TOKEN:
+                if kind_of(chunk) is Kind.TOKEN:
                     self.tokens += 1
                     if self.reply is not None:
                         _keep_text(chunk, self.reply)

@@ -17,9 +17,9 @@ import pytest
 import trio
 import trio.testing
 
-from narwhal.core.classify import Flow
 from narwhal.core.config import AdmissionConfig, EngineConfig, PlacementConfig, ServingConfig
 from narwhal.core.flow import Priority
+from narwhal.core.flow_class import Flow
 from narwhal.core.requests import parse_request
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.admission import Admission

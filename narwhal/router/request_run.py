@@ -19,8 +19,7 @@ from opentelemetry.trace import Span
 from narwhal import tracing
 from narwhal.core import resume
 from narwhal.core.config import FleetConfig
-from narwhal.core.disaggregation import Decision, decode_first, wants_prompt_side
-from narwhal.core.disaggregation import decide as decide_local
+from narwhal.core.disaggregation import Decision, decode_first, local_or_remote, wants_prompt_side
 from narwhal.core.faults import AtEngine, NoCapacity, Phase, RequestFault
 from narwhal.core.fleet import EngineState, Leg
 from narwhal.core.handoff import Handoff
@@ -286,7 +285,7 @@ class RequestRun(RequestLegs):
         busy = placement.local_prefill_when_busy and self.router.fleet.saturated(
             "prefill", now, *limits, model=self.req.model
         )
-        return decide_local(
+        return local_or_remote(
             uncached,
             placement,
             producers_saturated=busy,

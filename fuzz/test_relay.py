@@ -71,7 +71,7 @@ def test_a_streaming_client_gets_what_the_model_says_however_the_reads_fall(
     relay = StreamRelay()
     actions, _ = run(relay, evs, cuts)
     sent = b""
-    committed = False
+    first_given = False
     verdict: tuple[int, str] | None = None
     for action in actions:
         if isinstance(action, Fault):
@@ -84,10 +84,10 @@ def test_a_streaming_client_gets_what_the_model_says_however_the_reads_fall(
         if action is None or action is HOLD:
             continue
         if isinstance(action, FirstOutput):
-            assert not committed  # one commit, before any other output
-            committed = True
+            assert not first_given  # one first output, before any other output
+            first_given = True
         elif isinstance(action, Send):
-            assert committed
+            assert first_given
         elif isinstance(action, Finish):
             assert action.data.endswith(DONE_FRAME)
         sent += action.data

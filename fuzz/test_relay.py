@@ -1,7 +1,7 @@
 """``StreamRelay`` against the stream model of ``fuzz/test_stream_models.py`` (SPEC 6),
 without clocks: any generated decode stream, cut into reads at any points, gives the
 client the same bytes and the same verdict, and the actions keep their order (nothing
-before the first token, one Commit, then Sends, then a Finish or a Fault)."""
+before the first token, one FirstOutput, then Sends, then a Finish or a Fault)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fuzz import examples, split
 from fuzz.streams import Event, events
 from narwhal.stream.assemble import Assembler
-from narwhal.stream.rules import HOLD, Commit, Fault, Finish, Send, StreamRelay
+from narwhal.stream.rules import HOLD, Fault, Finish, FirstOutput, Send, StreamRelay
 from narwhal.stream.sse import DONE_FRAME, SSEParser
 
 EXAMPLES = examples(300)
@@ -71,7 +71,7 @@ def test_a_streaming_client_gets_what_the_model_says_however_the_reads_fall(
     relay = StreamRelay()
     actions, _ = run(relay, evs, cuts)
     sent = b""
-    committed = False
+    first_given = False
     verdict: tuple[int, str] | None = None
     for action in actions:
         if isinstance(action, Fault):
@@ -83,11 +83,11 @@ def test_a_streaming_client_gets_what_the_model_says_however_the_reads_fall(
             verdict = (actions[-1].fault.status, actions[-1].fault.message)
         if action is None or action is HOLD:
             continue
-        if isinstance(action, Commit):
-            assert not committed  # one commit, before any other output
-            committed = True
+        if isinstance(action, FirstOutput):
+            assert not first_given  # one first output, before any other output
+            first_given = True
         elif isinstance(action, Send):
-            assert committed
+            assert first_given
         elif isinstance(action, Finish):
             assert action.data.endswith(DONE_FRAME)
         sent += action.data
@@ -128,5 +128,5 @@ def test_metadata_alone_never_commits() -> None:
     usage = Event("usage").frame()
     assert relay.feed(usage + b": keep-alive\n\n") is HOLD
     first = relay.feed(Event("token", "a").frame())
-    assert isinstance(first, Commit)
+    assert isinstance(first, FirstOutput)
     assert first.data == usage + Event("token", "a").frame()  # held metadata goes out with it

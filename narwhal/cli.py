@@ -276,7 +276,7 @@ def serving_fleet(path: str) -> FleetConfig:
     the fleet file loads, and the internals the front door builds on are the ones it was
     written against."""
     fleet = load_fleet(path)
-    _verify_shapes()
+    _verify_internals()
     return fleet
 
 
@@ -302,13 +302,13 @@ def start_router(fleet: FleetConfig, config_path: str, journal_path: str | None)
         raise StartupError(EXIT_INVALID_FLEET, exc.render()) from None
 
 
-def _verify_shapes() -> None:
-    from narwhal.frontdoor.server import verify_shapes
-    from narwhal.frontdoor.shapes import ShapeMismatch
+def _verify_internals() -> None:
+    from narwhal.frontdoor.internals_check import InternalsMismatch
+    from narwhal.frontdoor.server import verify_internals
 
     try:
-        verify_shapes()
-    except ShapeMismatch as exc:
+        verify_internals()
+    except InternalsMismatch as exc:
         raise StartupError(EXIT_VERSIONS, f"narwhal: cannot start: {exc}") from None
 
 

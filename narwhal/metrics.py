@@ -48,7 +48,8 @@ from narwhal.core.retry import Denial
 
 # Buckets for LLM serving: handoffs are milliseconds to tens of seconds (KV stalls of
 # 15-30 s are real), inter-token gaps milliseconds to seconds, requests up to minutes.
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# FROM_ARRIVAL_BUCKETS: the arrival to the prefill's answer, and to the first token
+FROM_ARRIVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TRANSFER_BUCKETS = (
     0.001,
     0.0025,
@@ -238,18 +239,18 @@ class Metrics:
         )
         # SPEC 5's two measurements, named as the ecosystem reads them: vLLM's and Dynamo's
         # "time to first token" is the client's first token (the journal's first_byte_s);
-        # the producer's answer (the journal's ttft_s) is the prefill's completion
+        # the producer's answer (the journal's prefill_s) is the prefill's completion
         self.prefill_completion = histogram(
             "narwhal_prefill_completion_seconds",
-            "Arrival to the producer's answer (prefill done): the journal's ttft_s.",
-            TTFT_BUCKETS,
+            "Arrival to the producer's answer (prefill done): the journal's prefill_s.",
+            FROM_ARRIVAL_BUCKETS,
             ("model",),
         )
         self.time_to_first_token = histogram(
             "narwhal_time_to_first_token_seconds",
             "Arrival to the first generated token relayed to the client (vLLM's and Dynamo's "
             "time to first token): the journal's first_byte_s.",
-            TTFT_BUCKETS,
+            FROM_ARRIVAL_BUCKETS,
             ("model",),
         )
         self.kv_transfer = histogram(

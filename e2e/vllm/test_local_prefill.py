@@ -118,7 +118,7 @@ def test_a_short_prompt_is_served_by_the_consumer_alone(
     xfers, successes = fleet.consumer.metric(XFERS), fleet.producer.metric(SUCCESSES)
     answer, line = _post_logged(router, journal, "/v1/completions", body)
     assert line["outcome"] == "completed"
-    assert line["ttft_s"] is None
+    assert line["prefill_s"] is None
     (attempt,) = line["attempts"]
     assert attempt.get("local") is True
     assert attempt["consumer"] == "d0"

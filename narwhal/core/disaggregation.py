@@ -38,7 +38,7 @@ def decode_first(config: PlacementConfig) -> bool:
     return config.local_prefill_tokens > 0 or config.local_prefill_when_busy
 
 
-def decide(
+def local_or_remote(
     uncached_tokens: int,
     config: PlacementConfig,
     *,

@@ -489,7 +489,7 @@ def ran_out(
             return SilenceTimeout(message, phase=phase, engine_id=engine_id)
 
 
-class EngineFaults:
+class AtEngine:
     """A leg's faults are its engine's: whatever fault is raised inside is raised again as
     ``fault.at(engine_id, engine_url)`` (httpcore's ``map_exceptions`` is the model). A
     class, not a generator: one is held across each decode leg."""

@@ -35,7 +35,10 @@ class Caller(msgspec.Struct, frozen=True):
     key: str | None = None  # narwhal.router.auth.key_id: never the key itself
 
 
-class JournalLine(msgspec.Struct):
+class JournalLine(msgspec.Struct, kw_only=True):
+    """One finished request (docs/operator-guide.md, the journal). Keyword-only, so that
+    required fields may follow ``ttft_s``, which is filled in rather than passed."""
+
     request_id: str
     endpoint: str
     stream: bool
@@ -44,7 +47,10 @@ class JournalLine(msgspec.Struct):
     phase: str | None
     message: str | None
     attempts: list[AttemptLine]
-    ttft_s: float | None
+    prefill_s: float | None  # arrival to the producer's answer (None: no remote prefill)
+    # prefill_s again, under the name the journal first gave it, for the tools that read
+    # that name; not the time to first token, which is first_byte_s (__post_init__ sets it)
+    ttft_s: float | None = None
     first_byte_s: float | None
     tokens: int
     duration_s: float
@@ -52,6 +58,9 @@ class JournalLine(msgspec.Struct):
     at: float = 0.0  # wall clock (Unix seconds) of the request's arrival
     client: str | None = None
     key: str | None = None
-    queued_s: float = 0.0  # waited in the admission queue (part of ttft_s and first_byte_s)
+    queued_s: float = 0.0  # waited in the admission queue (part of prefill_s and first_byte_s)
     cls: str | None = msgspec.field(default=None, name="class")  # its class in that queue
     model: str | None = None  # the served name it asked for, after aliases (None: refused first)
+
+    def __post_init__(self) -> None:
+        self.ttft_s = self.prefill_s

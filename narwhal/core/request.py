@@ -59,7 +59,7 @@ from narwhal.core.faults import (
 from narwhal.core.handoff import Fate, Handoff, too_old
 from narwhal.core.lifecycle import Input, InvalidTransition, Lifecycle, State
 from narwhal.core.records import AttemptLine, Outcome
-from narwhal.core.retry import RetryBudget, RetryDecision, decide
+from narwhal.core.retry import RetryBudget, RetryDecision, retry_decision
 
 PHASE_OF = {
     State.ADMITTED: Phase.ADMISSION,
@@ -480,7 +480,7 @@ class RequestMachine:
         if fault.engine_id is not None and fault.breaker is not BreakerClass.NONE:
             self.failed_engines.add(fault.engine_id)
         serving = self._config.serving
-        decision = decide(
+        decision = retry_decision(
             fault,
             attempt=len(self.attempts),
             max_attempts=serving.max_attempts,

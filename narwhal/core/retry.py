@@ -63,7 +63,7 @@ def backoff(base_s: float, attempt: int, rng: random.Random) -> float:
     return rng.uniform(0.0, base_s * 2 ** (attempt - 1))
 
 
-def decide(
+def retry_decision(
     fault: RequestFault,
     *,
     attempt: int,

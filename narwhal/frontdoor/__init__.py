@@ -6,5 +6,6 @@ hypercorn's public pieces (its ``Config``, its lifespan, its HTTP/1.1 protocol u
 nothing in hypercorn or trio is replaced for the process. ``direct`` is the request's
 direct write to its connection, which the app finds in ``scope["extensions"]`` (the ASGI
 channel for server features). ``seams`` holds every private name of hypercorn and h11 the
-front door touches, and ``shapes`` checks them at start (``docs/upstream.md`` explains each).
+front door touches, and ``internals_check`` checks them at start (``docs/upstream.md``
+explains each).
 """

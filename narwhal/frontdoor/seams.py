@@ -6,9 +6,9 @@ size of the request chunk being read (a 413 at once, not after the chunk's bytes
 h11 frames the response body in chunks (``DirectBody``'s framing), a status line given its
 reason phrase without validating the headers again, and hypercorn's HTTP/1.1 protocol with
 its three private hooks under names of ours. ``DIGESTS`` and ``PRESENT`` are what
-``narwhal serve`` checks at start (``narwhal.frontdoor.shapes``): the source digest of each
-function or class of theirs that our code overrides, extends, reproduces or relies on, and
-the presence of each private attribute or argument read here that no digest covers;
+``narwhal serve`` checks at start (``narwhal.frontdoor.internals_check``): the source digest
+of each function or class of theirs that our code overrides, extends, reproduces or relies
+on, and the presence of each private attribute or argument read here that no digest covers;
 ``tests/unit/test_seams.py`` checks that they name every private name this module uses.
 ``docs/upstream.md`` explains each entry, and why each private one has no public seam.
 """

@@ -27,15 +27,15 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 
 from narwhal.frontdoor import seams
 from narwhal.frontdoor.connection import AppHooks, ClientConnection, ServerEnd
+from narwhal.frontdoor.internals_check import verify
 from narwhal.frontdoor.listener import BurstListener
-from narwhal.frontdoor.shapes import verify
 
 
 @cache  # the installed libraries do not change under a running process
-def verify_shapes() -> None:
-    """Raise ``narwhal.frontdoor.shapes.ShapeMismatch`` when the hypercorn or h11 internals
-    that the front door runs against (``narwhal.frontdoor.seams``) are not the ones it was
-    written against."""
+def verify_internals() -> None:
+    """Raise ``narwhal.frontdoor.internals_check.InternalsMismatch`` when the hypercorn or
+    h11 internals that the front door runs against (``narwhal.frontdoor.seams``) are not
+    the ones it was written against."""
     verify(seams.DIGESTS, seams.PRESENT)
 
 
@@ -74,7 +74,7 @@ async def serve(
     the app (``AppHooks``). ``sockets``: already listening, from ``bind_sockets`` on
     ``hc``'s host, port and TLS files (the command line binds before trio starts); bound
     here when None."""
-    verify_shapes()
+    verify_internals()
     if sockets is None:
         sockets = bind_sockets(hc)
     trigger = shutdown_trigger or trio.sleep_forever

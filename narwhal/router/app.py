@@ -16,7 +16,6 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from narwhal.core.classify import classify
 from narwhal.core.config import ConfigError
 from narwhal.core.faults import (
     BadRequest,
@@ -31,6 +30,7 @@ from narwhal.core.faults import (
     TooLarge,
     Unauthorized,
 )
+from narwhal.core.flow_class import classify
 from narwhal.core.requests import parse_request
 from narwhal.frontdoor.answers import (
     JSON_TYPE,

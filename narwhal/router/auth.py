@@ -12,9 +12,9 @@ import hashlib
 import hmac
 import os
 
-from narwhal.core.classify import split_key
 from narwhal.core.config import ConfigError
 from narwhal.core.flow import Priority
+from narwhal.core.flow_class import split_key
 
 
 class ApiKeys:

@@ -90,11 +90,11 @@ class FanOutRun(RunRecord):
     # ---- the record, summed over the children --------------------------------------------
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
-        ttfts = [c.ttft_s for c in self.children if c.ttft_s is not None]
+        prefills = [c.prefill_s for c in self.children if c.prefill_s is not None]
         firsts = [c.first_byte_s for c in self.children if c.first_byte_s is not None]
         return (
             [a for c in self.children for a in c.attempts],
-            min(ttfts, default=None),
+            min(prefills, default=None),
             min(firsts, default=None),
             sum(c.tokens for c in self.children),
         )

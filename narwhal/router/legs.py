@@ -21,7 +21,7 @@ from narwhal import tracing
 from narwhal.core import resume
 from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
-from narwhal.core.faults import Clock, EngineFaults, Phase, ran_out
+from narwhal.core.faults import AtEngine, Clock, Phase, ran_out
 from narwhal.core.fleet import DecodeClaim, EngineState, Leg
 from narwhal.core.request import Decode, RequestMachine
 from narwhal.core.requests import ClientRequest
@@ -112,7 +112,7 @@ class RequestLegs(RunRecord):
         with tracing.Ending(span):
             with trio.move_on_after(budget) as prefill_clock:
                 async with router.fleet.reserve(producer, "prefill"):
-                    with EngineFaults(producer.id, producer.url):
+                    with AtEngine(producer.id, producer.url):
                         endpoint, body = self._leg_request(decode=False)
                         return await router.client.prefill(
                             producer.url,
@@ -159,7 +159,7 @@ class RequestLegs(RunRecord):
             # decode_clock: first-token budget until the first token, then silence budget
             decode_clock = trio.CancelScope(deadline=trio.current_time() + budget)
             reservation = router.fleet.reserve(consumer, "decode", self._claim)
-            with decode_clock, EngineFaults(consumer.id, consumer.url):
+            with decode_clock, AtEngine(consumer.id, consumer.url):
                 async with reservation, stream:
                     if decode is not None:  # the consumer took the request
                         self.machine.decode_taken(decode)

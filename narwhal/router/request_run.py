@@ -19,9 +19,8 @@ from opentelemetry.trace import Span
 from narwhal import tracing
 from narwhal.core import resume
 from narwhal.core.config import FleetConfig
-from narwhal.core.disaggregation import Decision, decode_first, wants_prompt_side
-from narwhal.core.disaggregation import decide as decide_local
-from narwhal.core.faults import EngineFaults, NoCapacity, Phase, RequestFault
+from narwhal.core.disaggregation import Decision, decode_first, local_or_remote, wants_prompt_side
+from narwhal.core.faults import AtEngine, NoCapacity, Phase, RequestFault
 from narwhal.core.fleet import EngineState, Leg
 from narwhal.core.handoff import Handoff
 from narwhal.core.lifecycle import State
@@ -49,7 +48,7 @@ from narwhal.stream.continuation import Kept
 class RequestRun(RequestLegs):
     """One prefill/decode chain: its machine, its placement keys, the legs it runs."""
 
-    __slots__ = ("_adapter", "_prefix", "_prompt", "_tokens", "ttft_s")
+    __slots__ = ("_adapter", "_prefix", "_prompt", "_tokens", "prefill_s")
 
     def __init__(
         self,
@@ -78,7 +77,7 @@ class RequestRun(RequestLegs):
             choice=choice,
             lifecycle=self.lifecycle,
         )
-        self.ttft_s: float | None = None  # the prefill's answer, from the arrival
+        self.prefill_s: float | None = None  # the prefill's answer, from the arrival
         placement = config.placement
         # the LoRA adapter it runs under (None: a base model): the prefix indexes keep
         # each adapter's blocks apart
@@ -110,7 +109,7 @@ class RequestRun(RequestLegs):
         return self.machine.attempts
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
-        return self.machine.attempts, self.ttft_s, self.first_byte_s, self.tokens
+        return self.machine.attempts, self.prefill_s, self.first_byte_s, self.tokens
 
     def prompt_tokens(self) -> int | None:
         if self.prefill_result is None:  # a local attempt: its consumer's usage counts them
@@ -288,7 +287,7 @@ class RequestRun(RequestLegs):
         busy = placement.local_prefill_when_busy and self.router.fleet.saturated(
             "prefill", now, *limits, model=self.req.model
         )
-        return decide_local(
+        return local_or_remote(
             uncached,
             placement,
             producers_saturated=busy,
@@ -365,7 +364,7 @@ class RequestRun(RequestLegs):
         """The consumer's context length, asked at each resume (``/v1/models``, within the
         health checks' bound): an engine restarted since may have another. None: unknown."""
         with trio.move_on_after(self.config.engine.health_timeout_s):
-            with EngineFaults(consumer.id, consumer.url):
+            with AtEngine(consumer.id, consumer.url):
                 status, models = await self.router.client.get(consumer.url, "/v1/models")
             # an adapter's card has no length of its own (vLLM lists it null): its base's
             model = self.req.model or self.config.model
@@ -377,7 +376,7 @@ class RequestRun(RequestLegs):
         """One leg to the consumer with no descriptor: it computes the prompt itself. Its
         first token is bounded by the prefill and first-token budgets together."""
         self.machine.going_local(consumer.id)
-        self.ttft_s = None  # no remote prefill: the journal's ttft_s is null
+        self.prefill_s = None  # no remote prefill: the journal's prefill_s is null
         self.prefill_result = None
         self.router.fleet.turn += 1
         engine_cfg = self.config.engine
@@ -409,7 +408,7 @@ class RequestRun(RequestLegs):
             if machine.continuation is None:
                 self._remember(producer, self._prompt_blocks() if self._indexing else None)
                 self.prefill_result = result  # its prompt side is served with the answer
-                self.ttft_s = self.elapsed
+                self.prefill_s = self.elapsed
             try:
                 consumer = consumer or self._place("decode", other_leg=producer.id)
                 decode = machine.handing_off(consumer.id, trio.current_time())

@@ -15,10 +15,10 @@ import trio
 from opentelemetry.trace import Span
 
 from narwhal import tracing
-from narwhal.core.classify import Flow
 from narwhal.core.config import FleetConfig
 from narwhal.core.faults import DeadlineExpired, Phase, RequestFault, ShuttingDown
 from narwhal.core.fleet import Fleet
+from narwhal.core.flow_class import Flow
 from narwhal.core.lifecycle import Input, Lifecycle, State
 from narwhal.core.records import AttemptLine, Caller, JournalLine, Outcome
 from narwhal.core.request import PHASE_OF, outcome_of
@@ -186,7 +186,7 @@ class RunRecord:
         await self.sink.cut(data, abandon=abandon)
 
     def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
-        """(attempts, ttft_s, first_byte_s, tokens) for the journal."""
+        """(attempts, prefill_s, first_byte_s, tokens) for the journal."""
         raise NotImplementedError
 
     def prompt_tokens(self) -> int | None:
@@ -200,7 +200,7 @@ class RunRecord:
 
     def journal_line(self) -> JournalLine:
         fault = self.fault
-        attempts, ttft_s, first_byte_s, tokens = self.measures()
+        attempts, prefill_s, first_byte_s, tokens = self.measures()
         return JournalLine(
             request_id=self.rid,
             endpoint=self.req.endpoint,
@@ -210,7 +210,7 @@ class RunRecord:
             phase=fault.phase if fault else self.cancelled_in,
             message=fault.message if fault else None,
             attempts=attempts,
-            ttft_s=ttft_s,
+            prefill_s=prefill_s,
             first_byte_s=first_byte_s,
             tokens=tokens,
             duration_s=self.elapsed,

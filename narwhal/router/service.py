@@ -24,12 +24,11 @@ import trio
 
 from narwhal import tracing
 from narwhal.config_files import load_config
-from narwhal.core.classify import Flow
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import (
+    AtEngine,
     Clock,
     DeadlineExpired,
-    EngineFaults,
     InternalError,
     Phase,
     RequestFault,
@@ -37,6 +36,7 @@ from narwhal.core.faults import (
 )
 from narwhal.core.fleet import LEGS, EngineState, Fleet
 from narwhal.core.fleet_view import fleet_view
+from narwhal.core.flow_class import Flow
 from narwhal.core.limits import check_workers, dispatch_by
 from narwhal.core.pass_through import pass_engine, pass_model
 from narwhal.core.requests import ClientRequest
@@ -391,7 +391,7 @@ class Router:
                     attempt.producer = engine.id
                 budget = serving.prefill_timeout_s
                 with trio.move_on_after(budget) as clock:
-                    with EngineFaults(engine.id, engine.url):
+                    with AtEngine(engine.id, engine.url):
                         return await self.client.pass_through(
                             engine.url,
                             path,
@@ -532,7 +532,7 @@ class Router:
             phase="admission",
             message=message,
             attempts=[],
-            ttft_s=None,
+            prefill_s=None,
             first_byte_s=None,
             tokens=0,
             duration_s=0.0,
@@ -554,12 +554,12 @@ class Router:
             m.generation_tokens_of(model).inc(line.tokens)
         if line.prompt_tokens:
             m.prompt_tokens_of(model).inc(line.prompt_tokens)
-        if line.ttft_s is not None:
-            m.prefill_completion_of(model).observe(line.ttft_s)
+        if line.prefill_s is not None:
+            m.prefill_completion_of(model).observe(line.prefill_s)
         if line.first_byte_s is not None:
             m.time_to_first_token_of(model).observe(line.first_byte_s)
-            if line.ttft_s is not None:
-                m.kv_transfer_of(model).observe(line.first_byte_s - line.ttft_s)
+            if line.prefill_s is not None:
+                m.kv_transfer_of(model).observe(line.first_byte_s - line.prefill_s)
         if line.outcome == "cancelled" and line.phase:
             m.disconnects_of(line.phase).inc()
         m.retry_credits.set(self.retry_budget.credits)
@@ -611,7 +611,7 @@ def _pass_line(
         phase=fault.phase if fault is not None else (None if answer else "prefill"),
         message=fault.message if fault is not None else None,
         attempts=[attempt] if placed else [],
-        ttft_s=None,
+        prefill_s=None,
         first_byte_s=None,
         tokens=0,
         duration_s=trio.current_time() - arrival,

@@ -30,13 +30,13 @@ import trio
 wait_readable = trio.lowlevel.wait_readable
 
 
-class Resume:
+class HandBack:
     """Handed back when the reactor stops, or a read must wait: the request's task reads."""
 
     __slots__ = ()
 
 
-RESUME = Resume()
+HAND_BACK = HandBack()
 NEVER = math.inf
 # the dues heap is rebuilt from the parked streams when it holds more entries than this
 # many per parked stream, plus the slack (each rebuild is one pass over the parked)
@@ -103,7 +103,7 @@ class StreamReactor:
             self._epoll = None
             dues.clear()
             for entry in list(parked.values()):
-                self._hand_back(epoll, entry, outcome.Value(RESUME))
+                self._hand_back(epoll, entry, outcome.Value(HAND_BACK))
             epoll.close()
 
     async def park(
@@ -121,7 +121,7 @@ class StreamReactor:
         epoll = self._epoll
         if epoll is None:
             await trio.lowlevel.checkpoint()
-            return RESUME
+            return HAND_BACK
         entry = _Parked(fd, trio.lowlevel.current_task(), on_ready, on_due)
         self.parks += 1
         epoll.register(fd, select.EPOLLIN)

@@ -37,9 +37,9 @@ from narwhal.core.faults import StreamBroken
 from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import DecodeStream
 from narwhal.metrics import RequestBuckets
-from narwhal.router.stream_reactor import RESUME, Resume, StreamReactor
+from narwhal.router.stream_reactor import HAND_BACK, HandBack, StreamReactor
 from narwhal.stream.assemble import Echo
-from narwhal.stream.rules import Commit, Fault, Finish, Send, StreamRelay
+from narwhal.stream.rules import Fault, Finish, FirstOutput, Send, StreamRelay
 
 
 @dataclass(slots=True)
@@ -54,7 +54,7 @@ class WriteRest:
 
 HELD, WRITE_REST = Held(), WriteRest()
 # what a read leaves for the request's task: the rules' actions that wait, and these
-Pending = Held | WriteRest | Commit | Send | Finish | Fault
+Pending = Held | WriteRest | FirstOutput | Send | Finish | Fault
 
 
 class Sink(Protocol):
@@ -110,10 +110,11 @@ class ClientStream:
             assert self.direct is not None
             await self.direct.write_rest()
 
-    async def output(self, action: Commit | Send) -> None:
-        """Bytes to a streaming client; a Commit is the commit point (the 200 headers)."""
+    async def output(self, action: FirstOutput | Send) -> None:
+        """Bytes to a streaming client; the first output is the commit point (the 200
+        headers go out before it)."""
         data = self.echoed(action.data)
-        if type(action) is Commit:
+        if type(action) is FirstOutput:
             self.lifecycle.advance(Input.COMMIT)
             await self._sink.commit(data)
         else:
@@ -179,7 +180,7 @@ class TokenPath:
                         raise
                     finally:
                         self.parked_fd = -1
-                    if type(pending) is not Resume:
+                    if type(pending) is not HandBack:
                         end = await self.settle(pending)  # type: ignore[arg-type]
                         if end is not None:
                             return end
@@ -193,12 +194,12 @@ class TokenPath:
         finally:
             self.gaps.flush()  # nothing here awaits: cancellation included
 
-    def on_ready(self) -> Pending | Resume | None:
+    def on_ready(self) -> Pending | HandBack | None:
         """The reactor's call on the engine socket's readiness: None, stay parked."""
         assert self.stream is not None
         data = self.stream.read_nowait()
         if data is None:
-            return RESUME
+            return HAND_BACK
         if not data:
             return None
         pending = self.take(data)
@@ -233,7 +234,7 @@ class TokenPath:
                 if not self.client.write_nowait(out):
                     self.clock.deadline = math.inf  # a slow client is not a silent engine
                     return WRITE_REST
-            case Commit() | Send():
+            case FirstOutput() | Send():
                 self.clock.deadline = math.inf  # nor is a write that waits
                 return action
         self._restart_clock()
@@ -255,7 +256,7 @@ class TokenPath:
                 return data
             case WriteRest():
                 await self.client.write_rest()
-            case Commit() | Send():
+            case FirstOutput() | Send():
                 await self.client.output(pending)
         self._restart_clock()
         return None

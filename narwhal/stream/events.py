@@ -54,7 +54,8 @@ def in_stream_error(err: ErrorObject) -> InStreamError:
     return InStreamError(status, message, kind, phase=Phase.DECODE)
 
 
-def classify(chunk: Chunk | None) -> Kind:
+def kind_of(chunk: Chunk | None) -> Kind:
+    """A chunk's kind: generated output, metadata, or (None) the end."""
     if chunk is None:
         return Kind.DONE
     for choice in chunk.choices:

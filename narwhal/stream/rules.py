@@ -2,7 +2,8 @@
 
 ``StreamRelay.feed(data)`` takes what one read of the engine's body returned and says what
 the client is owed, h11-style: nothing yet (``HOLD``), the first output with the metadata
-held before it (``Commit``: the 200 headers go out with it), more output (``Send``), the end
+held before it (``FirstOutput``: a streaming client's response commits with it, the 200
+headers first), more output (``Send``), the end
 (``Finish``: the last bytes with ``[DONE]``, or the assembled JSON of a non-streaming
 client), or a fault (``Fault``, with the output that came before it in the same read, so
 the outcome never depends on how the engine's bytes were split). ``end_of_stream()`` is
@@ -32,7 +33,7 @@ from typing import Protocol
 
 from narwhal.core.faults import Phase, RequestFault, StreamBroken
 from narwhal.stream.continuation import Kept
-from narwhal.stream.events import Kind, classify, completion_tokens, parse_payload
+from narwhal.stream.events import Kind, completion_tokens, kind_of, parse_payload
 from narwhal.stream.payloads import Chunk
 from narwhal.stream.sse import DONE_FRAME, SSEError, SSEParser, frame
 
@@ -46,8 +47,10 @@ class Hold:
 
 
 @dataclass(slots=True)
-class Commit:
-    """The first output: the response commits (200 headers) and these bytes follow."""
+class FirstOutput:
+    """A streaming client's first output, the metadata held before it included: the client
+    stream makes it the commit point (the 200 headers, then these bytes). A continuation
+    never gives one: its client has output already."""
 
     data: bytes
 
@@ -66,14 +69,14 @@ class Finish:
 
 @dataclass(slots=True)
 class Fault:
-    """The stream failed; ``flush`` (a Commit or Send) goes out before the fault is told."""
+    """The stream failed; ``flush`` (a FirstOutput or Send) goes out before the fault is told."""
 
     fault: RequestFault
-    flush: Commit | Send | None = None
+    flush: FirstOutput | Send | None = None
 
 
 HOLD = Hold()
-Action = Hold | Commit | Send | Finish | Fault
+Action = Hold | FirstOutput | Send | Finish | Fault
 
 
 class Rewrite(Protocol):
@@ -158,8 +161,8 @@ class StreamRelay:
         self.generated: int | None = None  # tokens, as the engine's usage counts them
         self._before = 0
         self.prompt_tokens: int | None = None  # and the prompt's (a local leg computed it)
-        # the first output was given (a Commit): later output is Send. Not the commit point
-        # itself, which is the request's (a JSON answer commits only at the end)
+        # the first output was given (a FirstOutput): later output is Send. Not the commit
+        # point itself, which is the request's (a JSON answer commits only at the end)
         self.output_started = False
         if resumed_at is not None:
             # a continuation: its client has output already, which counts as its own
@@ -180,7 +183,7 @@ class StreamRelay:
                     return self._finish(out)
                 if self.kept is not None:
                     self.kept.observe(chunk)
-                if classify(chunk) is Kind.TOKEN:
+                if kind_of(chunk) is Kind.TOKEN:
                     self.tokens += 1
                     if self.reply is not None:
                         _keep_text(chunk, self.reply)
@@ -219,12 +222,12 @@ class StreamRelay:
                 f"engine sent a malformed stream: {exc}", phase=Phase.DECODE
             ) from None
 
-    def _output(self, out: list[bytes]) -> Commit | Send:
+    def _output(self, out: list[bytes]) -> FirstOutput | Send:
         data = b"".join(out)
         if self.output_started:
             return Send(data)
         self.output_started = True
-        return Commit(data)
+        return FirstOutput(data)
 
     def _finish(self, out: list[bytes]) -> Finish:
         if self._collector is not None:

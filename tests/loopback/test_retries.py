@@ -10,7 +10,7 @@ import trio
 
 from narwhal.core.config import EngineConfig, ServingConfig
 from narwhal.core.faults import EngineStatusError, FirstTokenTimeout, Phase
-from narwhal.core.retry import RetryBudget, decide
+from narwhal.core.retry import RetryBudget, retry_decision
 from narwhal.fake_engine.faults import Fault
 from tests.support.fleet import MODEL, Harness, finish, post_raw, start_fleet
 
@@ -153,7 +153,7 @@ def test_decide_rules_in_order() -> None:
 
     def run(f: Any = fault, **kw: Any) -> str:
         args = {"attempt": 1, "max_attempts": 3, "output_seen": False, "remaining_s": 10.0}
-        return decide(f, **{**args, **common, **kw}).reason
+        return retry_decision(f, **{**args, **common, **kw}).reason
 
     assert run(client_error) == "not_transient"
     assert run(output_seen=True) == "after_output"
@@ -165,7 +165,7 @@ def test_decide_rules_in_order() -> None:
     budget.earn()
     budget.earn()
     assert run() == "retry"
-    decision = decide(
+    decision = retry_decision(
         fault,
         attempt=2,
         max_attempts=3,

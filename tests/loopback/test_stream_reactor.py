@@ -20,7 +20,7 @@ from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import EngineClient
 from narwhal.frontdoor.connection import SendLock
 from narwhal.router.stream_reactor import (
-    RESUME,
+    HAND_BACK,
     STALE_DUES_FACTOR,
     STALE_DUES_SLACK,
     StreamReactor,
@@ -137,10 +137,10 @@ async def test_a_stopping_reactor_hands_every_parked_task_back(nursery: trio.Nur
         parked.start_soon(lambda: _park_into(reactor, ours, results))
         await trio.testing.wait_all_tasks_blocked()
         stop.cancel()
-    assert results == [RESUME]
+    assert results == [HAND_BACK]
     assert not reactor.running
     # and with no reactor running, a park is a checkpoint that says: read it yourself
-    assert await reactor.park(ours.fileno(), lambda: "never") is RESUME
+    assert await reactor.park(ours.fileno(), lambda: "never") is HAND_BACK
     ours.close()
     theirs.close()
 

@@ -61,7 +61,11 @@ def test_serve_the_example_fleet_in_front_of_fake_engines(tmp_path: Path) -> Non
             {"number": 1, "producer": "p0", "consumer": "d0", "handoff": "decoded"}
         ]
         assert lines[0]["tokens"] == 3
-        assert 0 < lines[0]["ttft_s"] <= lines[0]["first_byte_s"] <= lines[0]["duration_s"]
+        assert 0 < lines[0]["prefill_s"] <= lines[0]["first_byte_s"] <= lines[0]["duration_s"]
+        # the compatibility field: the same value, right after the field that names it well
+        fields = list(lines[0])
+        assert fields[fields.index("prefill_s") + 1] == "ttft_s"
+        assert lines[0]["ttft_s"] == lines[0]["prefill_s"]
 
 
 def test_check_on_the_command_line(tmp_path: Path) -> None:

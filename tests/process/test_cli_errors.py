@@ -17,7 +17,7 @@ import trustme
 from cryptography.hazmat.primitives import serialization
 
 from narwhal import build, cli
-from narwhal.frontdoor.shapes import ShapeMismatch
+from narwhal.frontdoor.internals_check import InternalsMismatch
 from tests.support.processes import run_narwhal
 
 FLEET = 'model = "m"\n[[engines]]\nid = "e0"\nurl = "http://127.0.0.1:9"\n'
@@ -206,11 +206,11 @@ def test_tls_files_that_cannot_be_used(
 
 def test_other_versions_of_the_subclassed_internals(monkeypatch: pytest.MonkeyPatch) -> None:
     def mismatch() -> None:
-        raise ShapeMismatch("hypercorn.trio.tcp_server:TCPServer.run changed")
+        raise InternalsMismatch("hypercorn.trio.tcp_server:TCPServer.run changed")
 
-    monkeypatch.setattr("narwhal.frontdoor.server.verify_shapes", mismatch)
+    monkeypatch.setattr("narwhal.frontdoor.server.verify_internals", mismatch)
     with pytest.raises(cli.StartupError) as info:
-        cli._verify_shapes()
+        cli._verify_internals()
     assert info.value.status == cli.EXIT_VERSIONS
     assert info.value.message == (
         "narwhal: cannot start: hypercorn.trio.tcp_server:TCPServer.run changed"

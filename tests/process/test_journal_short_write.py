@@ -45,7 +45,7 @@ def line(w, n):
     return JournalLine(
         request_id=f"w{w}-r{n}", endpoint="/v1/completions", stream=False,
         outcome="completed", status=200, phase=None, message="x" * (n * 7 % 90),
-        attempts=[], ttft_s=0.01, first_byte_s=0.02, tokens=3, duration_s=0.03,
+        attempts=[], prefill_s=0.01, first_byte_s=0.02, tokens=3, duration_s=0.03,
     )
 
 journals = [Journal(sys.argv[1]), Journal(sys.argv[1])]

@@ -222,7 +222,7 @@ async def test_sigterm_drains_a_real_process_and_exits_zero(tmp_path: Path) -> N
     assert any("keeping the running fleet" in r["msg"] for r in records)
     requests = [r for r in records if r["msg"] == "request"]
     assert sorted(r["outcome"] for r in requests) == ["completed", "failed"]
-    assert all(len(r["request_id"]) == 16 and "ttft_s" in r for r in requests)
+    assert all(len(r["request_id"]) == 16 and "prefill_s" in r for r in requests)
     assert any(r["msg"] == "draining" for r in records)
     assert "keeping the running fleet" in logs
     assert "bogus: unknown key" in logs

@@ -10,21 +10,21 @@ import sys
 import pytest
 
 from narwhal.frontdoor import seams
-from narwhal.frontdoor.shapes import ShapeMismatch, mismatches, verify
+from narwhal.frontdoor.internals_check import InternalsMismatch, mismatches, verify
 from tests.support.paths import ROOT
 
 
-def test_the_installed_libraries_are_the_shapes_the_front_door_knows() -> None:
+def test_the_installed_libraries_have_the_internals_the_front_door_knows() -> None:
     assert mismatches(seams.DIGESTS, seams.PRESENT) == []
 
 
-def test_another_shape_refuses_to_start_and_names_what_changed() -> None:
+def test_other_internals_refuse_to_start_and_name_what_changed() -> None:
     known = {
         "hypercorn.trio.tcp_server:TCPServer.run": "0" * 16,
         "hypercorn.trio.tcp_server:TCPServer.no_such_method": "0" * 16,
     }
     absent = {"h11.Connection._no_such_attribute": lambda: False}
-    with pytest.raises(ShapeMismatch) as caught:
+    with pytest.raises(InternalsMismatch) as caught:
         verify(known, absent)
     message = str(caught.value)
     assert "TCPServer.run: source digest" in message

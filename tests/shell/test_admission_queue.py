@@ -17,9 +17,9 @@ import pytest
 import trio
 import trio.testing
 
-from narwhal.core.classify import Flow
 from narwhal.core.config import AdmissionConfig, EngineConfig, PlacementConfig, ServingConfig
 from narwhal.core.flow import Priority
+from narwhal.core.flow_class import Flow
 from narwhal.core.requests import parse_request
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.admission import Admission
@@ -115,7 +115,7 @@ async def test_room_goes_to_the_highest_class_first(
     # each waited for the prefills before it, and its wait is in its journal line
     waits = {rid: clients.line(rid).queued_s for rid in ("first", "i", "d", "b")}
     assert waits == {"first": 0.0, "i": 1.0, "d": 2.0, "b": 3.0}
-    assert clients.line("i").ttft_s == pytest.approx(2.0)  # the wait is part of it
+    assert clients.line("i").prefill_s == pytest.approx(2.0)  # the wait is part of it
     assert {clients.line(rid).cls for rid in ("i", "d", "b")} == {"interactive", "default", "batch"}
     assert all(clients.status(rid) == 200 for rid in clients.sinks)
 

@@ -57,7 +57,7 @@ async def test_a_short_prompt_is_served_by_its_consumer_alone(
     assert leg["request_id"] == "rid-a1-decode"
     line = fleet.router.journal.lines[-1]
     assert line.outcome == "completed"
-    assert line.ttft_s is None
+    assert line.prefill_s is None
     assert line.prompt_tokens == 4  # the consumer's own count, from its usage
     assert line.attempts[0].local
     assert line.attempts[0].producer is None
@@ -97,7 +97,7 @@ async def test_a_local_first_token_waits_the_prefill_and_first_token_budgets(
     line = fleet.router.journal.lines[-1]
     assert line.outcome == "failed"
     assert line.attempts[0].local
-    assert line.ttft_s is None
+    assert line.prefill_s is None
 
 
 async def test_a_failed_local_attempt_is_retried_on_another_consumer(

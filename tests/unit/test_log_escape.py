@@ -85,7 +85,7 @@ def test_a_request_line_with_a_hostile_message_is_one_log_line() -> None:
         phase="admission",
         message=f"model '{FORGED}\x1b[31m' is not served here",
         attempts=[AttemptLine(1, error="\x85\u2028" + FORGED)],
-        ttft_s=None,
+        prefill_s=None,
         first_byte_s=None,
         tokens=0,
         duration_s=0.0,

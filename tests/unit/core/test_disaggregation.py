@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from narwhal.core.config import PlacementConfig
-from narwhal.core.disaggregation import decide, decode_first, wants_prompt_side
+from narwhal.core.disaggregation import decode_first, local_or_remote, wants_prompt_side
 
 ALWAYS = PlacementConfig()
 SHORT = PlacementConfig(local_prefill_tokens=256)
@@ -15,30 +15,30 @@ BUSY = PlacementConfig(local_prefill_when_busy=True)
 
 def test_always_pd_by_default() -> None:
     assert not decode_first(ALWAYS)
-    assert decide(1, ALWAYS, producers_saturated=True, consumer_saturated=False) == (
+    assert local_or_remote(1, ALWAYS, producers_saturated=True, consumer_saturated=False) == (
         "disaggregated"
     )
 
 
 def test_below_the_threshold_is_local_at_or_above_is_not() -> None:
     assert decode_first(SHORT)
-    assert decide(255, SHORT, producers_saturated=False, consumer_saturated=False) == (
+    assert local_or_remote(255, SHORT, producers_saturated=False, consumer_saturated=False) == (
         "local_short"
     )
-    assert decide(256, SHORT, producers_saturated=False, consumer_saturated=True) == (
+    assert local_or_remote(256, SHORT, producers_saturated=False, consumer_saturated=True) == (
         "disaggregated"
     )
 
 
 def test_busy_producers_send_it_to_a_consumer_with_room_only() -> None:
     assert decode_first(BUSY)
-    assert decide(10_000, BUSY, producers_saturated=True, consumer_saturated=False) == (
+    assert local_or_remote(10_000, BUSY, producers_saturated=True, consumer_saturated=False) == (
         "local_busy"
     )
-    assert decide(10_000, BUSY, producers_saturated=True, consumer_saturated=True) == (
+    assert local_or_remote(10_000, BUSY, producers_saturated=True, consumer_saturated=True) == (
         "disaggregated"
     )
-    assert decide(10_000, BUSY, producers_saturated=False, consumer_saturated=False) == (
+    assert local_or_remote(10_000, BUSY, producers_saturated=False, consumer_saturated=False) == (
         "disaggregated"
     )
 
@@ -54,7 +54,9 @@ def test_local_only_when_a_rule_says_so(
     uncached: int, threshold: int, when_busy: bool, producers: bool, consumer: bool
 ) -> None:
     config = PlacementConfig(local_prefill_tokens=threshold, local_prefill_when_busy=when_busy)
-    decision = decide(uncached, config, producers_saturated=producers, consumer_saturated=consumer)
+    decision = local_or_remote(
+        uncached, config, producers_saturated=producers, consumer_saturated=consumer
+    )
     short = threshold > 0 and uncached < threshold
     busy = when_busy and producers and not consumer
     assert (decision != "disaggregated") == (short or busy)

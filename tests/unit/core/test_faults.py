@@ -9,10 +9,10 @@ import pytest
 
 from narwhal.core.config import ConfigError
 from narwhal.core.faults import (
+    AtEngine,
     BadRequest,
     Clock,
     DeadlineExpired,
-    EngineFaults,
     EngineUnreachable,
     FirstTokenTimeout,
     Forbidden,
@@ -35,7 +35,7 @@ from narwhal.core.faults import (
 def test_a_fault_raised_inside_a_leg_is_raised_again_as_its_engines() -> None:
     url = "http://10.0.0.5:8000"
     original = EngineUnreachable(f"cannot connect to engine {url}: refused", phase=Phase.DECODE)
-    with pytest.raises(RequestFault) as caught, EngineFaults("d0", url):
+    with pytest.raises(RequestFault) as caught, AtEngine("d0", url):
         raise original
     fault = caught.value
     assert fault is not original
@@ -47,7 +47,7 @@ def test_a_fault_raised_inside_a_leg_is_raised_again_as_its_engines() -> None:
 
 def test_a_fault_that_names_its_engine_address_keeps_it() -> None:
     mine = EngineUnreachable("boom", phase=Phase.PREFILL, engine_url="http://a:1")
-    with pytest.raises(RequestFault) as caught, EngineFaults("p0", "http://b:2"):
+    with pytest.raises(RequestFault) as caught, AtEngine("p0", "http://b:2"):
         raise mine
     assert (caught.value.engine_id, caught.value.engine_url) == ("p0", "http://a:1")
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from narwhal.stream.continuation import Kept, Reframer, without_ids
 from narwhal.stream.events import parse_payload
-from narwhal.stream.rules import Commit, Fault, Finish, Send, StreamRelay
+from narwhal.stream.rules import Fault, Finish, FirstOutput, Send, StreamRelay
 from narwhal.stream.sse import SSEParser
 
 _encode = msgspec.json.encode
@@ -80,7 +80,7 @@ def relay_out(relay: StreamRelay, reads: list[bytes]) -> tuple[bytes, bool]:
     out = b""
     for data in reads:
         match relay.feed(data):
-            case Commit(data=d) | Send(data=d):
+            case FirstOutput(data=d) | Send(data=d):
                 out += d
             case Finish(data=d):
                 return out + d, True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal.core.faults import InStreamError, StreamBroken
-from narwhal.stream.events import Kind, classify, parse_payload
+from narwhal.stream.events import Kind, kind_of, parse_payload
 from narwhal.stream.sse import SSEParser
 from tests.support.paths import CAPTURES
 
@@ -13,7 +13,7 @@ from tests.support.paths import CAPTURES
 def _kinds(capture: str) -> list[Kind]:
     raw = (CAPTURES / capture).read_bytes()
     body = raw.split(b"\r\n\r\n", 1)[-1] if raw.startswith(b"HTTP/") else raw
-    return [classify(parse_payload(p)) for p in SSEParser().feed(body)]
+    return [kind_of(parse_payload(p)) for p in SSEParser().feed(body)]
 
 
 def test_chat_role_delta_and_usage_are_metadata() -> None:
@@ -33,7 +33,7 @@ def test_completion_tokens_and_usage() -> None:
 
 def test_an_empty_completion_that_stopped_is_output() -> None:
     chunk = parse_payload(b'{"choices":[{"index":0,"text":"","finish_reason":"stop"}]}')
-    assert classify(chunk) is Kind.TOKEN
+    assert kind_of(chunk) is Kind.TOKEN
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_an_empty_completion_that_stopped_is_output() -> None:
     ],
 )
 def test_reasoning_and_tool_calls_are_output(payload: bytes) -> None:
-    assert classify(parse_payload(payload)) is Kind.TOKEN
+    assert kind_of(parse_payload(payload)) is Kind.TOKEN
 
 
 def test_vllm_in_stream_error_keeps_its_status_and_message() -> None:

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.core.classify import ANONYMOUS, Flow, classify, split_key
 from narwhal.core.config import AdmissionConfig
 from narwhal.core.faults import BadRequest
 from narwhal.core.flow import Priority
+from narwhal.core.flow_class import ANONYMOUS, Flow, classify, split_key
 
 HEADER = AdmissionConfig()
 BY_KEY = AdmissionConfig(priority_from="key")

@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Callable, Mapping
 
 
-class ShapeMismatch(RuntimeError):
+class InternalsMismatch(RuntimeError):
     """A library's internals are not the ones a narwhal fix was written against."""
 
 
@@ -61,7 +61,7 @@ def verify(
 ) -> None:
     problems = mismatches(known, present)
     if problems:
-        raise ShapeMismatch(
+        raise InternalsMismatch(
             "the installed hypercorn/h11/trio are not the versions narwhal's server fixes "
             "were written against (pyproject.toml pins them): " + "; ".join(problems)
         )

@@ -8,7 +8,7 @@ legs the machine asks for, and feeds it what they did; the machine decides what 
 does with the engines placement named, whether a descriptor may still be decoded, and what
 follows a fault.
 
-Events in, actions out:
+Events in, actions out (the actions' classes: ``narwhal.core.request_actions``):
 
 * ``dispatched()``: the admission queue let the request go (it leaves the queue once);
 * ``attempt()``: the next attempt's record; ``Fresh``, or a stream's ``Continue``;
@@ -59,6 +59,19 @@ from narwhal.core.faults import (
 from narwhal.core.handoff import Fate, Handoff, too_old
 from narwhal.core.lifecycle import Input, InvalidTransition, Lifecycle, State
 from narwhal.core.records import AttemptLine, Outcome
+from narwhal.core.request_actions import (
+    CONTINUE,
+    FRESH,
+    RESUME,
+    AfterFault,
+    Continue,
+    Decode,
+    End,
+    Fresh,
+    GoLocal,
+    Prefill,
+    Retry,
+)
 from narwhal.core.retry import RetryBudget, RetryDecision, retry_decision
 
 PHASE_OF = {
@@ -89,96 +102,6 @@ class KeptStream(Protocol):
     def ids(self) -> list[int]: ...
     def sent(self) -> list[int]: ...
     def refusal(self) -> str | None: ...
-
-
-# ---- what the machine asks the shell to do --------------------------------------------------
-
-
-class Fresh:
-    """An attempt from the start: place its legs."""
-
-    __slots__ = ()
-
-
-class Continue:
-    """A stream's continuation (a resume): its consumer first, then a producer."""
-
-    __slots__ = ()
-
-
-FRESH, CONTINUE = Fresh(), Continue()
-
-
-class GoLocal:
-    """One leg to ``consumer``, which computes the prompt itself; its first token is
-    bounded by the prefill and first-token budgets together."""
-
-    __slots__ = ("consumer", "decision")
-
-    def __init__(self, consumer: str, decision: Decision) -> None:
-        self.consumer = consumer
-        self.decision = decision
-
-
-class Prefill:
-    """A producer leg on ``producer``, then a handoff to ``consumer`` (None: placed once
-    the descriptor is in hand)."""
-
-    __slots__ = ("consumer", "producer")
-
-    def __init__(self, producer: str, consumer: str | None) -> None:
-        self.producer = producer
-        self.consumer = consumer
-
-
-class Decode:
-    """The decode leg on ``consumer``: with the descriptor (``crossed``), or without it,
-    when the only consumer was the producer itself."""
-
-    __slots__ = ("consumer", "crossed", "handoff")
-
-    def __init__(self, consumer: str, handoff: Handoff, crossed: bool) -> None:
-        self.consumer = consumer
-        self.handoff = handoff
-        self.crossed = crossed
-
-    @property
-    def descriptor(self) -> PrefillResult | None:
-        return self.handoff.result if self.crossed else None
-
-
-class Resume:
-    """The stream goes on in a continuation (``RequestMachine.continuation``)."""
-
-    __slots__ = ()
-
-
-class Retry:
-    """A fresh attempt after ``delay_s``."""
-
-    __slots__ = ("delay_s",)
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-
-
-class End:
-    """The fault is the request's answer. ``retry_denied``: why a transient fault got no
-    fresh attempt (a metric's label); ``resume``: why its stream was not resumed, if one
-    was asked."""
-
-    __slots__ = ("fault", "resume", "retry_denied")
-
-    def __init__(
-        self, fault: RequestFault, retry_denied: str | None, resume: str | None = None
-    ) -> None:
-        self.fault = fault
-        self.retry_denied = retry_denied
-        self.resume = resume
-
-
-RESUME = Resume()
-AfterFault = Resume | Retry | End
 
 
 # ---- the machine ---------------------------------------------------------------------------

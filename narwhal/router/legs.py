@@ -1,6 +1,6 @@
 """A request's legs on the wire: the prefill leg to a producer, the decode leg to a consumer
 and the relay of its stream to the client, each under its own clock. What a leg is for, and
-what follows it, is the request's machine's (``narwhal.core.request``); the request's run
+what follows it, is the request's machine's (``narwhal.core.request``; its actions: ``narwhal.core.request_actions``); the request's run
 (``narwhal.router.request_run``) places the legs and feeds the machine.
 
 Timeouts are cancel scopes owned here: the prefill clock over the whole producer leg, and
@@ -23,7 +23,8 @@ from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
 from narwhal.core.faults import AtEngine, Clock, Phase, ran_out
 from narwhal.core.fleet import DecodeClaim, EngineState, Leg
-from narwhal.core.request import Decode, RequestMachine
+from narwhal.core.request import RequestMachine
+from narwhal.core.request_actions import Decode
 from narwhal.core.requests import ClientRequest
 from narwhal.metrics import RequestBuckets
 from narwhal.router.run_record import ClientSink, RouterState, RunRecord

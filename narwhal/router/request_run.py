@@ -29,15 +29,8 @@ from narwhal.core.policies import prefix_key
 from narwhal.core.precise_index import TokenPrompt
 from narwhal.core.prefix_index import Prompt, prompt_of, reply_text
 from narwhal.core.records import AttemptLine
-from narwhal.core.request import (
-    Continue,
-    End,
-    GoLocal,
-    Prefill,
-    RequestMachine,
-    Resume,
-    Retry,
-)
+from narwhal.core.request import RequestMachine
+from narwhal.core.request_actions import Continue, End, GoLocal, Prefill, Resume, Retry
 from narwhal.core.requests import ClientRequest
 from narwhal.core.token_ids import given_ids
 from narwhal.router.legs import RequestLegs

@@ -40,17 +40,8 @@ from narwhal.core.faults import (
 )
 from narwhal.core.handoff import Fate, Handoff
 from narwhal.core.lifecycle import Input, InvalidTransition, State
-from narwhal.core.request import (
-    Continue,
-    End,
-    Fresh,
-    GoLocal,
-    Prefill,
-    RequestMachine,
-    Resume,
-    Retry,
-    outcome_of,
-)
+from narwhal.core.request import RequestMachine, outcome_of
+from narwhal.core.request_actions import Continue, End, Fresh, GoLocal, Prefill, Resume, Retry
 from narwhal.core.retry import RetryBudget
 
 ENGINES = ("e0", "e1", "e2")

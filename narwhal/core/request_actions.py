@@ -1,0 +1,97 @@
+"""What a request's machine (``narwhal.core.request``) tells its shell to do next, as h11's
+events are small classes: the attempt to make, the route it takes, the decode leg's
+descriptor, and what follows a fault (a resume, a retry after its delay, or the end)."""
+
+from __future__ import annotations
+
+from narwhal.core.connector import PrefillResult
+from narwhal.core.disaggregation import Decision
+from narwhal.core.faults import RequestFault
+from narwhal.core.handoff import Handoff
+
+
+class Fresh:
+    """An attempt from the start: place its legs."""
+
+    __slots__ = ()
+
+
+class Continue:
+    """A stream's continuation (a resume): its consumer first, then a producer."""
+
+    __slots__ = ()
+
+
+FRESH, CONTINUE = Fresh(), Continue()
+
+
+class GoLocal:
+    """One leg to ``consumer``, which computes the prompt itself; its first token is
+    bounded by the prefill and first-token budgets together."""
+
+    __slots__ = ("consumer", "decision")
+
+    def __init__(self, consumer: str, decision: Decision) -> None:
+        self.consumer = consumer
+        self.decision = decision
+
+
+class Prefill:
+    """A producer leg on ``producer``, then a handoff to ``consumer`` (None: placed once
+    the descriptor is in hand)."""
+
+    __slots__ = ("consumer", "producer")
+
+    def __init__(self, producer: str, consumer: str | None) -> None:
+        self.producer = producer
+        self.consumer = consumer
+
+
+class Decode:
+    """The decode leg on ``consumer``: with the descriptor (``crossed``), or without it,
+    when the only consumer was the producer itself."""
+
+    __slots__ = ("consumer", "crossed", "handoff")
+
+    def __init__(self, consumer: str, handoff: Handoff, crossed: bool) -> None:
+        self.consumer = consumer
+        self.handoff = handoff
+        self.crossed = crossed
+
+    @property
+    def descriptor(self) -> PrefillResult | None:
+        return self.handoff.result if self.crossed else None
+
+
+class Resume:
+    """The stream goes on in a continuation (``RequestMachine.continuation``)."""
+
+    __slots__ = ()
+
+
+class Retry:
+    """A fresh attempt after ``delay_s``."""
+
+    __slots__ = ("delay_s",)
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+
+class End:
+    """The fault is the request's answer. ``retry_denied``: why a transient fault got no
+    fresh attempt (a metric's label); ``resume``: why its stream was not resumed, if one
+    was asked."""
+
+    __slots__ = ("fault", "resume", "retry_denied")
+
+    def __init__(
+        self, fault: RequestFault, retry_denied: str | None, resume: str | None = None
+    ) -> None:
+        self.fault = fault
+        self.retry_denied = retry_denied
+        self.resume = resume
+
+
+RESUME = Resume()
+AfterFault = Resume | Retry | End

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from narwhal.core.config import ConfigError, FleetConfig, document_sets_key, parse_config
+from narwhal.core.config import ConfigError, FleetConfig
+from narwhal.core.config_parse import document_sets_key, parse_config
 from narwhal.engines.transport import tls_context
 
 

@@ -37,8 +37,8 @@ from prometheus_client.utils import INF, floatToGoString
 
 from narwhal.core.breaker import ProbeOutcome
 from narwhal.core.disaggregation import DECISIONS
+from narwhal.core.engine_state import LEGS
 from narwhal.core.faults import BreakerClass, Phase
-from narwhal.core.fleet import LEGS
 from narwhal.core.flow import SATURATIONS, Exit, Priority
 from narwhal.core.handoff import DROP_REASONS, FATES
 from narwhal.core.placement import REASONS

@@ -11,8 +11,9 @@ import random
 
 import msgspec
 
+from narwhal.core.engine_state import LEGS, EngineState
 from narwhal.core.faults import BadRequest, ModelNotServed, NoCapacity, Phase
-from narwhal.core.fleet import LEGS, EngineState, Fleet
+from narwhal.core.fleet import Fleet
 from narwhal.core.served_models import Catalog
 
 _decode_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode

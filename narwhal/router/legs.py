@@ -19,10 +19,12 @@ from opentelemetry.trace import Span, SpanKind
 
 from narwhal import tracing
 from narwhal.core import resume
+from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
-from narwhal.core.faults import AtEngine, Clock, Phase, ran_out
-from narwhal.core.fleet import DecodeClaim, EngineState, Leg
+from narwhal.core.engine_state import EngineState, Leg
+from narwhal.core.faults import AtEngine, Phase
+from narwhal.core.fleet import DecodeClaim
 from narwhal.core.request import Decode, RequestMachine
 from narwhal.core.requests import ClientRequest
 from narwhal.metrics import RequestBuckets

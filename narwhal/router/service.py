@@ -24,17 +24,11 @@ import trio
 
 from narwhal import tracing
 from narwhal.config_files import load_config
+from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import ConfigError, FleetConfig
-from narwhal.core.faults import (
-    AtEngine,
-    Clock,
-    DeadlineExpired,
-    InternalError,
-    Phase,
-    RequestFault,
-    ran_out,
-)
-from narwhal.core.fleet import LEGS, EngineState, Fleet
+from narwhal.core.engine_state import LEGS, EngineState
+from narwhal.core.faults import AtEngine, DeadlineExpired, InternalError, Phase, RequestFault
+from narwhal.core.fleet import Fleet
 from narwhal.core.fleet_view import fleet_view
 from narwhal.core.flow_class import Flow
 from narwhal.core.limits import check_workers, dispatch_by

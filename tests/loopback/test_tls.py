@@ -19,7 +19,8 @@ import trustme
 
 from narwhal.check import check_fleet
 from narwhal.config_files import load_config_bytes
-from narwhal.core.config import ConfigError, EngineConfig, parse_config
+from narwhal.core.config import ConfigError, EngineConfig
+from narwhal.core.config_parse import parse_config
 from narwhal.core.faults import EngineStatusError, EngineUnreachable
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import _Connection

@@ -75,7 +75,7 @@ MAX_MESSAGE = 1 << 20
 WORKER_COMMAND = (
     "import signal; "
     "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)]; "
-    "from narwhal.cli import worker_main; "
+    "from narwhal.commands import worker_main; "
     "raise SystemExit(worker_main())"
 )
 
@@ -225,7 +225,7 @@ def restart_allowed(exits: deque[float], now: float) -> bool:
 
 def failure_status(returncode: int) -> int:
     """The parent's exit status for a worker that failed: the worker's own (a startup
-    failure's, ``narwhal.cli.EXIT_STATUS_HELP``), or 1 when it exited 0 unasked or a
+    failure's, ``narwhal.startup.EXIT_STATUS_HELP``), or 1 when it exited 0 unasked or a
     signal ended it."""
     return returncode if 0 < returncode < 128 else 1
 

@@ -95,7 +95,8 @@ def serve_command(args: argparse.Namespace) -> int:
 def _serve_workers(args: argparse.Namespace, fleet: FleetConfig, hc: HypercornConfig) -> int:
     """``--workers N``: the parent (``narwhal.workers.Supervisor``) binds one listener per
     worker and supervises them; the workers are ``worker_main``."""
-    from narwhal.workers import Supervisor, WorkerSpec, bind_worker_sockets
+    from narwhal.worker_channel import WorkerSpec
+    from narwhal.workers import Supervisor, bind_worker_sockets
 
     try:
         check_workers(fleet, args.workers, args.config)
@@ -129,7 +130,8 @@ def worker_main() -> int:
     What keeps it from starting is the same one line and status as for ``serve``, and the
     parent then exits with that status."""
     from narwhal.logs import configure
-    from narwhal.workers import WorkerSpec, run_worker
+    from narwhal.worker_channel import WorkerSpec
+    from narwhal.worker_process import run_worker
 
     spec = WorkerSpec.from_environment()
     configure(spec.log_format, spec.log_level)

@@ -1,6 +1,6 @@
 """The fleet file's rules that no key's annotation can say: the shape of an engine's URL,
 a ZMQ endpoint, a discover block's name and DNS name, the nameserver's address, and the
-rules that span keys (SPEC section 2). Each returns the problem an operator reads, or
+rules that span keys (contract 2). Each returns the problem an operator reads, or
 None (a list, for the rules over a whole fleet); ``narwhal.core.config_parse`` calls them.
 """
 

@@ -1,7 +1,7 @@
 """``POST /tokenize`` and ``/detokenize``, pure (contract 3): the body an engine gets for a
 tokenizer request, the served name whose engines answer it, and which engine takes it.
 
-``narwhal.router.service.Router.pass_through`` is the shell: it admits the request, sends
+``narwhal.router.pass_through.PassThrough`` is the shell: it admits the request, sends
 the body and journals the answer.
 """
 

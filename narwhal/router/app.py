@@ -57,7 +57,7 @@ from narwhal.router.service import Router
 
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # vLLM's own endpoints that benchmark clients and tool parsers call: passed through to one
-# placeable engine (``Router.pass_through``), with a request id and a journal line each
+# placeable engine (``narwhal.router.pass_through``), with a request id and a journal line each
 _PASS_THROUGH_PATHS = ("/tokenize", "/detokenize")
 # liveness, readiness and scrapes stay open to the platform; everything else needs a key
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -369,7 +369,7 @@ class RouterApp:
         raw = await self._admit(path, scope, receive, send, rid)
         if raw is None:
             return
-        answer = await router.pass_through(
+        answer = await router.pass_through.answer(
             path,
             raw,
             rid.decode(),

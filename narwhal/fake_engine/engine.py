@@ -35,12 +35,13 @@ from typing import Any, Literal, Protocol
 import msgspec
 import trio
 
-from narwhal.fake_engine import answers, cost, kv_events, lora
+from narwhal.fake_engine import answers, asks, cost, kv_events, lora
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.faults import Fault, FaultQueue
 from narwhal.fake_engine.http import Exchange, Request, serve_connection
 from narwhal.fake_engine.kv_channel import KVPuller, KVStore, PullRequest
 from narwhal.fake_engine.kv_publisher import KvEventPublisher
+from narwhal.fake_engine.samples import samples
 
 VERSION = "0.32.0"
 _FAULT_LIST = msgspec.json.Decoder(list[Fault])
@@ -623,7 +624,7 @@ class FakeEngine:
             )
             return 400, gen.error_body(msg, "BadRequestError", 400, "prompt_logprobs")
         n, temperature = body.get("n"), body.get("temperature")
-        greedy = isinstance(temperature, int | float) and temperature < answers.GREEDY_BELOW
+        greedy = isinstance(temperature, int | float) and temperature < asks.GREEDY_BELOW
         if type(n) is int and n > 1 and greedy:
             # tests/captures/shapes/completion_n2_greedy.json
             msg = f"n must be 1 when using greedy sampling, got {n}."
@@ -744,7 +745,7 @@ class FakeEngine:
         produce = leg == "prefill" and not stream and cfg.role != "decode"
         if produce:
             self.counters["prefill"] += 1
-        ask = answers.ask_of(body, chat, cfg.default_max_tokens, cfg.max_model_len, adapter=adapter)
+        ask = asks.ask_of(body, chat, cfg.default_max_tokens, cfg.max_model_len, adapter=adapter)
         # a decode's reply joins the prefix cache once it is whole (vLLM caches the output)
         remember = leg == "decode" and self.prefix_cache.enabled
         if stream:
@@ -759,7 +760,7 @@ class FakeEngine:
         descriptor = issued
         if issued is not None and fault is not None:
             descriptor = _corrupt(issued, fault)
-        choices = answers.samples(ask)
+        choices = samples(ask)
         tokens = sum(len(c.tokens) for c in choices)
         self.counters["generation_tokens"] += tokens
         response = answers.full(ask, shapes, choices, descriptor)
@@ -775,11 +776,11 @@ class FakeEngine:
             self._remember_replies(body, chat, replies, adapter)
 
     def _stream_plan(
-        self, ask: answers.Ask, shapes: gen.Shapes, prompt_tokens: int, finished: bool
+        self, ask: asks.Ask, shapes: gen.Shapes, prompt_tokens: int, finished: bool
     ) -> tuple[answers.StreamPlan, list[tuple[str, str]]]:
         """The stream's frames, and each choice's (prompt text, reply) as the client reads it."""
         if not ask.plain:
-            choices = answers.samples(ask)
+            choices = samples(ask)
             replies = [(c.prompt.text, c.text) for c in choices]
             return answers.stream_plan(ask, shapes, choices), replies
         [prompt] = ask.prompts

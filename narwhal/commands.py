@@ -192,7 +192,8 @@ def fake_engine_command(args: argparse.Namespace) -> int:
     from narwhal.fake_engine import cost as fake_cost
     from narwhal.fake_engine import kv_events as fake_kv_events
     from narwhal.fake_engine import lora as fake_lora
-    from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+    from narwhal.fake_engine.config import FakeEngineConfig
+    from narwhal.fake_engine.engine import FakeEngine
     from narwhal.fake_engine.kv_publisher import BindError
 
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:

@@ -39,7 +39,8 @@ from narwhal.core.config import (
     ServingConfig,
 )
 from narwhal.core.config_parse import parse_config
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.discovery import (
     RECORD_TYPES,

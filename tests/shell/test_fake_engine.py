@@ -15,7 +15,8 @@ import trio.testing
 from narwhal.core import resume
 from narwhal.fake_engine import answers, asks
 from narwhal.fake_engine import generation as gen
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import Fault
 from narwhal.fake_engine.kv_channel import KVStore, PullRequest
 from narwhal.fake_engine.samples import samples

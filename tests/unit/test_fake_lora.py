@@ -13,7 +13,7 @@ from prometheus_client.utils import floatToGoString
 
 from narwhal.cli import build_parser
 from narwhal.fake_engine import asks, cost, lora
-from narwhal.fake_engine.engine import FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.kv_channel import KVStore, PullRequest
 from narwhal.fake_engine.kv_events import BlockStored, EventStream
 from narwhal.fake_engine.samples import samples

@@ -18,6 +18,7 @@ import trio
 from opentelemetry.trace import Span, SpanKind
 
 from narwhal import tracing
+from narwhal.batched_histogram import RequestBuckets
 from narwhal.core import resume
 from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import FleetConfig
@@ -27,7 +28,6 @@ from narwhal.core.faults import AtEngine, Phase
 from narwhal.core.fleet import DecodeClaim
 from narwhal.core.request import Decode, RequestMachine
 from narwhal.core.requests import ClientRequest
-from narwhal.metrics import RequestBuckets
 from narwhal.router.run_record import ClientSink, RouterState, RunRecord
 from narwhal.router.token_path import ClientStream, TokenPath
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo

@@ -50,8 +50,8 @@ from narwhal.frontdoor.answers import (
     respond,
     respond_and_close,
 )
-from narwhal.frontdoor.connection import FRAMING_ERROR, FRAMING_STATUS, REQUEST_ID, request_id
 from narwhal.frontdoor.direct import DIRECT_BODY, ON_DISCONNECT
+from narwhal.frontdoor.http11 import FRAMING_ERROR, FRAMING_STATUS, REQUEST_ID, request_id
 from narwhal.router.journal import Caller
 from narwhal.router.service import Router
 

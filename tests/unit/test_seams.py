@@ -22,7 +22,7 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.worker_context import WorkerContext
 
 from narwhal.frontdoor import seams
-from narwhal.frontdoor.connection import Http11Protocol, _Http11Connection
+from narwhal.frontdoor.http11 import Http11Protocol, _Http11Connection
 from tests.support.paths import ROOT
 
 FRONTDOOR = ROOT / "narwhal" / "frontdoor"

@@ -1,4 +1,6 @@
-"""Prometheus metrics (``GET /metrics``), with prometheus-client.
+"""Prometheus metrics (``GET /metrics``), with prometheus-client: ``Metrics``, the series
+(``narwhal.metric_series``) with the label sets the router keeps, rendered by
+``narwhal.metrics_exposition``.
 
 Every label value is bounded: endpoints, outcomes and HTTP statuses, engine ids from the
 fleet file, phases, breaker classes, probe outcomes, retry-denial reasons. No request ids,

@@ -20,7 +20,8 @@ import msgspec
 import trio
 
 from narwhal.core.config import EngineConfig, EngineSpec, FleetConfig, RecoveryConfig, ServingConfig
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router

@@ -435,7 +435,7 @@ class FastEngine:
         problem = self._validate(body, chat, prompt_tokens)
         if problem is not None:
             return problem
-        # the answer's count, as the fake engine's ``answers.ask_of`` reads it
+        # the answer's count, as the fake engine's ``asks.ask_of`` reads it
         limit = body.get("max_completion_tokens") if chat else None
         count = limit or body.get("max_tokens") or DEFAULT_MAX_TOKENS
         if type(count) is not int or prompt_tokens + count >= self.max_model_len:

@@ -18,7 +18,8 @@ import msgspec
 import trio
 
 from narwhal.core.config import EngineConfig, EngineSpec, FleetConfig, ServingConfig
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.router.service import Router
 from narwhal.router.serving import serve
 from narwhal.stream.sse import SSEParser

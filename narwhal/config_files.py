@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from narwhal.core.config import ConfigError, FleetConfig, document_sets_key, parse_config
+from narwhal.core.config import ConfigError, FleetConfig
+from narwhal.core.config_parse import document_sets_key, parse_config
 from narwhal.engines.transport import tls_context
 
 
@@ -28,7 +29,7 @@ class FleetFileUnreadable(ConfigError):
 def load_config(path: str | os.PathLike[str]) -> FleetConfig:
     """Read and load the fleet file at ``path`` (TOML or JSON, by its extension); a
     ConfigError listing every fault, the file named as pathlib spells it (as a reload's
-    answer always has; the command line names it as typed: ``narwhal.cli.load_fleet``)."""
+    answer always has; the command line names it as typed: ``narwhal.startup.load_fleet``)."""
     path = Path(path)
     return load_config_bytes(read_fleet_file(path), fmt=fleet_format(path), source=str(path))
 

@@ -20,7 +20,8 @@ import trio.lowlevel
 from hypercorn.config import Sockets
 
 from narwhal.core.config import EngineSpec, FleetConfig
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.frontdoor.server import bind_sockets
 from narwhal.logs import configure as configure_logs
 from narwhal.router.service import Router

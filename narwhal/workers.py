@@ -8,6 +8,10 @@ of their addresses, so no worker can take another's share, as one worker's accep
 a socketpair, JSON lines: ``Message``). Each worker is ``narwhal.router.serving.serve`` in its own
 process, exactly as a single router: lifespan, active health, the drain.
 
+This module is the parent's side; the control channel both sides speak is
+``narwhal.worker_channel``, and a worker's side (its link to the parent, its serve loop)
+is ``narwhal.worker_process``.
+
 * SIGTERM or SIGINT to the parent: every worker is told to stop and drains as one router
   does (new connections refused, ``/ready`` 503, streams finish within
   ``serving.graceful_timeout_s`` or end with the terminal event, one journal line each);
@@ -40,138 +44,36 @@ import sys
 import tempfile
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.config import Sockets
 from hypercorn.utils import repr_socket_addr
 from prometheus_client.multiprocess import mark_process_dead
 
 from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, FleetConfig
-from narwhal.core.faults import InvalidFleetFile, ReloadNotApplied, ReloadUnanswered
-from narwhal.core.limits import check_workers
 from narwhal.kv_relay import start_relay
 from narwhal.logs import announce, log_event
-from narwhal.router.service import Router
-from narwhal.router.serving import hypercorn_config, serve
+from narwhal.router.serving import hypercorn_config
+from narwhal.worker_channel import RELOAD_BOUND_S, SPEC_ENV, Channel, Message, WorkerSpec
 
 log = logging.getLogger("narwhal.workers")
+_encode = msgspec.json.Encoder().encode
 
-SPEC_ENV = "NARWHAL_WORKER"  # a worker's WorkerSpec, as JSON
 RESTARTS = 5  # unexpected exits restarted within RESTART_WINDOW_S; one more stops the router
 RESTART_WINDOW_S = 60.0
-RELOAD_BOUND_S = 10.0  # a worker answers a reload within this, or is reported silent
 STOP_MARGIN_S = 10.0  # past hypercorn's graceful bound: lifespan shutdown, journal flush
-SEND_BOUND_S = 5.0  # one control message; a peer that does not read is treated as gone
-GAUGE_REFRESH_S = 5.0  # a worker's clock-driven gauges, for scrapes answered by another
-MAX_MESSAGE = 1 << 20
 # A worker's first act is to ignore the signals meant for the parent, before any import,
 # so that one sent to the whole process group while the worker starts cannot end it. The
 # words after the program are for ps: "narwhal-worker 0/2".
 WORKER_COMMAND = (
     "import signal; "
     "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)]; "
-    "from narwhal.cli import worker_main; "
+    "from narwhal.commands import worker_main; "
     "raise SystemExit(worker_main())"
 )
-
-
-class WorkerSpec(msgspec.Struct, frozen=True):
-    """What a worker is started with (``SPEC_ENV``); the parent's copy has no fds."""
-
-    index: int
-    count: int
-    config: str  # absolute path of the fleet file
-    host: str
-    port: int
-    journal: str | None = None
-    log_format: Literal["text", "json"] = "text"
-    log_level: str = "info"
-    certfile: str | None = None
-    keyfile: str | None = None
-    listen_fd: int = -1  # the worker's own listening socket (already listening)
-    control_fd: int = -1  # its end of the control channel
-    # [kv_events] mode = "listen": where the parent hands on every batch it receives
-    kv_relay: str = ""
-
-    @staticmethod
-    def from_environment() -> WorkerSpec:
-        return msgspec.json.decode(os.environ[SPEC_ENV], type=WorkerSpec)
-
-
-class Message(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One line of the control channel.
-
-    worker -> parent: ``serving`` (started), ``reload`` (a POST asked; ``id`` is the
-    worker's), ``reloaded`` (its answer to the parent's ``reload``: ``results`` holds one).
-    parent -> worker: ``reload`` (``journal``: reopen it too), ``reload-done`` (every
-    worker's answer to the worker's ``reload`` of that ``id``), ``stop`` (drain and exit).
-    """
-
-    op: Literal["serving", "reload", "reloaded", "reload-done", "stop"]
-    id: int = 0
-    journal: bool = False
-    results: list[dict[str, Any]] = []
-
-
-_encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder(Message).decode
-
-
-class Channel:
-    """JSON lines over one end of the control socketpair."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
-        self._buffer = bytearray()
-        self._lock = trio.Lock()
-
-    async def send(self, message: Message) -> bool:
-        """False when the other side is gone, or does not read within ``SEND_BOUND_S``
-        (the channel is closed then: a line cut in half is never followed by another)."""
-        data = _encode(message) + b"\n"
-        with trio.move_on_after(SEND_BOUND_S):
-            async with self._lock:
-                try:
-                    await self._stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return False
-                return True
-        await self.aclose()
-        return False
-
-    async def receive(self) -> Message | None:
-        """The next message; None once the other side is gone (or broke the protocol)."""
-        while True:
-            end = self._buffer.find(b"\n")
-            if end >= 0:
-                line = bytes(self._buffer[:end])
-                del self._buffer[: end + 1]
-                try:
-                    return _decode(line)
-                except msgspec.MsgspecError:
-                    log.error("control channel: not a message: %r", line[:200])
-                    return None
-            if len(self._buffer) > MAX_MESSAGE:
-                return None
-            try:
-                data = await self._stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return None
-            if not data:
-                return None
-            self._buffer += data
-
-    async def aclose(self) -> None:
-        with trio.CancelScope(shield=True):  # closing a socket does not block
-            await self._stream.aclose()
-
-
-# ---- the parent's side ----------------------------------------------------------------------
 
 
 def bind_worker_sockets(hc: HypercornConfig, count: int) -> list[socket.socket]:
@@ -225,7 +127,7 @@ def restart_allowed(exits: deque[float], now: float) -> bool:
 
 def failure_status(returncode: int) -> int:
     """The parent's exit status for a worker that failed: the worker's own (a startup
-    failure's, ``narwhal.cli.EXIT_STATUS_HELP``), or 1 when it exited 0 unasked or a
+    failure's, ``narwhal.startup.EXIT_STATUS_HELP``), or 1 when it exited 0 unasked or a
     signal ended it."""
     return returncode if 0 < returncode < 128 else 1
 
@@ -515,123 +417,3 @@ class Supervisor:
             return
         with contextlib.suppress(ConfigError):
             self.fleet = load_config(self.spec.config)  # its graceful timeout bounds a stop
-
-
-# ---- a worker's side ------------------------------------------------------------------------
-
-
-class ParentLink:
-    """A worker's view of the group (``narwhal.router.app.WorkerGroup``): its index, the
-    parent's orders, and reloads that reach every worker."""
-
-    def __init__(self, spec: WorkerSpec, router: Router, channel: Channel) -> None:
-        self.index = spec.index
-        self.count = spec.count
-        self.router = router
-        self.channel = channel
-        self.stop = trio.Event()  # the parent said stop, or is gone
-        self._asked = 0
-        self._answers: dict[int, list[dict[str, Any]]] = {}
-        self._answered: dict[int, trio.Event] = {}
-
-    async def run(self) -> None:
-        """Follow the parent's orders until it says stop or is gone (then drain)."""
-        while (message := await self.channel.receive()) is not None:
-            if message.op == "stop":
-                self.stop.set()
-            elif message.op == "reload":
-                result = self.reload_here(reopen_journal=message.journal)
-                await self.channel.send(Message("reloaded", id=message.id, results=[result]))
-            elif message.op == "reload-done":
-                event = self._answered.get(message.id)
-                if event is not None:  # else its POST gave up waiting (504)
-                    self._answers[message.id] = message.results
-                    event.set()
-        if not self.stop.is_set():
-            log.warning("worker %d: the parent is gone; draining", self.index)
-            self.stop.set()
-
-    def reload_here(self, *, reopen_journal: bool) -> dict[str, Any]:
-        mine: dict[str, Any] = {"worker": self.index, "pid": os.getpid()}
-        if reopen_journal:
-            self.router.journal.reopen()
-        try:
-            return mine | self.router.reload_file()
-        except ConfigError as exc:
-            return mine | {"error": exc.render(), "problems": exc.problems}
-
-    async def reload_everywhere(self) -> tuple[int, bytes]:
-        """``POST /narwhal/reload``: (status, body). A file that does not load is refused
-        here and changes nothing anywhere; else every worker reloads it and the answer
-        comes once every worker has answered."""
-        path = self.router.config_path
-        try:
-            if path is None:
-                raise ConfigError("<none>", ["the router was not started from a fleet file"])
-            check_workers(load_config(path), self.count, path)  # refused here, not by each
-        except ConfigError as exc:
-            return InvalidFleetFile(exc).answer()
-        self._asked += 1
-        asked = self._asked
-        self._answered[asked] = answered = trio.Event()
-        try:
-            if await self.channel.send(Message("reload", id=asked)):
-                with trio.move_on_after(RELOAD_BOUND_S + SEND_BOUND_S + 1.0):
-                    await answered.wait()
-        finally:
-            del self._answered[asked]
-        results = self._answers.pop(asked, None)
-        if results is None:
-            return ReloadUnanswered().answer()
-        failed = [r["worker"] for r in results if "error" in r]
-        if failed:
-            return ReloadNotApplied(failed, results).answer()
-        mine = next((r for r in results if r.get("worker") == self.index), results[0])
-        change = {k: mine[k] for k in ("engines", "added", "removed") if k in mine}
-        return 200, _encode({**change, "workers": results})
-
-
-def run_worker(spec: WorkerSpec, fleet: FleetConfig, router: Router) -> int:
-    """Serve as worker ``spec.index`` until the parent says stop (or is gone); 0 once
-    drained."""
-    listener = socket.socket(fileno=spec.listen_fd)
-    control = socket.socket(fileno=spec.control_fd)
-    tls = spec.certfile is not None and spec.keyfile is not None
-    sockets = Sockets([listener], [], []) if tls else Sockets([], [listener], [])
-    trio.run(_serve_worker, spec, fleet, router, sockets, control)
-    return 0
-
-
-async def _serve_worker(
-    spec: WorkerSpec, fleet: FleetConfig, router: Router, sockets: Sockets, control: socket.socket
-) -> None:
-    link = ParentLink(spec, router, Channel(control))
-    router.kv_subscriber.relay = spec.kv_relay
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(link.run)
-        nursery.start_soon(_refresh_gauges, router)
-        async with trio.open_nursery() as server:
-            await server.start(
-                partial(
-                    serve,
-                    fleet,
-                    host=spec.host,
-                    port=spec.port,
-                    router=router,
-                    shutdown_trigger=link.stop.wait,
-                    certfile=spec.certfile,
-                    keyfile=spec.keyfile,
-                    sockets=sockets,
-                    workers=link,
-                )
-            )
-            await link.channel.send(Message("serving"))
-        nursery.cancel_scope.cancel()  # drained: stop following the parent
-
-
-async def _refresh_gauges(router: Router) -> None:
-    """Clock-driven gauges are brought up to date when a worker answers a scrape; the
-    scrape sums every worker's, so each worker refreshes its own now and then too."""
-    while True:
-        await trio.sleep(GAUGE_REFRESH_S)
-        router.health.refresh_gauges()

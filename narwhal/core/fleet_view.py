@@ -5,7 +5,8 @@ saturation and KV-event stream as of ``now``, around what the shells report of t
 from __future__ import annotations
 
 from narwhal.core.config import FleetConfig
-from narwhal.core.fleet import EngineState, Fleet
+from narwhal.core.engine_state import EngineState
+from narwhal.core.fleet import Fleet
 
 
 def fleet_view(

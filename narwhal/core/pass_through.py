@@ -1,7 +1,7 @@
 """``POST /tokenize`` and ``/detokenize``, pure (contract 3): the body an engine gets for a
 tokenizer request, the served name whose engines answer it, and which engine takes it.
 
-``narwhal.router.service.Router.pass_through`` is the shell: it admits the request, sends
+``narwhal.router.pass_through.PassThrough`` is the shell: it admits the request, sends
 the body and journals the answer.
 """
 
@@ -11,8 +11,9 @@ import random
 
 import msgspec
 
+from narwhal.core.engine_state import LEGS, EngineState
 from narwhal.core.faults import BadRequest, ModelNotServed, NoCapacity, Phase
-from narwhal.core.fleet import LEGS, EngineState, Fleet
+from narwhal.core.fleet import Fleet
 from narwhal.core.served_models import Catalog
 
 _decode_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from narwhal.core.config import PlacementConfig
-from narwhal.core.fleet import EngineState, Leg
+from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.lora_slots import SLOT_FREE, tier
 from narwhal.core.policies import EngineLoad, PrefixRing, bound, least_loaded
 from narwhal.core.precise_index import PreciseIndex, TokenPrompt

@@ -12,8 +12,9 @@ from enum import StrEnum
 from typing import Literal
 
 from narwhal.core.breaker import ProbeOutcome
+from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.faults import BreakerClass
-from narwhal.core.fleet import EngineState, Fleet, Leg
+from narwhal.core.fleet import Fleet
 
 
 class Probe(StrEnum):

@@ -3,6 +3,7 @@ with NixlConnector's handoff, a KV side channel, and scripted faults. The demo f
 the test suites run on it; its wire behaviour follows the real captures in
 ``tests/captures/``."""
 
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 
 __all__ = ["FakeEngine", "FakeEngineConfig"]

@@ -70,7 +70,7 @@ _MULTIPLIER, _INCREMENT, _STATE = 1103515245, 12345, 0x7FFFFFFF
 class Script:
     """What the model says after a prompt, word by word: VOCAB indices drawn from a linear
     congruential generator whose state is a pure function of the prompt's token ids (and
-    of a sample's key: its seed, see ``answers.Ask.key``)."""
+    of a sample's key: its seed, see ``asks.Ask.key``)."""
 
     __slots__ = ("said", "state")
 

@@ -216,7 +216,7 @@ def go_float(value: float) -> str:
 
 
 def generation_salt(adapter: str, key: int | None) -> int:
-    """The generation key of a sample under ``adapter`` (``answers.Ask.key``): a function
+    """The generation key of a sample under ``adapter`` (``asks.Ask.key``): a function
     of the adapter's name and of the base model's key for the sample, so an adapter says
     something else than the base model, deterministically."""
     return zlib.crc32(f"lora {adapter} {key}".encode())

@@ -1,5 +1,5 @@
 """A request's direct write to its client connection, offered to the app as an ASGI
-extension (``scope["extensions"][DIRECT_BODY]``, set by ``connection.Http11Protocol``).
+extension (``scope["extensions"][DIRECT_BODY]``, set by ``http11.Http11Protocol``).
 
 Each chunk of a streamed response went ASGI ``send`` -> ``HTTPStream.app_send`` (checks, a
 ``Body`` event) -> ``H11Protocol.stream_send`` (an isinstance chain) -> h11 (its state

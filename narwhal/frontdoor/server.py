@@ -1,6 +1,6 @@
 """The serve loop: hypercorn's connection handling for an ASGI app over our own loop (each
-process of ``--workers N`` runs ``serve`` too: ``narwhal.workers``). The app, its hooks and
-the settings come from the caller: the front door knows nothing of the router.
+process of ``--workers N`` runs ``serve`` too: ``narwhal.worker_process``). The app, its
+hooks and the settings come from the caller: the front door knows nothing of the router.
 
 ``serve_connections`` is hypercorn's ``worker_serve`` (its lifespan, its ``Config``, its
 worker context) with two pieces of ours where that function names its own: every
@@ -26,7 +26,8 @@ from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from narwhal.frontdoor import seams
-from narwhal.frontdoor.connection import AppHooks, ClientConnection, ServerEnd
+from narwhal.frontdoor.connection import ClientConnection, ServerEnd
+from narwhal.frontdoor.http11 import AppHooks
 from narwhal.frontdoor.internals_check import verify
 from narwhal.frontdoor.listener import BurstListener
 

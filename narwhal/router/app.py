@@ -50,14 +50,14 @@ from narwhal.frontdoor.answers import (
     respond,
     respond_and_close,
 )
-from narwhal.frontdoor.connection import FRAMING_ERROR, FRAMING_STATUS, REQUEST_ID, request_id
 from narwhal.frontdoor.direct import DIRECT_BODY, ON_DISCONNECT
+from narwhal.frontdoor.http11 import FRAMING_ERROR, FRAMING_STATUS, REQUEST_ID, request_id
 from narwhal.router.journal import Caller
 from narwhal.router.service import Router
 
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # vLLM's own endpoints that benchmark clients and tool parsers call: passed through to one
-# placeable engine (``Router.pass_through``), with a request id and a journal line each
+# placeable engine (``narwhal.router.pass_through``), with a request id and a journal line each
 _PASS_THROUGH_PATHS = ("/tokenize", "/detokenize")
 # liveness, readiness and scrapes stay open to the platform; everything else needs a key
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -66,7 +66,7 @@ _LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 class WorkerGroup(Protocol):
     """This process is worker ``index`` of ``count`` (``serve --workers N``): what it knows
-    of the others (``narwhal.workers.ParentLink``)."""
+    of the others (``narwhal.worker_process.ParentLink``)."""
 
     index: int
     count: int
@@ -369,7 +369,7 @@ class RouterApp:
         raw = await self._admit(path, scope, receive, send, rid)
         if raw is None:
             return
-        answer = await router.pass_through(
+        answer = await router.pass_through.answer(
             path,
             raw,
             rid.decode(),

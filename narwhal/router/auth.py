@@ -1,5 +1,6 @@
 """API keys: client keys (``serving.api_keys_env``) and admin keys
-(``serving.admin_keys_env``), each sent as ``Authorization: Bearer <key>``.
+(``serving.admin_keys_env``), each sent as ``Authorization: Bearer <key>``; and the warning
+when the engines' own key (``engine.api_key_env``) would travel over plain HTTP.
 
 Keys come from the named environment variable (comma-separated), never from the fleet
 file, and are never logged. Every configured key is compared, in constant time, so the
@@ -10,11 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+from urllib.parse import urlsplit
 
-from narwhal.core.config import ConfigError
+from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.flow import Priority
 from narwhal.core.flow_class import split_key
+from narwhal.logs import log_event
+
+log = logging.getLogger("narwhal.router")  # the warning is the router's, as it starts
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 class ApiKeys:
@@ -80,3 +87,22 @@ def _offered(headers: list[tuple[bytes, bytes]]) -> bytes:
         if name == b"authorization" and value[:7].lower() == b"bearer ":
             offered = value[7:].strip()
     return offered
+
+
+def warn_plain_http_keys(config: FleetConfig) -> None:
+    """The engines' bearer token goes over plain HTTP to an ``http://`` engine off this
+    machine: the operator asked for it (the URL says so), but should know."""
+    exposed = [
+        e.id
+        for e in config.engines
+        if e.url.startswith("http://") and urlsplit(e.url).hostname not in LOCAL_HOSTS
+    ]
+    exposed += [d.name for d in config.discover if d.scheme == "http"]
+    if exposed:
+        log_event(
+            log,
+            logging.WARNING,
+            "engine.api_key_env is set and these engines are reached over plain http://: "
+            "the token travels unencrypted (use https:// and engine.ca_file)",
+            {"engines": exposed},
+        )

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from narwhal.core.config import DiscoverBlock, DiscoveryConfig, EngineSpec, FleetConfig
-from narwhal.core.config import nameserver_address as parse_nameserver
+from narwhal.core.config_rules import nameserver_address as parse_nameserver
 from narwhal.metrics import Metrics
 from narwhal.router.engine_events import EngineEvents
 

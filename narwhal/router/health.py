@@ -30,8 +30,9 @@ import trio
 
 from narwhal.core.breaker import BreakerState, ProbeOutcome
 from narwhal.core.config import FleetConfig
+from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.faults import BreakerClass, RequestFault
-from narwhal.core.fleet import EngineState, Fleet, Leg
+from narwhal.core.fleet import Fleet
 from narwhal.core.flow import SATURATIONS
 from narwhal.core.handoff import Fate, Handoff
 from narwhal.core.readmission import (

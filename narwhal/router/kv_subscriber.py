@@ -29,8 +29,9 @@ from prometheus_client import Counter
 
 from narwhal import zmq_trio
 from narwhal.core.config import FleetConfig
+from narwhal.core.engine_state import EngineState
 from narwhal.core.faults import RequestFault
-from narwhal.core.fleet import EngineState, Fleet
+from narwhal.core.fleet import Fleet
 from narwhal.core.kv_events import (
     Rejected,
     Source,

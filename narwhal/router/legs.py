@@ -1,7 +1,8 @@
 """A request's legs on the wire: the prefill leg to a producer, the decode leg to a consumer
 and the relay of its stream to the client, each under its own clock. What a leg is for, and
-what follows it, is the request's machine's (``narwhal.core.request``; its actions: ``narwhal.core.request_actions``); the request's run
-(``narwhal.router.request_run``) places the legs and feeds the machine.
+what follows it, is the request's machine's (``narwhal.core.request``, its actions in
+``narwhal.core.request_actions``); the request's run (``narwhal.router.request_run``)
+places the legs and feeds the machine.
 
 Timeouts are cancel scopes owned here: the prefill clock over the whole producer leg, and
 one decode clock that is the first-token budget until the first generated token (it starts
@@ -18,15 +19,17 @@ import trio
 from opentelemetry.trace import Span, SpanKind
 
 from narwhal import tracing
+from narwhal.batched_histogram import RequestBuckets
 from narwhal.core import resume
+from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
-from narwhal.core.faults import AtEngine, Clock, Phase, ran_out
-from narwhal.core.fleet import DecodeClaim, EngineState, Leg
+from narwhal.core.engine_state import EngineState, Leg
+from narwhal.core.faults import AtEngine, Phase
+from narwhal.core.fleet import DecodeClaim
 from narwhal.core.request import RequestMachine
 from narwhal.core.request_actions import Decode
 from narwhal.core.requests import ClientRequest
-from narwhal.metrics import RequestBuckets
 from narwhal.router.run_record import ClientSink, RouterState, RunRecord
 from narwhal.router.token_path import ClientStream, TokenPath
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo

@@ -24,8 +24,9 @@ from typing import Protocol
 import trio
 
 from narwhal.core.config import FleetConfig
+from narwhal.core.engine_state import EngineState
 from narwhal.core.faults import ConnectTimeout, EngineFault, EngineUnreachable
-from narwhal.core.fleet import EngineState, Fleet
+from narwhal.core.fleet import Fleet
 from narwhal.core.handoff import Fate, Handoff, reclaim_plan
 from narwhal.engines.client import EngineClient
 from narwhal.logs import log_event

@@ -20,8 +20,8 @@ from narwhal import tracing
 from narwhal.core import resume
 from narwhal.core.config import FleetConfig
 from narwhal.core.disaggregation import Decision, decode_first, local_or_remote, wants_prompt_side
+from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.faults import AtEngine, NoCapacity, Phase, RequestFault
-from narwhal.core.fleet import EngineState, Leg
 from narwhal.core.handoff import Handoff
 from narwhal.core.lifecycle import State
 from narwhal.core.placement import Holdings, choose

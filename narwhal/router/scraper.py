@@ -18,8 +18,9 @@ import trio
 
 from narwhal.core.config import FleetConfig
 from narwhal.core.engine_report import ReportError, parse_report
+from narwhal.core.engine_state import EngineState
 from narwhal.core.faults import RequestFault
-from narwhal.core.fleet import EngineState, Fleet
+from narwhal.core.fleet import Fleet
 from narwhal.metrics import Metrics
 from narwhal.router.background import Background
 

@@ -17,28 +17,20 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from urllib.parse import urlsplit
 
 import msgspec
 import trio
 
 from narwhal import tracing
 from narwhal.config_files import load_config
+from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import ConfigError, FleetConfig
-from narwhal.core.faults import (
-    AtEngine,
-    Clock,
-    DeadlineExpired,
-    InternalError,
-    Phase,
-    RequestFault,
-    ran_out,
-)
-from narwhal.core.fleet import LEGS, EngineState, Fleet
+from narwhal.core.engine_state import LEGS
+from narwhal.core.faults import InternalError, Phase, RequestFault
+from narwhal.core.fleet import Fleet
 from narwhal.core.fleet_view import fleet_view
 from narwhal.core.flow_class import Flow
 from narwhal.core.limits import check_workers, dispatch_by
-from narwhal.core.pass_through import pass_engine, pass_model
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget
 from narwhal.core.served_models import model_cards
@@ -48,14 +40,15 @@ from narwhal.logs import count_drops as count_log_drops
 from narwhal.logs import log_context, log_event, log_request
 from narwhal.metrics import ENDPOINTS, Metrics
 from narwhal.router.admission import Admission
-from narwhal.router.auth import ApiKeys
+from narwhal.router.auth import ApiKeys, warn_plain_http_keys
 from narwhal.router.background import Background
 from narwhal.router.discovery import Discovery
 from narwhal.router.engine_events import EngineEvents
 from narwhal.router.fanout import FanOutRun
 from narwhal.router.health import Health
-from narwhal.router.journal import AttemptLine, Caller, Journal, JournalLine, Outcome
+from narwhal.router.journal import Caller, Journal, JournalLine, Outcome
 from narwhal.router.kv_subscriber import KvSubscriber
+from narwhal.router.pass_through import PassThrough
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.request_run import RequestRun
 from narwhal.router.run_record import ClientSink
@@ -64,7 +57,6 @@ from narwhal.router.stream_reactor import StreamReactor
 from narwhal.router.token_source import TokenSource
 
 log = logging.getLogger("narwhal.router")
-_LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 Run = RequestRun | FanOutRun  # one client request: one prefill/decode chain, or a fan-out
 FAIL_SEND_BOUND_S = 2.0  # telling a client it failed must not hang on a stalled reader
 
@@ -105,7 +97,7 @@ class Router:
             connect=connect,  # None: real sockets; tests pass an in-memory network
         )
         if api_key:
-            _warn_plain_http_keys(config)
+            warn_plain_http_keys(config)
         # the server's background nursery and the checks' client: what no request owns
         self.background = Background(self.client)
         self.health = Health(self)
@@ -114,12 +106,13 @@ class Router:
         self.reclaimer = Reclaimer(self)  # its workers run in the server's background nursery
         self.scraper = Scraper(self)  # engines' /metrics for placement, same nursery
         self.kv_subscriber = KvSubscriber(self)  # engines' KV events, same nursery
-        self.tokens = TokenSource(self, self._pass_engine)  # request ids for those events
+        self.pass_through = PassThrough(self)  # POST /tokenize and /detokenize
+        self.tokens = TokenSource(self, self.pass_through.engine)  # request ids for those events
         self.reactor = StreamReactor()  # parked streams' reads, same nursery
         self.config_path = config_path
         self.draining = False
         self.drain_deadline = math.inf
-        self._running: set[trio.CancelScope] = set()
+        self.running: set[trio.CancelScope] = set()
         self.admission = Admission(self.metrics)
         self.admission.configure(config)
         self.admission.headroom = self._headroom
@@ -178,7 +171,7 @@ class Router:
         span with tracing on, passed to the engine legs unchanged with it off.
 
         One cancel scope ends the request: its deadline, or the drain's if a graceful
-        shutdown ends first (``begin_drain`` brings the deadline forward: ``_running``), or
+        shutdown ends first (``begin_drain`` brings the deadline forward: ``running``), or
         its client's disconnect. The server offers ``on_disconnect`` (it registers a
         callback called when the client goes, at once if it has gone already), which costs
         the request no task of its own; without it a watcher task awaits
@@ -192,7 +185,7 @@ class Router:
             limit = trio.CancelScope(deadline=min(deadline, self.drain_deadline))
             on_disconnect(partial(self._disconnected, limit, run))
             with limit:
-                self._running.add(limit)
+                self.running.add(limit)
                 dispatched = False
                 try:
                     run.queued_s = await self.admission.dispatch(
@@ -214,13 +207,13 @@ class Router:
                         InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
                     )
                 finally:
-                    self._running.discard(limit)
+                    self.running.discard(limit)
                     if dispatched:
                         self.admission.done()
                     else:  # it left the queue another way: its wait is all it did
                         run.queued_s = trio.current_time() - run.arrival
             if limit.cancelled_caught and not run.client_left:  # else nobody is left to tell
-                ended = self._limit_fault(limit, deadline, timeout, run.phase)
+                ended = self.limit_fault(limit, deadline, timeout, run.phase)
                 with trio.move_on_after(FAIL_SEND_BOUND_S):
                     await run.fail(ended)
         finally:
@@ -295,7 +288,7 @@ class Router:
             self.retry_budget.earn()
         line = run.journal_line()
         self.journal.write(line)
-        self._export(line)
+        self.export(line)
         log_request(line)
         self.admission.release()
         if run.span is not None:
@@ -313,7 +306,7 @@ class Router:
         if traced is not None:
             log_context.reset(traced)
 
-    def _limit_fault(
+    def limit_fault(
         self, limit: trio.CancelScope, deadline: float, timeout: float, phase: Phase
     ) -> RequestFault:
         """The fault of a request's ``limit`` that ran out: the drain's, when its deadline
@@ -329,102 +322,16 @@ class Router:
         timeout, first_token = config.serving.request_timeout_s, config.engine.first_token_timeout_s
         return dispatch_by(run.deadline, timeout, first_token)
 
-    async def pass_through(
-        self,
-        path: str,
-        body: bytes,
-        rid: str,
-        caller: Caller,
-        headers: Sequence[tuple[bytes, bytes]],
-        wait_disconnect: Callable[[], Awaitable[None]],
-    ) -> tuple[int, bytes] | None:
-        """``POST /tokenize`` or ``/detokenize`` (SPEC 3): the client's body, unchanged, to
-        one placeable engine, and its answer; a fault is answered as a leg's would be (4xx
-        passed through, timeouts 504, others 502). Admitted like a completion (it counts
-        against ``max_inflight`` and the drain waits for it), journaled once. None: the
-        client left, nobody is left to answer (the leg is cancelled at once)."""
-        arrival, arrived_at = trio.current_time(), time.time()
-        attempt = AttemptLine(number=1)
-        answer: tuple[int, bytes] | None = None
-        fault: RequestFault | None = None
-        self.admission.admit()
-        self.admission.take_slot()
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on, wait_disconnect, nursery.cancel_scope)
-                try:
-                    answer = 200, await self._pass_leg(path, body, rid, headers, attempt, arrival)
-                except RequestFault as exc:
-                    fault = exc
-                    answer = fault.answer()
-                nursery.cancel_scope.cancel()  # the watcher's task
-        finally:
-            self.admission.done()
-            self.admission.release()
-            line = _pass_line(path, rid, caller, attempt, answer, fault, arrival, arrived_at)
-            self.journal.write(line)
-            self._export(line)
-            log_request(line)
-        return answer
-
-    async def _pass_leg(
-        self,
-        path: str,
-        body: bytes,
-        rid: str,
-        headers: Sequence[tuple[bytes, bytes]],
-        attempt: AttemptLine,
-        arrival: float,
-    ) -> bytes:
-        """The engine's answer within ``prefill_timeout_s`` (prompt-side work), the request
-        deadline and the drain."""
-        serving = self.config.serving
-        timeout = serving.request_timeout_s
-        with trio.CancelScope(deadline=min(arrival + timeout, self.drain_deadline)) as limit:
-            self._running.add(limit)
-            try:
-                body, model = pass_model(body, self.fleet.catalog, self.config.model)
-                engine = self._pass_engine(model)
-                if engine.spec.role == "decode":
-                    attempt.consumer = engine.id
-                else:
-                    attempt.producer = engine.id
-                budget = serving.prefill_timeout_s
-                with trio.move_on_after(budget) as clock:
-                    with AtEngine(engine.id, engine.url):
-                        return await self.client.pass_through(
-                            engine.url,
-                            path,
-                            body,
-                            request_id=f"{rid}-a1-{path.strip('/')}",
-                            trace=tracing.incoming(headers),
-                        )
-                raise ran_out(
-                    Clock.PREFILL,
-                    budget,
-                    phase=Phase.PREFILL,
-                    engine_id=engine.id,
-                    leg=path,
-                    scope=clock,
-                )
-            finally:
-                self._running.discard(limit)
-        raise self._limit_fault(limit, arrival + timeout, timeout, Phase.PREFILL)
-
-    def _pass_engine(self, model: str | None = None) -> EngineState:
-        """The engine a tokenizer request goes to (``pass_through.pass_engine``)."""
-        return pass_engine(self.fleet, trio.current_time(), self.rng, model)
-
     @contextmanager
     def drain_bound(self) -> Iterator[trio.CancelScope]:
         """A scope that a graceful shutdown ends at its deadline, like an admitted request's
         (for work before admission: a body still arriving when the drain ends)."""
         with trio.CancelScope(deadline=self.drain_deadline) as scope:
-            self._running.add(scope)
+            self.running.add(scope)
             try:
                 yield scope
             finally:
-                self._running.discard(scope)
+                self.running.discard(scope)
 
     def begin_drain(self) -> None:
         """Graceful shutdown: refuse new requests (``/ready`` 503) and give the running ones
@@ -443,7 +350,7 @@ class Router:
         # one admitted a moment later), so the drain is bounded whatever else is shutting down
         self.drain_deadline = trio.current_time() + grace
         self.admission.drain_queue()  # never started: 503 now, a load balancer may retry
-        for scope in self._running:
+        for scope in self.running:
             scope.deadline = min(scope.deadline, self.drain_deadline)
 
     def reload(self, new: FleetConfig) -> dict[str, list[str]]:
@@ -541,10 +448,10 @@ class Router:
             key=caller.key if caller else None,
         )
         self.journal.write(line)
-        self._export(line)
+        self.export(line)
         log_request(line)
 
-    def _export(self, line: JournalLine) -> None:
+    def export(self, line: JournalLine) -> None:
         m = self.metrics
         endpoint = ENDPOINTS.get(line.endpoint, "other")
         model = line.model or m.model  # a request refused before its name resolved: ours
@@ -580,64 +487,6 @@ class Router:
     async def aclose(self) -> None:
         await self.client.aclose()
         self.journal.close()
-
-
-async def _cancel_on(event: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
-    await event()
-    scope.cancel()
-
-
-def _pass_line(
-    path: str,
-    rid: str,
-    caller: Caller,
-    attempt: AttemptLine,
-    answer: tuple[int, bytes] | None,
-    fault: RequestFault | None,
-    arrival: float,
-    arrived_at: float,
-) -> JournalLine:
-    """The journal line of a passed-through request (no tokens: nothing is generated)."""
-    outcome: Outcome = "cancelled" if answer is None else "completed"
-    if fault is not None:
-        outcome = "expired" if isinstance(fault, DeadlineExpired) else "failed"
-    placed = attempt.producer is not None or attempt.consumer is not None
-    return JournalLine(
-        request_id=rid,
-        endpoint=path,
-        stream=False,
-        outcome=outcome,
-        status=None if answer is None else answer[0],
-        phase=fault.phase if fault is not None else (None if answer else "prefill"),
-        message=fault.message if fault is not None else None,
-        attempts=[attempt] if placed else [],
-        prefill_s=None,
-        first_byte_s=None,
-        tokens=0,
-        duration_s=trio.current_time() - arrival,
-        at=round(arrived_at, 3),
-        client=caller.client,
-        key=caller.key,
-    )
-
-
-def _warn_plain_http_keys(config: FleetConfig) -> None:
-    """The engines' bearer token goes over plain HTTP to an ``http://`` engine off this
-    machine: the operator asked for it (the URL says so), but should know."""
-    exposed = [
-        e.id
-        for e in config.engines
-        if e.url.startswith("http://") and urlsplit(e.url).hostname not in _LOCAL_HOSTS
-    ]
-    exposed += [d.name for d in config.discover if d.scheme == "http"]
-    if exposed:
-        log_event(
-            log,
-            logging.WARNING,
-            "engine.api_key_env is set and these engines are reached over plain http://: "
-            "the token travels unencrypted (use https:// and engine.ca_file)",
-            {"engines": exposed},
-        )
 
 
 async def _call_after(event: Callable[[], Awaitable[None]], callback: Callable[[], None]) -> None:

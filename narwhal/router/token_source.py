@@ -23,8 +23,9 @@ import msgspec
 import trio
 
 from narwhal.core.config import ConfigError, FleetConfig
+from narwhal.core.engine_state import LEGS, EngineState
 from narwhal.core.faults import RequestFault
-from narwhal.core.fleet import LEGS, EngineState, Fleet
+from narwhal.core.fleet import Fleet
 from narwhal.core.precise_index import TokenPrompt
 from narwhal.core.requests import ClientRequest, spliceable
 from narwhal.core.token_ids import IdsCache, read_tokens, tokenize_body

@@ -23,7 +23,8 @@ import pytest
 import trio
 
 from e2e.vllm.capture_shapes import SHAPES
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.stream.sse import SSEParser
 from tests.support.fleet import MODEL, Harness, finish
 from tests.support.paths import CAPTURES

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from fuzz import examples
 from narwhal.core.config import EngineConfig, ServingConfig
-from narwhal.frontdoor.connection import Http11Protocol
+from narwhal.frontdoor.http11 import Http11Protocol
 from narwhal.router.app import RouterApp
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 from tests.support.wire import read_answer

@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from narwhal.core.config import AdmissionConfig, ConfigError, KvEventsConfig, PlacementConfig
+from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.cost import VOCAB_SIZE
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.service import Router
 from narwhal.router.token_source import TOKENIZE_TIMEOUT_S

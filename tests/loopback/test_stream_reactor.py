@@ -321,7 +321,8 @@ def silence_ends(gaps: list[float]) -> float:
 
 
 async def _relay_until_silent(gaps: list[float]) -> float:
-    from narwhal.metrics import Metrics, RequestBuckets
+    from narwhal.batched_histogram import RequestBuckets
+    from narwhal.metrics import Metrics
     from narwhal.router.token_path import ClientStream, TokenPath
     from narwhal.stream.rules import StreamRelay
 

@@ -19,11 +19,13 @@ import trustme
 
 from narwhal.check import check_fleet
 from narwhal.config_files import load_config_bytes
-from narwhal.core.config import ConfigError, EngineConfig, parse_config
+from narwhal.core.config import ConfigError, EngineConfig
+from narwhal.core.config_parse import parse_config
 from narwhal.core.faults import EngineStatusError, EngineUnreachable
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import _Connection
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.http import Exchange, Request, serve_connection
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router

@@ -12,7 +12,8 @@ import trio
 from narwhal.core.faults import RequestFault
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import _Connection
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 
 MODEL = "fake-model"
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 20}

@@ -16,7 +16,7 @@ import pytest
 import trustme
 from cryptography.hazmat.primitives import serialization
 
-from narwhal import build, cli
+from narwhal import build, cli, startup
 from narwhal.frontdoor.internals_check import InternalsMismatch
 from tests.support.processes import run_narwhal
 
@@ -50,22 +50,24 @@ def taken_port() -> Iterator[int]:
 
 def test_the_exit_statuses_are_distinct() -> None:
     codes = [
-        getattr(cli, name) for name in dir(cli) if name.startswith("EXIT_") and "HELP" not in name
+        getattr(startup, name)
+        for name in dir(startup)
+        if name.startswith("EXIT_") and "HELP" not in name
     ]
     assert sorted(codes) == list(range(1, 9))
     for code in codes:
-        assert f"\n  {code}  " in cli.EXIT_STATUS_HELP
+        assert f"\n  {code}  " in startup.EXIT_STATUS_HELP
 
 
 def test_a_missing_fleet_file(tmp_path: Path) -> None:
     absent = tmp_path / "absent.toml"
     for command in ("serve", "check"):
         assert _said(run_narwhal(command, "--config", str(absent))) == (
-            cli.EXIT_NO_FLEET_FILE,
+            startup.EXIT_NO_FLEET_FILE,
             f"narwhal: cannot read the fleet file {absent}: No such file or directory",
         )
     assert _said(run_narwhal("serve", "--config", str(tmp_path))) == (
-        cli.EXIT_NO_FLEET_FILE,
+        startup.EXIT_NO_FLEET_FILE,
         f"narwhal: cannot read the fleet file {tmp_path}: Is a directory",
     )
 
@@ -86,7 +88,7 @@ def test_an_invalid_fleet_file_lists_its_problems_not_a_traceback(tmp_path: Path
         bad = tmp_path / f"bad{n}.toml"
         bad.write_text(text)
         done = run_narwhal("serve", "--config", str(bad))
-        assert done.returncode == cli.EXIT_INVALID_FLEET == 2
+        assert done.returncode == startup.EXIT_INVALID_FLEET == 2
         assert "Traceback" not in done.stderr
         assert done.stderr.splitlines() == [
             f"invalid fleet file {bad}: {len(problems)} problem(s)",
@@ -98,13 +100,13 @@ def test_a_journal_that_cannot_be_opened(tmp_path: Path, fleet: Path) -> None:
     missing = tmp_path / "no-such-dir" / "journal.jsonl"
     serve = ("serve", "--config", str(fleet), "--port", "0", "--journal")
     assert _said(run_narwhal(*serve, str(missing))) == (
-        cli.EXIT_JOURNAL,
+        startup.EXIT_JOURNAL,
         f"narwhal: cannot open the journal {missing}: "
         f"its directory {missing.parent} does not exist",
     )
     # a directory stands in for an unwritable path (the tests may run as root)
     assert _said(run_narwhal(*serve, str(tmp_path))) == (
-        cli.EXIT_JOURNAL,
+        startup.EXIT_JOURNAL,
         f"narwhal: cannot open the journal {tmp_path}: Is a directory",
     )
 
@@ -113,7 +115,7 @@ def test_a_journal_that_cannot_be_opened(tmp_path: Path, fleet: Path) -> None:
 def test_a_taken_port(fleet: Path, taken_port: int, workers: str) -> None:
     args = ("--config", str(fleet), "--port", str(taken_port), "--workers", workers)
     assert _said(run_narwhal("serve", *args)) == (
-        cli.EXIT_PORT,
+        startup.EXIT_PORT,
         f"narwhal: cannot listen on 127.0.0.1:{taken_port}: "
         f"port {taken_port} is taken by another process",
     )
@@ -121,7 +123,7 @@ def test_a_taken_port(fleet: Path, taken_port: int, workers: str) -> None:
 
 def test_the_demo_on_a_taken_port(taken_port: int) -> None:
     status, said = _said(run_narwhal("demo", "--port", str(taken_port)))
-    assert status == cli.EXIT_PORT, said
+    assert status == startup.EXIT_PORT, said
     pattern = re.escape(f"narwhal: cannot listen on 127.0.0.1:{taken_port}: ") + ".*taken.*"
     assert re.fullmatch(pattern, said), said
 
@@ -129,7 +131,7 @@ def test_the_demo_on_a_taken_port(taken_port: int) -> None:
 def test_a_bad_host(fleet: Path) -> None:
     serve = ("serve", "--config", str(fleet), "--port", "0", "--host")
     status, said = _said(run_narwhal(*serve, "no-such-host.invalid"))
-    assert status == cli.EXIT_HOST, said
+    assert status == startup.EXIT_HOST, said
     unresolved = re.escape(
         "narwhal: cannot listen on no-such-host.invalid:0: "
         "the host 'no-such-host.invalid' does not resolve ("
@@ -137,7 +139,7 @@ def test_a_bad_host(fleet: Path) -> None:
     assert re.fullmatch(unresolved + ".+\\)", said), said
     # TEST-NET-1 (RFC 5737): an address, but never one of this machine's
     assert _said(run_narwhal(*serve, "192.0.2.1")) == (
-        cli.EXIT_HOST,
+        startup.EXIT_HOST,
         "narwhal: cannot listen on 192.0.2.1:0: 192.0.2.1 is not an address of this machine",
     )
 
@@ -200,7 +202,7 @@ def test_tls_files_that_cannot_be_used(
     if key:
         args += ["--ssl-keyfile", str(pems[key])]
     status, said = _said(run_narwhal(*args))
-    assert status == cli.EXIT_TLS, said
+    assert status == startup.EXIT_TLS, said
     assert re.fullmatch(pattern, said), said
 
 
@@ -209,9 +211,9 @@ def test_other_versions_of_the_subclassed_internals(monkeypatch: pytest.MonkeyPa
         raise InternalsMismatch("hypercorn.trio.tcp_server:TCPServer.run changed")
 
     monkeypatch.setattr("narwhal.frontdoor.server.verify_internals", mismatch)
-    with pytest.raises(cli.StartupError) as info:
-        cli._verify_internals()
-    assert info.value.status == cli.EXIT_VERSIONS
+    with pytest.raises(startup.StartupError) as info:
+        startup._verify_internals()
+    assert info.value.status == startup.EXIT_VERSIONS
     assert info.value.message == (
         "narwhal: cannot start: hypercorn.trio.tcp_server:TCPServer.run changed"
     )
@@ -250,7 +252,7 @@ def test_absurd_worker_counts_are_a_command_line_error(fleet: Path) -> None:
 
 def test_the_fake_engine_on_a_taken_port(taken_port: int) -> None:
     status, said = _said(run_narwhal("fake-engine", "--port", str(taken_port)))
-    assert status == cli.EXIT_PORT, said
+    assert status == startup.EXIT_PORT, said
     taken = f"narwhal: cannot listen on 127.0.0.1:{taken_port}: port {taken_port} is taken"
     assert re.fullmatch(re.escape(taken) + ".*", said), said
 
@@ -263,8 +265,8 @@ def test_with_json_logs_what_keeps_serve_from_starting_is_one_json_object(
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "m"\n[serving]\nmax_inflight = 0\n')
     for config, status, start in (
-        (tmp_path / "absent.toml", cli.EXIT_NO_FLEET_FILE, "narwhal: cannot read the fleet"),
-        (bad, cli.EXIT_INVALID_FLEET, f"invalid fleet file {bad}: 2 problem(s)\n  engines:"),
+        (tmp_path / "absent.toml", startup.EXIT_NO_FLEET_FILE, "narwhal: cannot read the fleet"),
+        (bad, startup.EXIT_INVALID_FLEET, f"invalid fleet file {bad}: 2 problem(s)\n  engines:"),
     ):
         done = run_narwhal("serve", "--config", str(config), "--log-format", "json")
         assert done.returncode == status, done.stderr

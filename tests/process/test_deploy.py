@@ -32,7 +32,7 @@ import trio
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal import cli
+from narwhal import cli, startup
 from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, EngineSpec, FleetConfig, ServingConfig
 from narwhal.router.serving import hypercorn_config
@@ -322,9 +322,14 @@ def test_systemd_unit_runs_the_router_and_drains_it() -> None:
     assert unit_value("User") not in ("root", "0")
     # a status no restart can fix stops the restarts; each is a startup failure of serve
     fatal = {int(s) for s in unit_value("RestartPreventExitStatus").split()}
-    startup = {cli.EXIT_INVALID_FLEET, cli.EXIT_NO_FLEET_FILE, cli.EXIT_TLS, cli.EXIT_VERSIONS}
+    from_startup = {
+        startup.EXIT_INVALID_FLEET,
+        startup.EXIT_NO_FLEET_FILE,
+        startup.EXIT_TLS,
+        startup.EXIT_VERSIONS,
+    }
     assert fatal, "RestartPreventExitStatus names no status"
-    assert fatal <= startup, fatal
+    assert fatal <= from_startup, fatal
     # the journal's and the fleet file's directories are the ones systemd makes and opens
     # up under ProtectSystem=strict
     assert args.journal, "the unit keeps no journal"

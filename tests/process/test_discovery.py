@@ -37,9 +37,10 @@ from narwhal.core.config import (
     EngineSpec,
     FleetConfig,
     ServingConfig,
-    parse_config,
 )
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.core.config_parse import parse_config
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import Fault
 from narwhal.router.discovery import (
     RECORD_TYPES,

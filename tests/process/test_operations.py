@@ -15,7 +15,8 @@ import msgspec
 import trio
 
 from narwhal.core.config import ServingConfig
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.stream.sse import SSEParser
 from tests.support.fleet import MODEL, finish, start_fleet
 from tests.support.processes import running

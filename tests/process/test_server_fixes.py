@@ -38,7 +38,8 @@ import functools, trio, httpcore
 import hypercorn.trio.run as worker, hypercorn.protocol.http_stream as hs
 from hypercorn.trio.tcp_server import TCPServer
 from narwhal.core.config import EngineSpec, FleetConfig
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.router.serving import serve
 
 before = (

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from narwhal.core.config import EngineConfig
-from narwhal.core.fleet import HEALTH_FAILS_TO_LEAVE
+from narwhal.core.engine_state import HEALTH_FAILS_TO_LEAVE
 from tests.support.fleet import MODEL, finish, start_fleet
 from tests.support.memory_fleet import memory_fleet
 

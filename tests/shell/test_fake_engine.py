@@ -13,11 +13,13 @@ import trio
 import trio.testing
 
 from narwhal.core import resume
-from narwhal.fake_engine import answers
+from narwhal.fake_engine import answers, asks
 from narwhal.fake_engine import generation as gen
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import Fault
 from narwhal.fake_engine.kv_channel import KVStore, PullRequest
+from narwhal.fake_engine.samples import samples
 from narwhal.stream.sse import SSEParser
 from tests.support.paths import CAPTURES
 from tests.support.token_streams import read_sse
@@ -336,8 +338,8 @@ async def test_a_continuation_streams_the_rest_and_meets_faults_as_any_request(
 # ---- the richer shapes (tests/loopback/test_fake_differential.py: against the captures) ----
 
 
-def _ask(body: dict[str, Any], chat: bool = False) -> answers.Ask:
-    return answers.ask_of({"model": MODEL, **body}, chat, 16)
+def _ask(body: dict[str, Any], chat: bool = False) -> asks.Ask:
+    return asks.ask_of({"model": MODEL, **body}, chat, 16)
 
 
 def _frames(plan: answers.StreamPlan) -> list[bytes]:
@@ -359,20 +361,20 @@ def test_the_rich_path_writes_the_plain_paths_bytes(chat: bool, extra: dict[str,
     shapes = gen.Shapes("cmpl-x", MODEL, chat)
     ids = gen.token_ids(ask.prompts[0].text, ask.max_tokens, ask.key(0))
     plain = answers.plain_plan(ask, shapes, ids, finished=True, prompt_tokens=ask.prompts[0].count)
-    rich = answers.stream_plan(ask, shapes, answers.samples(ask))
+    rich = answers.stream_plan(ask, shapes, samples(ask))
     assert _frames(rich) == _frames(plain)
 
 
 def test_sample_j_of_n_is_the_single_sample_seeded_seed_plus_j() -> None:
     """What lets the router's fan-out (sub-request j seeded seed + j) equal a local n."""
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.7, "seed": 5}
-    several = [s.text for s in answers.samples(_ask({**body, "n": 3}))]
-    alone = [answers.samples(_ask({**body, "seed": 5 + j}))[0].text for j in range(3)]
+    several = [s.text for s in samples(_ask({**body, "n": 3}))]
+    alone = [samples(_ask({**body, "seed": 5 + j}))[0].text for j in range(3)]
     assert several == alone
     assert len(set(several)) == 3
     # greedy ignores the seed, as vLLM does; unseeded sampling still gives n samples
     assert _ask({**body, "temperature": 0}).key(0) is None
-    unseeded = answers.samples(_ask({"prompt": PROMPT, "max_tokens": 6, "n": 2}))
+    unseeded = samples(_ask({"prompt": PROMPT, "max_tokens": 6, "n": 2}))
     assert unseeded[0].text == gen.generate(PROMPT, 6) != unseeded[1].text
 
 
@@ -381,7 +383,7 @@ def test_a_stop_string_across_tokens_cuts_the_text_and_the_stream_holds_it_back(
     text = "".join(words)
     stop = words[2][-2:] + words[3][:2]  # over the third and fourth tokens
     assert text.index(stop) == len("".join(words[:3])) - 2  # found there first
-    [sample] = answers.samples(_ask({"prompt": PROMPT, "max_tokens": 8, "stop": ["zzz", stop]}))
+    [sample] = samples(_ask({"prompt": PROMPT, "max_tokens": 8, "stop": ["zzz", stop]}))
     assert sample.text == text[: text.index(stop)]
     assert (sample.finish_reason, sample.stop_reason) == ("stop", stop)
     assert "".join(sample.parts) == sample.text  # nothing streamed that the cut removed
@@ -415,7 +417,7 @@ def test_a_forced_tool_call_streams_as_tool_call_deltas() -> None:
         body = {"messages": messages, "max_tokens": 30, "tools": tools, "tool_choice": choice}
         ask = _ask(body, chat=True)
         shapes = gen.Shapes("chatcmpl-x", MODEL, True)
-        choices = answers.samples(ask)
+        choices = samples(ask)
         [call] = _fold(answers.stream_plan(ask, shapes, choices), True)["choices"][0]["message"][
             "tool_calls"
         ]
@@ -437,7 +439,7 @@ def test_continuous_usage_counts_every_chunk() -> None:
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     ask = _ask(body)
-    plan = answers.stream_plan(ask, gen.Shapes("cmpl-x", MODEL, False), answers.samples(ask))
+    plan = answers.stream_plan(ask, gen.Shapes("cmpl-x", MODEL, False), samples(ask))
     chunks = [msgspec.json.decode(f) for f in _frames(plan)]
     seen: dict[int, list[int]] = {}
     for chunk in chunks[:-1]:
@@ -453,9 +455,7 @@ def test_an_echo_s_offsets_point_into_its_text() -> None:
         body = {"prompt": PROMPT + "  ", "max_tokens": 4, "echo": True, "logprobs": logprobs}
         ask = _ask(body)
         shapes = gen.Shapes("cmpl-x", MODEL, False)
-        [choice] = msgspec.json.decode(answers.full(ask, shapes, answers.samples(ask), None))[
-            "choices"
-        ]
+        [choice] = msgspec.json.decode(answers.full(ask, shapes, samples(ask), None))["choices"]
         lists = choice["logprobs"]
         assert choice["text"].startswith(PROMPT + "  ")
         assert "".join(lists["tokens"]) == choice["text"]
@@ -463,7 +463,7 @@ def test_an_echo_s_offsets_point_into_its_text() -> None:
             assert choice["text"][offset:].startswith(token)
         assert lists["token_logprobs"][0] is None
         assert len(choice["prompt_logprobs"]) == len(gen.prompt_pieces(PROMPT + "  "))
-        streamed = _fold(answers.stream_plan(ask, shapes, answers.samples(ask)), False)
+        streamed = _fold(answers.stream_plan(ask, shapes, samples(ask)), False)
         assert streamed["choices"][0]["text"] == choice["text"]
         assert streamed["choices"][0]["logprobs"] == lists
 

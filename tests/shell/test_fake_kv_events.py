@@ -12,7 +12,8 @@ import pytest
 import trio
 
 from narwhal.fake_engine import kv_events
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.support.kv_events import (
     MODEL,

@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from narwhal.fake_engine.engine import FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
 from tests.support.fleet import MODEL
 from tests.support.memory_fleet import memory_fleet
 

@@ -10,7 +10,8 @@ import h11
 import msgspec
 import trio
 
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from tests.support.memory_network import MemoryNetwork
 
 MODEL = "tiny"

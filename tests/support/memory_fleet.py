@@ -18,7 +18,8 @@ from hypercorn.trio.worker_context import WorkerContext
 
 from narwhal.core.config import FleetConfig
 from narwhal.core.requests import parse_request
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 from narwhal.frontdoor.connection import ClientConnection, ServerEnd
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from narwhal.core.breaker import BreakerState
 from narwhal.core.config import EngineSpec, RecoveryConfig, Role
+from narwhal.core.engine_state import EngineState
 from narwhal.core.faults import BreakerClass
-from narwhal.core.fleet import EngineState, Fleet
+from narwhal.core.fleet import Fleet
 from narwhal.core.served_models import Served
 
 MODEL = "tiny"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import trio
 
-from narwhal.fake_engine.engine import FakeEngine, FakeEngineConfig
+from narwhal.fake_engine.config import FakeEngineConfig
+from narwhal.fake_engine.engine import FakeEngine
 
 MODEL = "fake-model"
 START_BOUND_S = 60.0  # Python processes importing the router on a loaded 2-core machine

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from narwhal.config_files import FleetFileUnreadable, load_config, load_config_bytes
-from narwhal.core.config import ConfigError, FleetConfig, parse_config
+from narwhal.core.config import ConfigError, FleetConfig
+from narwhal.core.config_parse import parse_config
 from tests.support.paths import ROOT
 
 MINIMAL = b"""

@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from narwhal.core import resume
-from narwhal.fake_engine import answers
+from narwhal.fake_engine import answers, asks
 from narwhal.fake_engine import generation as gen
+from narwhal.fake_engine.samples import samples
 from tests.support.token_streams import StreamRead, read_plan
 
 MODEL = "tiny"
@@ -38,10 +39,10 @@ _PATHS: tuple[tuple[int, ...] | None, ...] = ((), (0, 2, 1), (3,), None)
 
 
 def _plan(body: dict[str, Any], chat: bool, path: tuple[int, ...] | None) -> answers.StreamPlan:
-    ask = answers.ask_of({"model": MODEL, **body}, chat, 16)
+    ask = asks.ask_of({"model": MODEL, **body}, chat, 16)
     shapes = gen.Shapes("cmpl-x", MODEL, chat)
     if path is None:
-        return answers.stream_plan(ask, shapes, answers.samples(ask))
+        return answers.stream_plan(ask, shapes, samples(ask))
     [prompt] = ask.prompts
     ids = gen.token_ids(prompt.ids, ask.max_tokens, ask.key(0))
     return answers.plain_plan(
@@ -173,5 +174,5 @@ def test_a_token_id_prompt_reports_its_own_ids() -> None:
     ids = [1, 45, 99, FIRST + 3]
     body = {"prompt": ids, "max_tokens": 3, "return_token_ids": True}
     assert _stream(body, False).prompt_ids == ids
-    [choice] = answers.samples(answers.ask_of({"model": MODEL, **body}, False, 16))
+    [choice] = samples(asks.ask_of({"model": MODEL, **body}, False, 16))
     assert list(choice.prompt.ids) == ids

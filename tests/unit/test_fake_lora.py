@@ -12,10 +12,11 @@ import trio
 from prometheus_client.utils import floatToGoString
 
 from narwhal.cli import build_parser
-from narwhal.fake_engine import answers, cost, lora
-from narwhal.fake_engine.engine import FakeEngineConfig
+from narwhal.fake_engine import asks, cost, lora
+from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.kv_channel import KVStore, PullRequest
 from narwhal.fake_engine.kv_events import BlockStored, EventStream
+from narwhal.fake_engine.samples import samples
 
 # ---- the served names --------------------------------------------------------------------
 
@@ -193,13 +194,13 @@ def test_values_are_written_as_prometheus_client_writes_them(value: float) -> No
 # ---- generation, prefix cache, KV events, side channel ---------------------------------------
 
 
-def _ask(adapter: str | None, **body: Any) -> answers.Ask:
-    return answers.ask_of({"prompt": "once upon a time", **body}, False, 16, adapter=adapter)
+def _ask(adapter: str | None, **body: Any) -> asks.Ask:
+    return asks.ask_of({"prompt": "once upon a time", **body}, False, 16, adapter=adapter)
 
 
 def test_an_adapter_says_something_else_than_the_base_deterministically() -> None:
-    def text(ask: answers.Ask) -> str:
-        return answers.samples(ask)[0].text
+    def text(ask: asks.Ask) -> str:
+        return samples(ask)[0].text
 
     base = _ask(None)
     assert base.key(0) is None  # the base model's keys are as they always were

@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from narwhal.core.config import ConfigError, parse_config
+from narwhal.core.config import ConfigError
+from narwhal.core.config_parse import parse_config
 
 MINIMAL = b"""
 model = "m"

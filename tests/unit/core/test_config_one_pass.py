@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.core.config import ConfigError, parse_config
+from narwhal.core.config import ConfigError
+from narwhal.core.config_parse import parse_config
 
 ENGINES = (
     '[[engines]]\nid = "p"\nurl = "http://h:1"\nrole = "prefill"\n'

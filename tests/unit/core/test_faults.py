@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import ConfigError
 from narwhal.core.faults import (
     AtEngine,
     BadRequest,
-    Clock,
     DeadlineExpired,
     EngineUnreachable,
     FirstTokenTimeout,
@@ -28,7 +28,6 @@ from narwhal.core.faults import (
     ShuttingDown,
     SilenceTimeout,
     Unauthorized,
-    ran_out,
 )
 
 

@@ -11,16 +11,11 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from narwhal.core.config import (
-    ConfigError,
-    EngineSpec,
-    PlacementConfig,
-    RecoveryConfig,
-    parse_config,
-)
+from narwhal.core.config import ConfigError, EngineSpec, PlacementConfig, RecoveryConfig
+from narwhal.core.config_parse import parse_config
 from narwhal.core.engine_report import EngineReport, parse_report
+from narwhal.core.engine_state import EngineState as Engine
 from narwhal.core.faults import BreakerClass, ModelNotServed
-from narwhal.core.fleet import EngineState as Engine
 from narwhal.core.fleet import Fleet
 from narwhal.core.flow import Entry, FlowQueue, Priority
 from narwhal.core.placement import choose

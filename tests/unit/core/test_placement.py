@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from narwhal.core.config import EngineSpec, PlacementConfig, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
-from narwhal.core.fleet import Fleet, Leg
+from narwhal.core.engine_state import Leg
+from narwhal.core.fleet import Fleet
 from narwhal.core.placement import Choice, choose
 from narwhal.core.prefix_index import prompt_of
 

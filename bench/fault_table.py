@@ -70,7 +70,7 @@ async def observe(name: str, stream: bool) -> str:
             try:
                 parts += [part async for part in resp.aiter_stream()]
             except httpcore.RemoteProtocolError:
-                cut = True  # after a terminal event the body is cut (SPEC 6)
+                cut = True  # after a terminal event the body is cut (contract 6)
         stop.set()
         nursery.cancel_scope.cancel()
     described = describe(resp.status, b"".join(parts), stream)

@@ -1,5 +1,5 @@
 """Placement policies side by side, in one run, over the same fake fleet (issue item 5),
-and conditional disaggregation (decode first, SPEC 4.4) against always disaggregating.
+and conditional disaggregation (decode first, contract 4.4) against always disaggregating.
 
     python bench/placement.py [--quick] [--peers-venv .bench-venv] [--out bench/results]
                               [--set KEY=VALUE]...   (a [placement] line for our targets;
@@ -273,7 +273,7 @@ SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})? (\S+)$", re.M)  # summed
 DECISIONS = re.compile(
     r'^narwhal_placement_decisions_total\{leg="(\w+)",reason="(\w+)"\} (\S+)$', re.M
 )
-# decode first (SPEC 4.4): local_short and local_busy are producer legs saved
+# decode first (contract 4.4): local_short and local_busy are producer legs saved
 DISAGGREGATION = re.compile(
     r'^narwhal_disaggregation_decisions_total\{[^}]*decision="(\w+)"[^}]*\} (\S+)$', re.M
 )

@@ -180,7 +180,7 @@ async def _one(pool: httpcore.AsyncConnectionPool, url: str, body: dict[str, Any
                     last = b"".join(parts).rsplit(b"data: ", 1)[-1]
                     if not (body["stream"] and b'"error"' in last):
                         raise
-                    return "200+terminal error"  # the terminal event, then the cut (SPEC 6)
+                    return "200+terminal error"  # the terminal event, then the cut (contract 6)
         except (httpcore.NetworkError, httpcore.RemoteProtocolError) as exc:
             return f"connection error ({type(exc).__name__})"  # the router broke a connection
         return _outcome(resp.status, b"".join(parts), body["stream"])

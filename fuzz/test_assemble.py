@@ -1,4 +1,4 @@
-"""Non-streaming assembly (SPEC 3, "Completeness"): any generated sequence of chat deltas
+"""Non-streaming assembly (contract 3, "Completeness"): any generated sequence of chat deltas
 (content, reasoning, refusal, tool-call fragments split at arbitrary points, logprobs) and
 of completion chunks (text, logprobs), folded by the Assembler through the StreamRelay,
 gives the message a reference fold of the whole answer gives."""

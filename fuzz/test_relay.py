@@ -1,4 +1,4 @@
-"""``StreamRelay`` against the stream model of ``fuzz/test_stream_models.py`` (SPEC 6),
+"""``StreamRelay`` against the stream model of ``fuzz/test_stream_models.py`` (contract 6),
 without clocks: any generated decode stream, cut into reads at any points, gives the
 client the same bytes and the same verdict, and the actions keep their order (nothing
 before the first token, one FirstOutput, then Sends, then a Finish or a Fault)."""

@@ -1,6 +1,6 @@
 """Hypothesis stream models: generated decode streams, played by a fake engine on
 the in-memory network under trio's MockClock, and what the client sees through the router
-checked against a small reference model of SPEC.md section 6.
+checked against a small reference model of docs/contract.md section 6.
 
 A stream is: a header delay, then events (token, metadata chunk, comment, error object,
 garbage, ``[DONE]``), each after a delay and written in arbitrary byte splits, then an
@@ -60,7 +60,7 @@ streams = st.builds(
     st.sampled_from(["end", "close", "hang"]),
 )
 
-# ---- the reference model (SPEC 6) ----------------------------------------------------------
+# ---- the reference model (contract 6) ----------------------------------------------------------
 
 
 @dataclass
@@ -147,7 +147,7 @@ def seen(sink: RecordingSink, streaming: bool) -> Seen:
     if payloads[-1] == b"[DONE]":
         return Seen(200, tokens, "done")
     error = msgspec.json.decode(payloads[-1])["error"]
-    assert kinds[-1] == "cut", kinds  # the terminal event, then the body is cut (SPEC 6)
+    assert kinds[-1] == "cut", kinds  # the terminal event, then the body is cut (contract 6)
     return Seen(200, tokens, "error", error["message"])
 
 

@@ -1,4 +1,4 @@
-"""``narwhal check --config FILE``: preflight a fleet before it takes traffic (SPEC 6.3).
+"""``narwhal check --config FILE``: preflight a fleet before it takes traffic (contract 6.3).
 
 Reaches every engine (``/health``, ``/version``, ``/v1/models``), validates the pinned
 engine contract when there is one, then moves KV across every role-permitted pair of

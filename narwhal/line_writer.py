@@ -1,6 +1,6 @@
 """One writer thread behind a bounded queue: what the journal and the logs share.
 
-The event loop never writes a file or a pipe itself (SPEC 8, invariant 9): a full disk, a
+The event loop never writes a file or a pipe itself (contract 8, invariant 9): a full disk, a
 pipe nobody reads or a paused terminal would stall every request. It puts the line on a
 bounded queue instead (``put``, which never blocks: a full queue is the caller's drop to
 count), and one daemon thread writes the lines in order through the owner's ``write``,

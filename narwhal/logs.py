@@ -178,7 +178,7 @@ def configure(fmt: LogFormat = "text", level: str = "info") -> None:
     """Log to stderr off the event loop: records are formatted where they are logged and
     written by one thread from a bounded queue, so a stderr that blocks (a pipe nobody
     reads, a paused terminal, a log shipper that fell behind) costs log lines, counted in
-    ``narwhal_log_dropped_total``, never a stalled router (as the journal, SPEC invariant
+    ``narwhal_log_dropped_total``, never a stalled router (as the journal, contract invariant
     9). A second call replaces the first (its thread finishes what it has)."""
     global _writer
     stop()

@@ -61,7 +61,7 @@ class MetricSeries:
             "Finished client requests.",
             ("model", "endpoint", "outcome", "status"),
         )
-        # SPEC 5's two measurements, named as the ecosystem reads them: vLLM's and Dynamo's
+        # contract 5's two measurements, named as the ecosystem reads them: vLLM's and Dynamo's
         # "time to first token" is the client's first token (the journal's first_byte_s);
         # the producer's answer (the journal's prefill_s) is the prefill's completion
         self.prefill_completion = histogram(
@@ -197,7 +197,7 @@ class MetricSeries:
             engine,
             "livemax",
         )
-        # placement (SPEC 4.4): each decision by its reason; each engine's own report
+        # placement (contract 4.4): each decision by its reason; each engine's own report
         self.placements = counter(
             "narwhal_placement_decisions",
             "Legs placed, by leg and by why that engine: only, prefix_match, affinity, "
@@ -212,7 +212,7 @@ class MetricSeries:
             "producer chosen, in any placement), disaggregated.",
             ("decision",),
         )
-        # stream resume (SPEC 6.4)
+        # stream resume (contract 6.4)
         self.resumes = counter(
             "narwhal_stream_resumes",
             "Streams that failed after output with resume on, by what followed: resumed (a "
@@ -342,7 +342,7 @@ class MetricSeries:
             "Client connections closed by their error boundary: an exception inside the "
             "server (protocol or codec) that ended that connection only.",
         )
-        # flow control (SPEC 4.5), by class: interactive, default, batch
+        # flow control (contract 4.5), by class: interactive, default, batch
         self.queue_depth = gauge(
             "narwhal_queue_depth",
             "Requests waiting in the admission queue for the fleet to have room.",

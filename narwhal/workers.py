@@ -1,4 +1,4 @@
-"""``serve --workers N``: N processes that act as one router (SPEC 3), and their parent.
+"""``serve --workers N``: N processes that act as one router (contract 3), and their parent.
 
 The parent (``Supervisor``) serves nothing itself. It checks the address as a single
 router would, then gives each worker its own listening socket on the same host and port

@@ -1,4 +1,4 @@
-"""Router replicas behind a real load balancer (issue "deployable", item 4; SPEC 9).
+"""Router replicas behind a real load balancer (issue "deployable", item 4; contract 9).
 
 Two ``narwhal serve`` replicas in front of two fake engines, behind HAProxy (Debian
 package) on loopback, HAProxy checking ``/ready``. Thirty-two clients, streaming and not,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Ground truth for stream resume (SPEC 6.4) on real vLLM 0.32: what a decode leg says about
+"""Ground truth for stream resume (contract 6.4) on real vLLM 0.32: what a decode leg says about
 token ids, and whether a continuation from token ids gives the uninterrupted text.
 
     python e2e/vllm/resume_probe.py [--vllm ~/.cache/narwhal-vllm] [--out e2e/vllm/results]

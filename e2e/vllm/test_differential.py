@@ -2,7 +2,7 @@
 sent (a) to the consumer as an ordinary local request and (b) through the router over the
 real NIXL handoff, at temperature 0 (or seeded), compared field by field after leaving out
 ids, timestamps and fingerprints. Runs first in the session (file order), before the
-consumer is killed. Prints the table; asserts the fields SPEC 3 names, except the
+consumer is killed. Prints the table; asserts the fields contract 3 names, except the
 differences listed with their reason."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No stranded KV on real vLLM (issue "no stranded KV", SPEC 5, invariant 7).
+"""No stranded KV on real vLLM (issue "no stranded KV", contract 5, invariant 7).
 
 The producer runs with a 60 s lease (``kv_lease_duration``, conftest). Twenty clients leave
 right after their prefill: a proxy in front of the consumer holds the router's decode legs

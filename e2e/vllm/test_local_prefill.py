@@ -1,4 +1,4 @@
-"""Conditional disaggregation on real vLLM (SPEC 4.4, decode first).
+"""Conditional disaggregation on real vLLM (contract 4.4, decode first).
 
 Two routers of this module's own over the session's pair, both with
 ``local_prefill_tokens = 128`` and a journal:

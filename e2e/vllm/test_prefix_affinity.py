@@ -1,4 +1,4 @@
-"""Prefix affinity on real vLLM (SPEC 4.4, issue "placement" item 6).
+"""Prefix affinity on real vLLM (contract 4.4, issue "placement" item 6).
 
 A second producer joins the session's pair for this module only (a module fixture: the
 other tests need two engines, and a third one idle through them would hold another

@@ -1,4 +1,4 @@
-"""Flow control on real vLLM (SPEC 4.5): what a consumer has no room for waits in the router.
+"""Flow control on real vLLM (contract 4.5): what a consumer has no room for waits in the router.
 
 A second consumer is started with ``--max-num-seqs 2`` (two sequences at once; vLLM queues
 the rest in ``vllm:num_requests_waiting``) and paired with the session's producer. A router

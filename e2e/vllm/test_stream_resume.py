@@ -1,4 +1,4 @@
-"""Stream resume on real vLLM (SPEC 6.4, ``recovery.resume_streams``).
+"""Stream resume on real vLLM (contract 6.4, ``recovery.resume_streams``).
 
 A second consumer joins the session's pair for this module only, so that a decode can be
 resumed elsewhere: a router of its own (``resume_streams = 1``, a journal) places prefill on

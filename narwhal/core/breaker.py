@@ -1,4 +1,4 @@
-"""Per-engine breaker, sans IO: streaks, ejection, probes, quarantine (SPEC 6.2).
+"""Per-engine breaker, sans IO: streaks, ejection, probes, quarantine (contract 6.2).
 
 Rules the table below encodes:
 * a CLOSED engine takes traffic; each engine-side failure extends its streak, any success

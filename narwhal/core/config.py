@@ -63,7 +63,7 @@ class ServingConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 LEASE_SLACK = 0.05  # of the KV lease, kept unused at its end
-DEFAULT_KV_LEASE_S = 30.0  # vLLM 0.32's kv_lease_duration default (SPEC 2)
+DEFAULT_KV_LEASE_S = 30.0  # vLLM 0.32's kv_lease_duration default (contract 2)
 
 
 class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -83,7 +83,7 @@ class EngineConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def lease_limit_s(self) -> float:
-        """The oldest a KV descriptor may be when it is sent to a consumer (SPEC 5).
+        """The oldest a KV descriptor may be when it is sent to a consumer (contract 5).
 
         What counts is the age at the send: once a vLLM 0.32 consumer holds the request,
         its heartbeats extend the producer's lease until it reads the blocks. The slack
@@ -96,7 +96,7 @@ class RecoveryConfig(Struct, frozen=True, forbid_unknown_fields=True):
     failure_quarantine_s: NonNegativeFloat = 0.0
     readmit_interval_s: PositiveFloat = 10.0
     restart_policy: RestartPolicy = "individual"
-    # > 0: a stream that fails after output continues on another consumer (SPEC 6.4), at
+    # > 0: a stream that fails after output continues on another consumer (contract 6.4), at
     # most this many times per request
     resume_streams: NonNegativeInt = 0
 
@@ -118,7 +118,7 @@ class DiscoverBlock(Struct, _Roles, frozen=True, forbid_unknown_fields=True):
 
 
 class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    """Which engine takes a leg (SPEC 4.4)."""
+    """Which engine takes a leg (contract 4.4)."""
 
     policy: Literal["least_loaded", "round_robin"] = "least_loaded"
     metrics_interval_s: NonNegativeFloat = 1.0  # scrape of each engine's /metrics; 0 = off
@@ -141,7 +141,7 @@ Priority: TypeAlias = Literal["interactive", "default", "batch"]
 
 
 class AdmissionConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    """Flow control (SPEC 4.5): what the router holds while the fleet is saturated."""
+    """Flow control (contract 4.5): what the router holds while the fleet is saturated."""
 
     queue: bool = True  # false: dispatch at once, the engines' queues take the burst
     max_queued: PositiveInt = 4096

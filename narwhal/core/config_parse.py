@@ -128,7 +128,7 @@ def _check_fleet(doc: dict[str, Any], problems: list[str]) -> FleetConfig | None
     if nameserver_problem:
         problems.append(f"discovery.nameserver: {nameserver_problem}")
     if problems:
-        problems.extend(_cross_field_over_valid_keys(doc, problems))  # the same pass (SPEC 2)
+        problems.extend(_cross_field_over_valid_keys(doc, problems))  # the same pass (contract 2)
         return None
     fleet = msgspec.convert(values, FleetConfig)
     problems.extend(config_rules.cross_field_problems(fleet))

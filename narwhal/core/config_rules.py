@@ -115,7 +115,7 @@ def _kv_events_problems(fleet: FleetConfig) -> list[str]:
 
 
 def cross_field_problems(fleet: FleetConfig) -> list[str]:
-    """Rules that span keys (SPEC section 2)."""
+    """Rules that span keys (contract section 2)."""
     problems = _kv_events_problems(fleet)
     if fleet.model and fleet.model in fleet.aliases:
         problems.append(f"aliases.{fleet.model}: the fleet's model is a served name, not an alias")
@@ -151,7 +151,7 @@ def cross_field_problems(fleet: FleetConfig) -> list[str]:
                 f"engines[{i}].id: {spec.id!r} is in the ids of [[discover]] {name!r} "
                 f"(discovered engines are '{name}/<ip>:<port>')"
             )
-    if fleet.discover:  # listed or discoverable (SPEC 2)
+    if fleet.discover:  # listed or discoverable (contract 2)
         for able, role in (("can_prefill", "prefill"), ("can_decode", "decode")):
             if not any(getattr(e, able) for e in (*fleet.engines, *fleet.discover)):
                 problems.append(

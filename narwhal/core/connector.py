@@ -1,4 +1,4 @@
-"""The KV connector: prefill and decode bodies, and the handoff descriptor (SPEC 4.1 to 4.3).
+"""The KV connector: prefill and decode bodies, and the handoff descriptor (contract 4.1 to 4.3).
 
 Pure code. The descriptor is kept as the producer's raw JSON bytes, so the decode leg
 carries it byte for byte (every field but the two we validate is opaque), and
@@ -15,7 +15,7 @@ import msgspec
 from narwhal.core.faults import DescriptorInvalid, Phase
 from narwhal.core.requests import spliceable
 
-# Fields that make no sense for a one-token, non-streaming prefill (SPEC 4.1).
+# Fields that make no sense for a one-token, non-streaming prefill (contract 4.1).
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "n", "best_of", "max_completion_tokens")
 _RESERVED = "kv_transfer_params"
 # the prompt side comes from the prefill leg: a decode leg streams (vLLM refuses prompt
@@ -34,7 +34,7 @@ class PrefillResult(msgspec.Struct, frozen=True):
     connector: str
     descriptor: msgspec.Raw
     # the prompt's logprobs when the client asked for them: the producer computed the
-    # prompt, the consumer never does (SPEC 3, "Completeness")
+    # prompt, the consumer never does (contract 3, "Completeness")
     prompt_logprobs: msgspec.Raw = msgspec.Raw()
     # an echo: the producer's text (the prompt and its one token) and its logprobs
     text: str | None = None
@@ -84,7 +84,7 @@ class NixlConnector:
 
     def reclaim_body(self, result: PrefillResult) -> bytes:
         """The cheapest request that makes a consumer tell the producer to free the
-        blocks of a descriptor nobody will decode (SPEC 5, "orphaned handoffs").
+        blocks of a descriptor nobody will decode (contract 5, "orphaned handoffs").
 
         vLLM (since vllm#41269, in 0.32) notifies the producer when a consumer rejects a
         request carrying ``do_remote_prefill`` before admission, with no transfer and no
@@ -147,7 +147,7 @@ class NixlConnector:
     def extract(
         self, response: bytes, *, producer_url: str, endpoint: str, request_id: str
     ) -> PrefillResult:
-        """Find and validate the descriptor in a prefill response (SPEC 4.1, 4.2)."""
+        """Find and validate the descriptor in a prefill response (contract 4.1, 4.2)."""
         try:
             parsed = msgspec.json.decode(response, type=_PrefillResponse)
         except (msgspec.DecodeError, RecursionError) as exc:
@@ -194,7 +194,7 @@ def _prompt_tokens(usage: Any) -> int | None:
 
 
 def validate_descriptor(raw: msgspec.Raw | bytes) -> None:
-    """Raise DescriptorInvalid with a distinct message for each rule of SPEC 4.2."""
+    """Raise DescriptorInvalid with a distinct message for each rule of contract 4.2."""
     try:
         view = msgspec.json.decode(raw, type=_DescriptorView)
     except (msgspec.ValidationError, RecursionError):

@@ -1,4 +1,4 @@
-"""Conditional disaggregation (SPEC 4.4, decode first), pure: whether an attempt skips the
+"""Conditional disaggregation (contract 4.4, decode first), pure: whether an attempt skips the
 remote prefill and is served by its consumer alone.
 
 A remote prefill pays for itself when the prompt is long and not cached where it will be
@@ -25,7 +25,7 @@ DECISIONS: tuple[Decision, ...] = ("local_short", "local_busy", "local_one_engin
 
 def wants_prompt_side(body: Mapping[str, Any]) -> bool:
     """Whether the answer carries what only a prefill leg computes (an echo, prompt
-    logprobs, the prompt's token ids: SPEC 3's prompt side): such a request is never local."""
+    logprobs, the prompt's token ids: contract 3's prompt side): such a request is never local."""
     return (
         bool(body.get("echo"))
         or body.get("prompt_logprobs") is not None

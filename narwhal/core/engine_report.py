@@ -1,4 +1,4 @@
-"""An engine's own account of its load, read from its ``/metrics`` (SPEC 4.4), pure.
+"""An engine's own account of its load, read from its ``/metrics`` (contract 4.4), pure.
 
 vLLM exports the queue it runs (``vllm:num_requests_running``), the queue it holds back
 (``vllm:num_requests_waiting``), how full its KV cache is (``vllm:kv_cache_usage_perc``,

@@ -51,7 +51,7 @@ class EngineState:
         # that failed a crossed decode is probed with a handoff from that same producer
         self.failed_as: Leg | None = None
         self.failed_with: str | None = None
-        # active health (SPEC 3, /ready): placeable only once it answered /health, and no
+        # active health (contract 3, /ready): placeable only once it answered /health, and no
         # longer after HEALTH_FAILS_TO_LEAVE checks in a row went unanswered
         self.up = False
         self.health_failures = 0
@@ -66,7 +66,7 @@ class EngineState:
         # serves the fleet's model); lists refused since it was added
         self.served: Served | None = None
         self.models_refused = 0
-        # This router's legs to it that it has not started (SPEC 4.5), the queue a report
+        # This router's legs to it that it has not started (contract 4.5), the queue a report
         # cannot show yet or shows late (vLLM's gauges trail its requests by an engine
         # step or more). A decode has started at its first token: every decode before it
         # counts (``decoding``), and the report's waiting queue counts only beyond the ones

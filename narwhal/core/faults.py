@@ -1,4 +1,4 @@
-"""Every way a request can fail, in one hierarchy: the mapping table of SPEC sections 3 and 6.
+"""Every way a request can fail, in one hierarchy: the mapping table of contract sections 3 and 6.
 
 Each fault carries the phase it happened in, the HTTP status the client sees, whether a
 fresh attempt may be made for it, and its breaker class (which later issues feed to the
@@ -8,7 +8,7 @@ one boundary (the table of ``narwhal.engines.boundary``), so nothing above it se
 transport, trio or h11 types; a clock that ran out becomes its fault through
 ``narwhal.core.clocks.ran_out``.
 
-Client-visible messages name engines by id, never by URL (SPEC 3): a fault keeps its full
+Client-visible messages name engines by id, never by URL (contract 3): a fault keeps its full
 ``message`` (with the engine's address) for logs and the journal, and ``error_body()``,
 which every client answer and terminal stream event is built from, names the engine by id.
 """
@@ -217,7 +217,7 @@ class EngineStatusError(EngineFault):
 
 
 class InStreamError(EngineFault):
-    """An error object inside an HTTP 200 stream: propagates with its own status (SPEC 6)."""
+    """An error object inside an HTTP 200 stream: propagates with its own status (contract 6)."""
 
     def __init__(
         self,
@@ -280,7 +280,7 @@ class Overloaded(RequestFault):
 
 
 class NotDispatched(RequestFault):
-    """The admission queue let the request go without sending it on (SPEC 4.5): the queue
+    """The admission queue let the request go without sending it on (contract 4.5): the queue
     was full, it was displaced, or no capacity came in time (429 with Retry-After). It
     never started, so it is rejected, never failed."""
 

@@ -133,7 +133,7 @@ class Fleet:
         self.on_change: Callable[[], None] = _nothing  # a leg started or ended
         self.decodes_coming = 0  # requests holding a DecodeClaim
         self.claims: dict[str | None, int] = {}  # ... by the served name they asked for
-        # what each engine is believed to cache (SPEC 4.4); its TTL is the router's to set
+        # what each engine is believed to cache (contract 4.4); its TTL is the router's to set
         self.prefixes = PrefixIndex(ttl_s=120.0)
         # what engines with a live KV-event stream say they cache (the precise index)
         self.precise = PreciseIndex()
@@ -251,7 +251,7 @@ class Fleet:
         model: str | None = None,
     ) -> int | None:
         """How many more requests the fleet takes before its placeable producers or its
-        placeable consumers are saturated (SPEC 4.5): the lesser of the producers' summed
+        placeable consumers are saturated (contract 4.5): the lesser of the producers' summed
         room and the consumers', where every request between its prefill and its decode
         leg takes a consumer's room already (``DecodeClaim``: its decode follows within
         moments, and a decode sent to a full consumer waits in its queue). None: a role

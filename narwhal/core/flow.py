@@ -1,4 +1,4 @@
-"""Flow control at the router, pure (SPEC 4.5): which queued request goes next, which
+"""Flow control at the router, pure (contract 4.5): which queued request goes next, which
 ones leave, and why. The shell holds the clock and the sockets: it offers a request the
 fleet cannot take now, sheds what ``expire(now)`` returns (on the timer ``next_expiry()``
 sets, and before dispatching), asks ``next_with_room(now, room)`` (or ``next(now)``) while
@@ -377,7 +377,7 @@ def room_left(
     consumer: bool,
 ) -> tuple[int, Saturation | None]:
     """How many more legs an engine takes before it is saturated, and why it is when that
-    is 0 (SPEC 4.5).
+    is 0 (contract 4.5).
 
     ``waiting_scraped``: its ``vllm:num_requests_waiting`` as last scraped, None without a
     usable scrape; ``sent_since_scrape``: this router's legs sent to it since that scrape

@@ -1,4 +1,4 @@
-"""A request's service class and fairness key (SPEC 3, 4.5), pure.
+"""A request's service class and fairness key (contract 3, 4.5), pure.
 
 The class comes from ``x-narwhal-priority`` (``admission.priority_from = "header"``) or
 from the client key the request used (``"key"``: ``api_keys_env`` entries written

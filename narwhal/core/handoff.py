@@ -1,4 +1,4 @@
-"""A KV handoff's life, sans I/O (SPEC 5 "lease bound" and "orphaned handoffs").
+"""A KV handoff's life, sans I/O (contract 5 "lease bound" and "orphaned handoffs").
 
 A producer holds a prefilled request's KV blocks until a consumer reads them or its lease
 (vLLM 0.32's ``kv_lease_duration``; ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` before) runs out.
@@ -66,7 +66,7 @@ class Handoff:
         self.attempt = attempt
         self.producer = producer  # the producer engine's id
         self.result = result
-        self.started = started  # when the producer leg started (SPEC 5: handoff age)
+        self.started = started  # when the producer leg started (contract 5: handoff age)
         self.fate = Fate.ORPHANED  # until a consumer accepts it, or it is found too old
         self.failed_consumer: str | None = None  # the consumer whose leg with it failed
 

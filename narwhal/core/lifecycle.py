@@ -5,8 +5,8 @@ disconnect watcher all read it.
 Rules the table encodes:
 * an attempt is prefill, then a held descriptor (handoff), then a decode leg;
 * the first generated token moves DECODING to GENERATING: from here no retry is possible
-  (SPEC 6.1: no retry after output, and bytes of two attempts are never mixed);
-* the commit point is the 200 headers going out (SPEC 1): COMMIT moves GENERATING to
+  (contract 6.1: no retry after output, and bytes of two attempts are never mixed);
+* the commit point is the 200 headers going out (contract 1): COMMIT moves GENERATING to
   COMMITTED. A streaming client is committed at its first token; a non-streaming client's
   JSON at its end, with the whole answer;
 * a retry restarts from ADMITTED and exists only before the first token;

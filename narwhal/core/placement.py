@@ -1,4 +1,4 @@
-"""Placement: which producer and which consumer, as a pure function of fleet state (SPEC 4.4).
+"""Placement: which producer and which consumer, as a pure function of fleet state (contract 4.4).
 
 The candidates are the placeable engines of the leg's role (``Fleet.placeable``). Engines
 a retry must avoid are used only when nothing else is left; then:

@@ -1,4 +1,4 @@
-"""Placement policies (SPEC 4.4), pure: load-aware choice and prefix affinity.
+"""Placement policies (contract 4.4), pure: load-aware choice and prefix affinity.
 
 * ``least_loaded``: the lighter of two random candidates (power of two choices). A load is
   this router's in-flight legs on the engine plus the part of the engine's own queue, as

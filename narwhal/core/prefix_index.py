@@ -1,4 +1,4 @@
-"""The approximate prefix index (SPEC 4.4), pure: what the router believes each engine caches.
+"""The approximate prefix index (contract 4.4), pure: what the router believes each engine caches.
 
 Per engine, the chained hashes of the fixed-size blocks of what the router sent there and
 what came back: a producer holds a prompt's blocks, a consumer the prompt's and its
@@ -35,7 +35,7 @@ import msgspec
 
 BLOCK_BYTES = 64  # a text block: about vLLM's 16-token block
 BLOCK_TOKENS = 16  # a token-id block: vLLM's default block size
-BYTES_PER_TOKEN = 4  # the estimate of a text's tokens (SPEC 4.4)
+BYTES_PER_TOKEN = 4  # the estimate of a text's tokens (contract 4.4)
 MAX_BLOCKS = 65536  # per engine: 4 MiB of text, about a million tokens of KV
 MAX_PROMPT_BLOCKS = 8192  # per prompt: 512 KiB of text, about 128k tokens
 _TEXT_ROOT = 0x5BD1E995  # the parent of a text's first block

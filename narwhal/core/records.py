@@ -22,7 +22,7 @@ class AttemptLine(msgspec.Struct, omit_defaults=True):
     retry: str | None = None  # the retry decision taken after this attempt failed
     handoff: str | None = None  # the KV descriptor's fate (narwhal.core.handoff.Fate)
     local: bool = False  # served by its consumer alone: no producer leg, no KV transfer
-    # a stream resume (SPEC 6.4): this attempt continued the stream after this many
+    # a stream resume (contract 6.4): this attempt continued the stream after this many
     # generated tokens had been sent
     resumed_at_token: int | None = None
     resume: str | None = None  # after this attempt failed: "resumed", or why not

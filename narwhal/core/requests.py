@@ -1,11 +1,11 @@
-"""Client request validation (SPEC 3): msgspec structs over the fields the router acts on.
+"""Client request validation (contract 3): msgspec structs over the fields the router acts on.
 
 Everything else in the body passes through to the engines unchanged, except the reserved
 fields: a top-level ``kv_transfer_params`` is dropped (only a producer may hand out a
 descriptor) and ``vllm_xargs.kv_transfer_params`` is refused outright.
 
 Out-of-range values are refused here, before any engine leg, with vLLM's own limits. The
-prefill leg's body replaces or drops the output fields (SPEC 4.1: ``max_tokens`` 1, no
+prefill leg's body replaces or drops the output fields (contract 4.1: ``max_tokens`` 1, no
 ``max_completion_tokens``, ``min_tokens``, ``n``, ``best_of`` or ``stream_options``), so a
 bad value there would pass the producer and be refused only by the consumer, after the
 producer had computed the prompt and pinned its KV blocks for a decode that never comes.
@@ -211,7 +211,7 @@ class ClientRequest(msgspec.Struct):
 
     @property
     def fanout(self) -> int:
-        """How many prefill/decode requests this one runs as (SPEC 3, "Fan-out")."""
+        """How many prefill/decode requests this one runs as (contract 3, "Fan-out")."""
         return len(self.prompts or (None,)) * self.n
 
     def split(self) -> list[tuple[int, int, ClientRequest]]:
@@ -377,7 +377,7 @@ def _prompts(prompt: Any) -> list[Any] | None:
 
 
 def _refuse_what_is_not_served(fields: _Common, body: Mapping[str, Any]) -> None:
-    """SPEC 3: a requested field is never silently dropped. What the router does not serve
+    """contract 3: a requested field is never silently dropped. What the router does not serve
     yet (echo in chat) is a 400 naming the field, never an answer that lacks what was asked
     for; prompt logprobs on a stream are refused as vLLM refuses them."""
     prompt = getattr(fields, "prompt", None)

@@ -1,4 +1,4 @@
-"""Stream resume (SPEC 6.4), pure: which streams may continue on another consumer after a
+"""Stream resume (contract 6.4), pure: which streams may continue on another consumer after a
 failure past the commit point, and the request that continues one.
 
 A continuation is a fresh prefill and decode over ``/v1/completions`` of the prompt's token

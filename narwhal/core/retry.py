@@ -1,4 +1,4 @@
-"""Retry decisions (SPEC 6.1), pure: the trio shell only sleeps the delay it is given.
+"""Retry decisions (contract 6.1), pure: the trio shell only sleeps the delay it is given.
 
 A fresh attempt is made only when every rule allows it, checked in this order (the first
 that refuses names the reason, which the journal records):

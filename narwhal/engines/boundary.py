@@ -84,7 +84,7 @@ _BROKE_HTTP = "{broken}connection to engine {url} broke: engine broke HTTP: {det
 _BROKE_CONNECTION = "{broken}connection to engine {url} broke: connection broke: {detail}"
 
 # Per step, the library errors in the order they are matched (a subclass before its base),
-# and the fault each becomes (SPEC 6: a connect failure is the engine's unreachability,
+# and the fault each becomes (contract 6: a connect failure is the engine's unreachability,
 # 504 when the connect timed out; anything after it, a broken stream, 502).
 TABLE: Final[Mapping[Step, tuple[tuple[type[BaseException], Rule], ...]]] = {
     Step.CONNECT: (

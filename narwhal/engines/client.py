@@ -1,4 +1,4 @@
-"""EngineClient: the two data legs over pooled keep-alive connections (SPEC 7).
+"""EngineClient: the two data legs over pooled keep-alive connections (contract 7).
 
 Timeouts are the caller's cancel scopes; the only timeout applied here is the connect
 timeout (the TCP connect and, for an ``https://`` engine, the TLS handshake). The transport

@@ -1,4 +1,4 @@
-"""The public Python surface of the NIXL connector (SPEC 7): ``PrefillResult`` as
+"""The public Python surface of the NIXL connector (contract 7): ``PrefillResult`` as
 ``EngineClient.prefill`` returns it. The connector itself is pure and lives in
 ``narwhal.core.connector``; this name stays so callers' imports keep working."""
 

@@ -86,7 +86,7 @@ class AsgiSink:
 
     async def cut(self, data: bytes, *, abandon: bool = False) -> None:
         """``data`` (the terminal event), then the body is cut: the response is never
-        ended, so the connection closes without the chunked body's last chunk (SPEC 6) and
+        ended, so the connection closes without the chunked body's last chunk (contract 6) and
         a client that ignores error events still sees a failed transfer. ``abandon`` (the
         deadline or the drain gave up): the client is not waited for; what it has not taken
         is dropped with a reset (invariant 10)."""

@@ -1,7 +1,7 @@
 """One client connection: hypercorn's trio ``TCPServer``, written again with the router's
 front-door rules, over hypercorn's HTTP/1.1 protocol (``narwhal.frontdoor.http11``).
 
-The router faces the open network (SPEC 3, "HTTP hygiene"; invariants 9 and 10). Hypercorn's
+The router faces the open network (contract 3, "HTTP hygiene"; invariants 9 and 10). Hypercorn's
 connection handler is written again with five rules of its own, each in code below:
 
 1. **One connection's failure is its own.** An exception escaping a connection's tasks
@@ -390,7 +390,7 @@ class ClientConnection:
         self._abort()
 
     def cut(self, *, abandon: bool) -> None:
-        """The response ends here without the last chunk of its body (SPEC 6): h11 has not
+        """The response ends here without the last chunk of its body (contract 6): h11 has not
         finished it, so hypercorn closes the connection when the app returns, and every
         client sees a failed transfer, none reuses the connection. ``abandon``: the request
         deadline or the drain gave the request up; a client that has not taken every byte

@@ -43,7 +43,7 @@ _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 
 
 def request_id(scope: MutableMapping[str, Any]) -> bytes:
-    """The client's ``x-request-id`` when well formed (SPEC 3), else a fresh one."""
+    """The client's ``x-request-id`` when well formed (contract 3), else a fresh one."""
     for name, value in scope["headers"]:
         if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
             return bytes(value)
@@ -91,7 +91,7 @@ class _Http11Connection(h11.Connection):
     it is already serving with a 400. What is ignored is never buffered; the end of the
     stream is still told, so a client that leaves still cancels its request.
 
-    Every status line it writes carries its standard reason phrase (SPEC 3): hypercorn
+    Every status line it writes carries its standard reason phrase (contract 3): hypercorn
     gives h11 none, and clients print it (``HTTP/1.1 502 Bad Gateway``, not ``502 ``)."""
 
     _eof = False

@@ -1,4 +1,4 @@
-"""Admission: who gets in, how many are in, and who waits (SPEC 3's 429 and 503 rows, 4.5,
+"""Admission: who gets in, how many are in, and who waits (contract 3's 429 and 503 rows, 4.5,
 8 invariants 1 and 11).
 
 One object owns the check a request passes before it is admitted (the router is not

@@ -1,4 +1,4 @@
-"""The router's ASGI app (SPEC 3): routing, auth and the admin rule, admission, and the
+"""The router's ASGI app (contract 3): routing, auth and the admin rule, admission, and the
 endpoints' answers. The sink, early answers and lingering close, and body reading are the
 front door's (``narwhal.frontdoor.answers``); what a request does with engines lives in
 ``Router.handle`` and ``RequestRun``.
@@ -226,7 +226,7 @@ class RouterApp:
         )
 
     def _admin_refusal(self, scope: Scope) -> Forbidden | None:
-        """SPEC 3: admin keys alone open ``/narwhal/*``; without them, loopback peers only."""
+        """contract 3: admin keys alone open ``/narwhal/*``; without them, loopback peers only."""
         admin = self.router.admin_keys
         if admin.required:
             if admin.allows(scope["headers"]):

@@ -1,4 +1,4 @@
-"""DNS discovery (SPEC 2, ``[[discover]]`` and ``[discovery]``): a name's A/AAAA records
+"""DNS discovery (contract 2, ``[[discover]]`` and ``[discovery]``): a name's A/AAAA records
 are the engines of its block, as a Kubernetes headless Service, a Consul or Nomad service
 or docker compose publish them.
 

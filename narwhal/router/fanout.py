@@ -1,4 +1,4 @@
-"""Fan-out (SPEC 3): ``n > 1`` and a list of prompts run as independent prefill/decode
+"""Fan-out (contract 3): ``n > 1`` and a list of prompts run as independent prefill/decode
 requests, merged into one response whose choices are indexed as OpenAI does (prompt-major,
 then ``n``).
 
@@ -15,7 +15,7 @@ them all at once. The children write to a ``_ChildSink``; this class merges:
   counted once per prompt as vLLM does.
 
 A child that fails fails the whole request: before the commit point with its JSON error,
-after it with the terminal event (SPEC 3), the other children cancelled.
+after it with the terminal event (contract 3), the other children cancelled.
 """
 
 from __future__ import annotations

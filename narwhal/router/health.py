@@ -1,4 +1,4 @@
-"""Engine health, the trio shell around the breakers: evidence in, probes out (SPEC 6.2).
+"""Engine health, the trio shell around the breakers: evidence in, probes out (contract 6.2).
 
 Request legs report here (success, or a fault with its breaker class). An ejection starts
 one readmission loop for that engine in the server's background nursery (never a
@@ -193,7 +193,7 @@ class Health:
         self._noted(engine, engine.note_health(ok, trio.current_time()))
 
     async def ask_models(self, engine: EngineState, client: EngineClient | None = None) -> None:
-        """Its ``GET /v1/models`` (SPEC 4.7), bounded like a health check. No answer keeps
+        """Its ``GET /v1/models`` (contract 4.7), bounded like a health check. No answer keeps
         what it served; a list that does not parse is refused and counted, and the last
         good one stays."""
         with trio.move_on_after(self.router.config.engine.health_timeout_s):

@@ -1,7 +1,7 @@
-"""The request journal: exactly one JSON line per finished request (SPEC 5, invariant 1),
+"""The request journal: exactly one JSON line per finished request (contract 5, invariant 1),
 and one line per engine event (ejection, probe and its outcome, readmission).
 
-The file is written off the request path (SPEC 8, invariant 9): ``write`` and ``event``
+The file is written off the request path (contract 8, invariant 9): ``write`` and ``event``
 encode the line and put it on a bounded queue, and one writer thread empties the queue
 with one unbuffered ``write`` per line, so concurrent workers appending to one file do not
 interleave. Neither ever blocks or raises: a line that finds the queue full, or that the

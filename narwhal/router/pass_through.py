@@ -57,7 +57,7 @@ class PassThrough:
         headers: Sequence[tuple[bytes, bytes]],
         wait_disconnect: Callable[[], Awaitable[None]],
     ) -> tuple[int, bytes] | None:
-        """``POST /tokenize`` or ``/detokenize`` (SPEC 3): the client's body, unchanged, to
+        """``POST /tokenize`` or ``/detokenize`` (contract 3): the client's body, unchanged, to
         one placeable engine, and its answer; a fault is answered as a leg's would be (4xx
         passed through, timeouts 504, others 502). Admitted like a completion (it counts
         against ``max_inflight`` and the drain waits for it), journaled once. None: the

@@ -1,4 +1,4 @@
-"""Reclaim legs (SPEC 5, invariant 7): a consumer is handed an orphaned descriptor so the
+"""Reclaim legs (contract 5, invariant 7): a consumer is handed an orphaned descriptor so the
 producer frees its KV blocks now, not when its lease runs out.
 
 The request is the connector's ``reclaim_body``: one the consumer refuses before admission,

@@ -41,7 +41,7 @@ class ClientSink(Protocol):
     async def commit(self, data: bytes) -> None: ...  # 200 + SSE headers + first bytes
     async def send(self, data: bytes) -> None: ...
     async def end(self, data: bytes = b"") -> None: ...
-    # the terminal event after the commit point, then the body cut, never ended (SPEC 6);
+    # the terminal event after the commit point, then the body cut, never ended (contract 6);
     # abandon: the deadline or the drain gave up, the client is not waited for
     async def cut(self, data: bytes, *, abandon: bool = False) -> None: ...
     async def respond_json(self, status: int, body: bytes) -> None: ...
@@ -118,7 +118,7 @@ class RunRecord:
         self.trace: tracing.Headers = tracing.NO_HEADERS
         self.cut = False  # the last write (the answer's end) was cut on its way: not whole
         self.client_left = False  # its client's disconnect cancelled it (nobody to tell)
-        self.flow = Flow()  # its class and fairness key in the admission queue (SPEC 4.5)
+        self.flow = Flow()  # its class and fairness key in the admission queue (contract 4.5)
         self.queued_s = 0.0  # how long it waited there
 
     @property
@@ -163,7 +163,7 @@ class RunRecord:
 
     async def fail(self, fault: RequestFault) -> None:
         """Tell the client: JSON before the commit point, one terminal event after it, and
-        then the body is cut (SPEC 6): a client that ignores error events must not count
+        then the body is cut (contract 6): a client that ignores error events must not count
         the stream a success."""
         if self.lifecycle.finished:
             if self.cut:  # the connection is closed: the journal says why, nobody else can
@@ -194,7 +194,7 @@ class RunRecord:
         return None
 
     def local_possible(self) -> bool:
-        """Whether its consumer may serve it alone (SPEC 4.5: a consumer's room is then
+        """Whether its consumer may serve it alone (contract 4.5: a consumer's room is then
         enough to dispatch it)."""
         return False
 

@@ -1,4 +1,4 @@
-"""The engines' own load, scraped from their ``/metrics`` off the request path (SPEC 4.4).
+"""The engines' own load, scraped from their ``/metrics`` off the request path (contract 4.4).
 
 One loop per engine in the server's background nursery, every
 ``placement.metrics_interval_s`` (jittered, so routers do not scrape in step), each scrape

@@ -93,7 +93,7 @@ class Router:
             max_connections=config.engine.max_connections,
             connect_timeout_s=config.engine.connect_timeout_s,
             api_key=api_key,
-            ca_file=config.engine.ca_file,  # https:// engines verified against it (SPEC 2)
+            ca_file=config.engine.ca_file,  # https:// engines verified against it (contract 2)
             connect=connect,  # None: real sockets; tests pass an in-memory network
         )
         if api_key:
@@ -120,7 +120,7 @@ class Router:
         self.disconnects = 0
 
     def _headroom(self, local: bool = False, model: str | None = None) -> int | None:
-        """How many more requests the fleet takes before it is saturated (SPEC 4.5);
+        """How many more requests the fleet takes before it is saturated (contract 4.5);
         ``local``: requests their consumers serve alone; ``model``: the room of the engines
         serving it."""
         flow = self.config.admission
@@ -134,7 +134,7 @@ class Router:
         )
 
     def models_view(self, created: int) -> dict[str, object]:
-        """``GET /v1/models`` (SPEC 4.7): every name a placeable engine serves, adapters
+        """``GET /v1/models`` (contract 4.7): every name a placeable engine serves, adapters
         with their ``parent``, then each alias of one of them as its own entry (``root``:
         the name it stands for). No engine placeable: the fleet's model, as before any
         engine answered."""

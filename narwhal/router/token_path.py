@@ -136,7 +136,7 @@ class TokenPath:
         on_first_token: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
-        # the engine runs it now: its leg no longer counts as waiting there (SPEC 4.5)
+        # the engine runs it now: its leg no longer counts as waiting there (contract 4.5)
         self.on_first_token = on_first_token
         self.relay = relay
         self.base = relay.tokens  # a continuation's relay counts the output sent before it

@@ -1,5 +1,5 @@
 """Non-streaming clients are served from a streamed decode: fold its chunks into the JSON a
-non-streaming vLLM response has (SPEC 3, "Completeness"). Pure.
+non-streaming vLLM response has (contract 3, "Completeness"). Pure.
 
 Per choice index:
 * chat: ``content``, ``reasoning_content`` and ``refusal`` concatenated; ``tool_calls``

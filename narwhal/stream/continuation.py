@@ -1,4 +1,4 @@
-"""What a stream keeps so that another consumer can continue it (SPEC 6.4), sans-IO.
+"""What a stream keeps so that another consumer can continue it (contract 6.4), sans-IO.
 
 With stream resume on, the decode leg asks for vLLM's ``return_token_ids``: each chunk
 then lists the token ids it carries, and the first one the prompt's. ``Kept`` reads them

@@ -1,4 +1,4 @@
-"""Sans-IO meaning of a decode stream (SPEC 6): which SSE payloads are generated output.
+"""Sans-IO meaning of a decode stream (contract 6): which SSE payloads are generated output.
 
 A payload is decoded into a narrow struct (only the fields the router acts on) and
 classified. A generated token is a choice with text, delta content, reasoning or tool

@@ -1,4 +1,4 @@
-"""The rules of a decode stream, sans-IO (SPEC 6): engine bytes in, one action out per read.
+"""The rules of a decode stream, sans-IO (contract 6): engine bytes in, one action out per read.
 
 ``StreamRelay.feed(data)`` takes what one read of the engine's body returned and says what
 the client is owed, h11-style: nothing yet (``HOLD``), the first output with the metadata
@@ -147,7 +147,7 @@ class StreamRelay:
         resumed_at: int | None = None,
     ) -> None:
         self._collector = collector
-        # stream resume (SPEC 6.4): the ids and head the stream keeps, and how each chunk
+        # stream resume (contract 6.4): the ids and head the stream keeps, and how each chunk
         # is written for the client (its ids put back to null, or a continuation reframed)
         self.kept = kept
         self._rewrite = rewrite

@@ -1,5 +1,5 @@
 """A client that leaves while the router writes the answer's last bytes got part of it:
-the journal says ``cancelled`` (phase ``stream``), never ``completed`` (SPEC 8, invariant 1).
+the journal says ``cancelled`` (phase ``stream``), never ``completed`` (contract 8, invariant 1).
 
 From the wire: a client with a tiny receive buffer reads until the last write has begun
 (a marker in it arrives), then resets the connection. That write is far bigger than what

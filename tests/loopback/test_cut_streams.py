@@ -1,5 +1,5 @@
 """A stream that fails after the commit point ends with one terminal error event, and then
-its body is cut: the connection closes without the chunked body's last chunk (SPEC 6), so a
+its body is cut: the connection closes without the chunked body's last chunk (contract 6), so a
 client that ignores error events (vLLM's benchmark client) still sees a failed transfer,
 and no pooled client reuses the connection. Seen from the wire: a raw socket, aiohttp as
 ``vllm bench serve`` reads a stream, httpx."""

@@ -1,4 +1,4 @@
-"""A client that goes away mid-decode cancels the engine leg at once (SPEC invariant 7)."""
+"""A client that goes away mid-decode cancels the engine leg at once (contract invariant 7)."""
 
 from __future__ import annotations
 

@@ -277,7 +277,7 @@ async def test_engine_client_error_passes_through(pd: Harness) -> None:
 
 
 async def test_unknown_paths_are_404_and_reach_no_engine(pd: Harness) -> None:
-    for path in ("/invocations", "/v1/embeddings"):  # /tokenize is served (SPEC 3)
+    for path in ("/invocations", "/v1/embeddings"):  # /tokenize is served (contract 3)
         assert (await pd.post(path, {"model": MODEL})).status == 404
     assert not _requests(pd.engines["p0"])
 

@@ -1,4 +1,4 @@
-"""Placement from engine truth (SPEC 4.4): each engine's /metrics scraped off the request
+"""Placement from engine truth (contract 4.4): each engine's /metrics scraped off the request
 path, shown to the operator, and never a reason to eject an engine."""
 
 from __future__ import annotations

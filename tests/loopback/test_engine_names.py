@@ -1,4 +1,4 @@
-"""Client-visible messages name engines by id, never by URL (SPEC 3).
+"""Client-visible messages name engines by id, never by URL (contract 3).
 
 A fault's ``message`` keeps the engine's address for logs and the journal; ``error_body()``,
 from which the JSON error and the terminal stream event are both built, names the engine

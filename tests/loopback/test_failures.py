@@ -1,6 +1,6 @@
-"""Every scripted engine fault, over real loopback sockets: what the client sees (SPEC 6).
+"""Every scripted engine fault, over real loopback sockets: what the client sees (contract 6).
 
-Before the commit point a failure is an ordinary HTTP error with the JSON of SPEC 3; after
+Before the commit point a failure is an ordinary HTTP error with the JSON of contract 3; after
 it (headers go out with the first generated token) the stream ends with exactly one
 terminal error event. Never an empty 200, never a silent truncation.
 """
@@ -95,7 +95,7 @@ async def test_fault_gives_the_status_and_message_of_the_spec(
     await _break(harness, name)
     path, fields = ENDPOINTS[endpoint]
     body = {"model": MODEL, "max_tokens": 6, "stream": stream, **fields}
-    cut = stream and case.after_output  # the body is cut after the terminal event (SPEC 6)
+    cut = stream and case.after_output  # the body is cut after the terminal event (contract 6)
     reply = await (post_raw(harness, path, body) if cut else harness.post(path, body))
     assert reply.headers["x-request-id"]
     if cut:

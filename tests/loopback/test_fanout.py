@@ -1,4 +1,4 @@
-"""Fan-out (SPEC 3): ``n > 1`` and a list of prompts run as independent prefill/decode
+"""Fan-out (contract 3): ``n > 1`` and a list of prompts run as independent prefill/decode
 requests, one merged response with OpenAI's choice order (prompt-major, then ``n``)."""
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ async def test_a_child_failing_after_the_commit_point_ends_the_stream_with_one_e
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 30, "n": 2, "stream": True}
     reply = await post_raw(h, "/v1/completions", body)
     assert reply.status == 200
-    assert not reply.ended  # cut after the terminal event (SPEC 6)
+    assert not reply.ended  # cut after the terminal event (contract 6)
     events = reply.events()
     assert events[-1] != b"[DONE]"
     errors = [e for e in events if b'"error"' in e]

@@ -1,4 +1,4 @@
-"""Flow control on the wire (SPEC 3, 4.5): the priority and tenant headers, the queue's
+"""Flow control on the wire (contract 3, 4.5): the priority and tenant headers, the queue's
 429s with ``Retry-After``, a client leaving while queued, and what an operator reads
 (``/metrics``, ``/narwhal/engines``, the journal). The drain's 503 to a queued request,
 which needs no socket to show, is timed exactly in ``tests/shell/test_admission_queue.py``.

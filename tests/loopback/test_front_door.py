@@ -1,4 +1,4 @@
-"""The front door (SPEC 3 "HTTP hygiene", invariants 9 and 10): what a hostile or careless
+"""The front door (contract 3 "HTTP hygiene", invariants 9 and 10): what a hostile or careless
 client does on the wire, seen from outside with raw sockets, HTTP/2 frames and the clients
 operators' users run (httpx sync and async, aiohttp, the openai client, curl).
 
@@ -280,7 +280,7 @@ async def open_stalled_stream(h: Harness, max_tokens: int = 30_000) -> trio.Sock
 async def read_to_close(stream: trio.SocketStream) -> None:
     """Read what the router wrote until it closes (or resets) the connection: a stream it
     gave up on is never ended whole, even when its terminal event fit in the socket
-    buffers (SPEC 6: the body is cut after it)."""
+    buffers (contract 6: the body is cut after it)."""
     tail = b""
     while chunk := await read_answer(stream):
         tail = (tail + chunk)[-4096:]

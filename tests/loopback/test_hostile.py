@@ -194,7 +194,7 @@ async def test_a_body_broken_two_ways_at_once_gets_one_answer_and_the_journal_sa
 
 async def test_only_documented_paths_are_served(bounded: Harness) -> None:
     for path in (
-        b"/invocations",  # /tokenize and /detokenize are served (SPEC 3, test_tokenize.py)
+        b"/invocations",  # /tokenize and /detokenize are served (contract 3, test_tokenize.py)
         b"/v1/embeddings",
         b"/../v1/completions",
         b"/v1/../v1/completions",

@@ -1,5 +1,5 @@
 """A failing journal disk or pipe never fails a request, holds a slot or blocks the loop
-(SPEC 8, invariant 9): lines are dropped and counted instead. Real clock, no sleeps."""
+(contract 8, invariant 9): lines are dropped and counted instead. Real clock, no sleeps."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Conditional disaggregation over loopback sockets (SPEC 4.4): what a client gets from a
+"""Conditional disaggregation over loopback sockets (contract 4.4): what a client gets from a
 local attempt, what the engines saw, and how a stream cut after output is told (a local
 leg that never answers is timed exactly in ``tests/shell/test_local_prefill.py``)."""
 

@@ -1,4 +1,4 @@
-"""Models and LoRA adapters behind one router, over loopback (SPEC 4.7): fake engines that
+"""Models and LoRA adapters behind one router, over loopback (contract 4.7): fake engines that
 serve a base model and adapters (``--models``), the router learning what each serves from
 its ``GET /v1/models``, routing by ``model``, aliases, adapter affinity, and room per model."""
 

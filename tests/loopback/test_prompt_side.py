@@ -1,4 +1,4 @@
-"""Prompt-side fields come from the prefill leg (SPEC 3, "Completeness"; SPEC 4.1): the
+"""Prompt-side fields come from the prefill leg (contract 3, "Completeness"; contract 4.1): the
 producer computed the prompt, the consumer only pulled its KV. ``prompt_logprobs`` asked
 by a non-streaming client are served from the prefill response, where vLLM puts them (a
 completion choice's ``prompt_logprobs``, a chat response's top-level one)."""

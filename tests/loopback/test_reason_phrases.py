@@ -1,4 +1,4 @@
-"""Every status line the router writes carries its standard reason phrase (SPEC 3): clients
+"""Every status line the router writes carries its standard reason phrase (contract 3): clients
 print ``response.reason`` (vLLM's benchmark client showed an empty error for each 502).
 Read from the wire with raw sockets, as a stranger's client sees it."""
 

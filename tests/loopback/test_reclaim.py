@@ -1,4 +1,4 @@
-"""No stranded KV (SPEC 5, invariant 7): a handoff never outlives the producer's lease, and
+"""No stranded KV (contract 5, invariant 7): a handoff never outlives the producer's lease, and
 one that no decode will read is reclaimed at once by a one-token decode leg owned by the
 server, so the producer frees its blocks now instead of when its lease runs out.
 

@@ -1,4 +1,4 @@
-"""Where a reclaim leg goes (SPEC 5): to a placeable consumer other than the one whose leg
+"""Where a reclaim leg goes (contract 5): to a placeable consumer other than the one whose leg
 with the descriptor failed, never to the producer; a consumer whose connection fails before
 the request was sent is followed by one more try on another, never a third.
 

@@ -1,4 +1,4 @@
-"""Out-of-range fields are refused before any engine leg (SPEC 3 and 4.1).
+"""Out-of-range fields are refused before any engine leg (contract 3 and 4.1).
 
 The prefill leg's body replaces ``max_tokens`` with 1 and drops ``max_completion_tokens``,
 ``min_tokens``, ``n``, ``best_of`` and ``stream_options``, so a bad value there would pass
@@ -300,7 +300,7 @@ NOT_SERVED: list[tuple[str, str, dict[str, Any]]] = [
 def test_what_is_not_served_is_a_400_never_a_silent_drop(
     endpoint: str, field: str, fields: dict[str, Any]
 ) -> None:
-    """SPEC 3: echo and prompt logprobs would be lost with the prefill output: until they
+    """contract 3: echo and prompt logprobs would be lost with the prefill output: until they
     are served, the client is told; a prompt list must be prompts or token ids."""
     with pytest.raises(BadRequest) as caught:
         _parse(endpoint, fields)

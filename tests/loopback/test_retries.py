@@ -1,4 +1,4 @@
-"""Retries (SPEC 6.1) over loopback: only before output, fresh ids, other engines, budgeted."""
+"""Retries (contract 6.1) over loopback: only before output, fresh ids, other engines, budgeted."""
 
 from __future__ import annotations
 

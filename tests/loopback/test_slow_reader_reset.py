@@ -22,7 +22,7 @@ from tests.support.fleet import MODEL, Harness, finish, start_fleet
 
 TIMEOUT_S = 2.0
 GRACE_S = 0.5
-WINDOW_S = 1.0  # the client sees the end within this of the deadline (SPEC 8, invariant 10)
+WINDOW_S = 1.0  # the client sees the end within this of the deadline (contract 8, invariant 10)
 FAT = b"x" * 5000
 TOKENS = 2000
 

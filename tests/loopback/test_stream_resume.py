@@ -1,4 +1,4 @@
-"""Stream resume (SPEC 6.4) over loopback: a consumer that fails after output costs the
+"""Stream resume (contract 6.4) over loopback: a consumer that fails after output costs the
 client nothing. The continuation is prefilled and decoded on other engines from the
 prompt's ids and the ids already sent; the client reads one stream, judged from its bytes.
 

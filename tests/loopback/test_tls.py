@@ -1,4 +1,4 @@
-"""TLS to engines (SPEC 2): ``https://`` engine URLs are spoken to over TLS, verified against
+"""TLS to engines (contract 2): ``https://`` engine URLs are spoken to over TLS, verified against
 ``engine.ca_file`` (or the system trust store), by the router, its health probes and
 ``narwhal check``; a certificate that does not verify is an engine fault like a refused
 connection, and the bearer token never leaves the router before the engine is verified.

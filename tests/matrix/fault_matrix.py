@@ -1,6 +1,6 @@
 """The fault matrix: many requests per scenario against fake engines that break in
 scripted ways, then one reconciliation of what the client saw, what the router's journal
-says and what the engines logged, against the invariants of SPEC.md.
+says and what the engines logged, against the invariants of docs/contract.md.
 
 ``make faults`` runs every scenario at 200 requests, concurrency 32 (``python -m
 tests.matrix.fault_matrix``); ``tests/matrix/test_fault_matrix.py`` runs them all at a
@@ -115,7 +115,7 @@ class Scenario:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # its flow control
     placement: PlacementConfig = PLACEMENT
     long_every: int = 0  # every Nth request's prompt is long (about 250 tokens), else ~15
-    # stream resume (SPEC 6.4): at most this many per request, and every client must get a
+    # stream resume (contract 6.4): at most this many per request, and every client must get a
     # whole answer; ``kill``: d0 dies (its open streams dropped) once streams on it are
     # under way
     resume: int = 0
@@ -439,7 +439,7 @@ async def _stalled_request(
     """A client that reads the response head, then nothing for ``STALL_S``, then the rest:
     the router must have ended the stream at the request deadline (invariant 10), with the
     terminal event when it still fit in the socket buffers, and by closing (or resetting)
-    the connection: the body is never ended whole after a terminal event (SPEC 6)."""
+    the connection: the body is never ended whole after a terminal event (contract 6)."""
     host, port = url.removeprefix("http://").split(":")
     sock = trio.socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -552,7 +552,7 @@ async def _read_stream(
     except httpcore.RemoteProtocolError:
         cut = True  # the connection closed before the chunked body's end
     if error:
-        # SPEC 6: the terminal event, then the body is cut; ended whole, a client that
+        # contract 6: the terminal event, then the body is cut; ended whole, a client that
         # ignores error events (vLLM's benchmark client) would count it a success
         result.outcome = "terminal-error" if cut else "terminal-error-whole"
     elif done and not cut:
@@ -878,7 +878,7 @@ def _legs(engines: Any) -> list[dict[str, Any]]:
 
 
 def _resume_attempts(lines: list[Any]) -> set[str]:
-    """The attempts (``<request id>-a<N>``) that continued a stream (SPEC 6.4)."""
+    """The attempts (``<request id>-a<N>``) that continued a stream (contract 6.4)."""
     return {
         f"{line.request_id}-a{a.number}"
         for line in lines
@@ -889,7 +889,7 @@ def _resume_attempts(lines: list[Any]) -> set[str]:
 
 def _retries_after_output(legs: list[dict[str, Any]], resumed: set[str]) -> int:
     """Requests with more than one decode leg that sent the client tokens, continuations
-    of a stream resume (SPEC 6.4, the one exception) aside."""
+    of a stream resume (contract 6.4, the one exception) aside."""
     speaking: Counter[str] = Counter()
     for leg in legs:
         if leg["request_id"].removesuffix("-decode") in resumed:

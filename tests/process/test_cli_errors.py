@@ -1,5 +1,5 @@
 """What keeps `narwhal` from starting is one line on stderr and an exit status of its own,
-never a traceback (SPEC 3): each case run from outside, as `python -m narwhal ...`."""
+never a traceback (contract 3): each case run from outside, as `python -m narwhal ...`."""
 
 from __future__ import annotations
 

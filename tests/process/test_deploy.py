@@ -539,7 +539,7 @@ def test_the_fleet_configmap_loads_with_narwhals_loader(tmp_path: Path) -> None:
         if any(re.match(r"discover(y)?\b", p) for p in exc.problems):
             pytest.fail(
                 "narwhal/core/config.py does not know the [[discover]] and [discovery] sections of "
-                "SPEC section 2 yet, which deploy/k8s/fleet-configmap.yaml uses; rerun once "
+                "contract section 2 yet, which deploy/k8s/fleet-configmap.yaml uses; rerun once "
                 "it does. The loader said:\n" + exc.render()
             )
         pytest.fail("deploy/k8s/fleet-configmap.yaml's fleet file is refused:\n" + exc.render())

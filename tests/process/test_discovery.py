@@ -1,4 +1,4 @@
-"""DNS discovery (SPEC 2 ``[[discover]]``).
+"""DNS discovery (contract 2 ``[[discover]]``).
 
 The sans-IO part (what a resolution stands for, what it changed, what a failure keeps) is
 walked with hypothesis; the whole of it runs against a real DNS server: ``dnsmasq`` on a

@@ -1,5 +1,5 @@
 """A disk that fills up mid-line leaves no torn line in the journal: the file holds whole
-lines only, each one JSON, and what did not fit is counted as dropped (SPEC 8,
+lines only, each one JSON, and what did not fit is counted as dropped (contract 8,
 invariants 1 and 9).
 
 A full disk takes what fits of a write, then fails the next with ``ENOSPC``. The file size

@@ -48,7 +48,7 @@ async def _stream(
                 if first is not None and events:
                     first.set()
         except httpcore.RemoteProtocolError:
-            # the body is cut after a terminal event (SPEC 6): the transfer failed
+            # the body is cut after a terminal event (contract 6): the transfer failed
             assert b'"error"' in events[-1]
             return events
     assert b'"error"' not in events[-1], "a terminal event is followed by a cut, never an end"

@@ -1,4 +1,4 @@
-"""`narwhal serve --workers 2` acts as one router (SPEC 3): SIGTERM drains every worker,
+"""`narwhal serve --workers 2` acts as one router (contract 3): SIGTERM drains every worker,
 a reload reaches every worker without holding up new requests, a dead worker's gauges stop
 counting, and the kernel spreads connections over the workers. Real processes on
 127.0.0.1: two fake engines (the decode one streams a token every 50 ms) and the router."""
@@ -175,7 +175,7 @@ async def _stream(
                 if events:
                     first.set()
     except httpcore.RemoteProtocolError as exc:
-        # a terminal event is followed by the body's cut (SPEC 6); anything else is a cut
+        # a terminal event is followed by the body's cut (contract 6); anything else is a cut
         if not (events and b'"error"' in events[-1]):
             out[rid] = exc
     except Exception as exc:

@@ -1,4 +1,4 @@
-"""``serving.max_inflight`` bounds the whole router under ``--workers N`` (SPEC 3, 4.5): the
+"""``serving.max_inflight`` bounds the whole router under ``--workers N`` (contract 3, 4.5): the
 workers share no counter, so each admits its share (max_inflight / N, the shares summing
 to max_inflight exactly), and ``/narwhal/engines`` says which. Requests beyond the total
 get 429 whichever worker the kernel hands their connection to."""

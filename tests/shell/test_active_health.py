@@ -1,4 +1,4 @@
-"""Honest readiness and active health (issue "deployable", item 2; SPEC 3 ``/ready``).
+"""Honest readiness and active health (issue "deployable", item 2; contract 3 ``/ready``).
 
 Every engine is checked (``GET /health``) every ``engine.health_interval_s``, jittered,
 idle or not; an engine joins placement only after it answered, and one that stops

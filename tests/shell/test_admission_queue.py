@@ -1,4 +1,4 @@
-"""The admission queue's shell (SPEC 4.5, invariant 11), on trio's MockClock over in-memory
+"""The admission queue's shell (contract 4.5, invariant 11), on trio's MockClock over in-memory
 streams: who goes on when room frees, who leaves and when, and what a queued request holds.
 
 The fleet is one producer whose prefill takes a virtual second per prompt word and one

@@ -1,4 +1,4 @@
-"""The router's KV lease defaults to vLLM 0.32's (SPEC 2: ``engine.kv_lease_s = 30``).
+"""The router's KV lease defaults to vLLM 0.32's (contract 2: ``engine.kv_lease_s = 30``).
 
 vLLM 0.32's producer frees KV nobody read after ``kv_lease_duration``, 30 s unless the
 engines set it; a consumer that reads the blocks after that gets other requests' KV and

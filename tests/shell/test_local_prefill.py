@@ -1,4 +1,4 @@
-"""Conditional disaggregation on trio's MockClock over in-memory streams (SPEC 4.4): which
+"""Conditional disaggregation on trio's MockClock over in-memory streams (contract 4.4): which
 requests skip the producer, what their one leg carries, and how long it may take."""
 
 from __future__ import annotations

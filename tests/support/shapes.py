@@ -9,7 +9,7 @@ import msgspec
 from narwhal.stream.assemble import Assembler
 from narwhal.stream.rules import Fault, Finish, StreamRelay
 
-# what a non-streaming client must get whole (SPEC 3, "Completeness")
+# what a non-streaming client must get whole (contract 3, "Completeness")
 MESSAGE_FIELDS = ("role", "content", "reasoning_content", "refusal", "tool_calls")
 
 

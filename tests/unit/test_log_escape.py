@@ -1,5 +1,5 @@
 """Log injection: a client-supplied value never forges a log line nor writes a raw terminal
-escape (SPEC 8, invariant 9). One record is one line, in text and in JSON."""
+escape (contract 8, invariant 9). One record is one line, in text and in JSON."""
 
 from __future__ import annotations
 

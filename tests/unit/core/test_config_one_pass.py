@@ -1,4 +1,4 @@
-"""Cross-field problems are reported in the same pass as field problems (SPEC 2), and never
+"""Cross-field problems are reported in the same pass as field problems (contract 2), and never
 one that a key's own problem makes up."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The NIXL connector, sans IO: bodies, descriptor rules (SPEC 4.2), detached parameters."""
+"""The NIXL connector, sans IO: bodies, descriptor rules (contract 4.2), detached parameters."""
 
 from __future__ import annotations
 

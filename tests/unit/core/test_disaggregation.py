@@ -1,4 +1,4 @@
-"""Conditional disaggregation (SPEC 4.4, decode first) as a pure decision."""
+"""Conditional disaggregation (contract 4.4, decode first) as a pure decision."""
 
 from __future__ import annotations
 

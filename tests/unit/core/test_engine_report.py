@@ -1,4 +1,4 @@
-"""An engine's /metrics read into a load report (SPEC 4.4): vLLM's names, garbage refused."""
+"""An engine's /metrics read into a load report (contract 4.4): vLLM's names, garbage refused."""
 
 from __future__ import annotations
 

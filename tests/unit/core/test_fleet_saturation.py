@@ -1,4 +1,4 @@
-"""When an engine is saturated for the admission queue (SPEC 4.5): its scraped waiting
+"""When an engine is saturated for the admission queue (contract 4.5): its scraped waiting
 queue plus this router's legs sent since that scrape and not yet started; and the room the
 fleet has in all."""
 

@@ -1,4 +1,4 @@
-"""The admission queue's policy (SPEC 4.5), sans IO: examples that read like the spec, a
+"""The admission queue's policy (contract 4.5), sans IO: examples that read like the spec, a
 hypothesis state machine against a plain model, and focused properties."""
 
 from __future__ import annotations

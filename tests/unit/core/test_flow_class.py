@@ -1,4 +1,4 @@
-"""A request's class and fairness key from its headers or its client key (SPEC 3, 4.5)."""
+"""A request's class and fairness key from its headers or its client key (contract 3, 4.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Models and LoRA adapters (SPEC 4.7), pure: each engine's model list, the fleet's names
+"""Models and LoRA adapters (contract 4.7), pure: each engine's model list, the fleet's names
 and aliases, candidates by model, adapter affinity, and room per model."""
 
 from __future__ import annotations

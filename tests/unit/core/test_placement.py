@@ -1,4 +1,4 @@
-"""Placement is a pure function of fleet state (SPEC 4.4)."""
+"""Placement is a pure function of fleet state (contract 4.4)."""
 
 from __future__ import annotations
 

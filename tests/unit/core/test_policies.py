@@ -1,4 +1,4 @@
-"""Placement policies (SPEC 4.4), as properties of pure functions (hypothesis)."""
+"""Placement policies (contract 4.4), as properties of pure functions (hypothesis)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The approximate prefix index (SPEC 4.4): what the router believes each engine caches."""
+"""The approximate prefix index (contract 4.4): what the router believes each engine caches."""
 
 from __future__ import annotations
 

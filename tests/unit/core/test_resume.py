@@ -1,4 +1,4 @@
-"""Stream resume (SPEC 6.4), pure: what may continue, and the request that continues it."""
+"""Stream resume (contract 6.4), pure: what may continue, and the request that continues it."""
 
 from __future__ import annotations
 

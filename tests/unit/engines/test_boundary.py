@@ -1,5 +1,5 @@
 """The engine boundary's table, without sockets: every library error it names becomes the
-engine fault SPEC 6 says (status, breaker class, phase, the engine's URL), with the words
+engine fault contract 6 says (status, breaker class, phase, the engine's URL), with the words
 a journal line shows; what it does not name passes through unchanged."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from narwhal.stream.chunked import ChunkedError
 URL = "http://10.0.0.5:8000"
 
 # What a client and the breaker see for each library error, per step, written out from
-# SPEC 6 (not read from the table): (status, breaker class, the fault a journal names)
+# contract 6 (not read from the table): (status, breaker class, the fault a journal names)
 UNREACHABLE = (502, BreakerClass.UNREACHABLE, EngineUnreachable)
 CONNECT_TIMED_OUT = (504, BreakerClass.UNREACHABLE, ConnectTimeout)
 BROKEN = (502, BreakerClass.STREAM, StreamBroken)
@@ -61,7 +61,7 @@ def _os_errors() -> list[Build]:
     ]
 
 
-# every library error the transport's steps can raise, with what SPEC 6 makes of it
+# every library error the transport's steps can raise, with what contract 6 makes of it
 EXPECTED: dict[Step, list[tuple[Build, tuple[int, BreakerClass, type]]]] = {
     Step.CONNECT: [
         (lambda _: trio.TooSlowError(), CONNECT_TIMED_OUT),
@@ -117,7 +117,7 @@ def test_every_row_gives_its_fault_with_its_status_and_breaker_class(
     phase: Phase,
 ) -> None:
     step, (kind, rule) = step_and_row
-    # an error of exactly the row's type: a new row needs its SPEC 6 line in EXPECTED
+    # an error of exactly the row's type: a new row needs its contract 6 line in EXPECTED
     error = next(e for e in (build("x") for build, _ in EXPECTED[step]) if type(e) is kind)
     fault = EngineErrors(step, url, phase).fault(error)
     assert type(fault) is rule.fault

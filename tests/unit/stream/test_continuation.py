@@ -1,4 +1,4 @@
-"""A stream resumed after a failure, sans-IO: what the client reads is one stream (SPEC 6.4).
+"""A stream resumed after a failure, sans-IO: what the client reads is one stream (contract 6.4).
 
 The engine side is vLLM's wire shape with ``return_token_ids``: a chat stream's first chunk
 carries the prompt's ids, a completion's first choice does; each token chunk lists its ids.

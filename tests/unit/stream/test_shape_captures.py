@@ -2,7 +2,7 @@
 sent to a real vLLM 0.32 engine twice, streamed and not, at temperature 0
 (``e2e/vllm/capture_shapes.py``). The streamed capture, read through the router's
 ``StreamRelay`` and ``Assembler``, must give what vLLM answered a non-streaming client, field
-by field, for every field SPEC 3 ("Completeness") names.
+by field, for every field contract 3 ("Completeness") names.
 ``python -m tests.unit.stream.test_shape_captures`` prints the whole table, with the
 fields outside that list as well."""
 

@@ -1,4 +1,4 @@
-"""What counts as generated output in a decode stream (SPEC 6), on real vLLM chunks."""
+"""What counts as generated output in a decode stream (contract 6), on real vLLM chunks."""
 
 from __future__ import annotations
 

@@ -212,6 +212,14 @@ class RequestMachine:
         a producer, and not an answer that needs the producer's prompt side."""
         return self.continuation is None and not wants_prompt_side(body)
 
+    def wants_other_consumer(
+        self, consumer: str, decision: Decision, only_producer: str | None
+    ) -> bool:
+        """Decode first chose ``consumer`` for a disaggregated attempt, but the one producer
+        left is that engine itself: another consumer, if there is one, makes it a handoff
+        instead of a local attempt on the producer."""
+        return decision == "disaggregated" and consumer == only_producer
+
     def decode_first(self, consumer: str, decision: Decision) -> GoLocal | None:
         """Decode first: the consumer is placed, and ``decision`` says whether it computes
         the prompt alone. None: place a producer apart from it (``producer_placed``)."""

@@ -24,7 +24,7 @@ from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.faults import AtEngine, NoCapacity, Phase, RequestFault
 from narwhal.core.handoff import Handoff
 from narwhal.core.lifecycle import State
-from narwhal.core.placement import Holdings, choose
+from narwhal.core.placement import Choice, Holdings, choose
 from narwhal.core.policies import prefix_key
 from narwhal.core.precise_index import TokenPrompt
 from narwhal.core.prefix_index import Prompt, prompt_of, reply_text
@@ -234,6 +234,10 @@ class RequestRun(RequestLegs):
     # ---- placement -------------------------------------------------------------------------
 
     def _place(self, leg: Leg, other_leg: str | None = None) -> EngineState:
+        return self._placed(leg, self._choice(leg, other_leg))
+
+    def _choice(self, leg: Leg, other_leg: str | None = None) -> Choice:
+        """Where placement puts ``leg`` now, and why (nothing counted yet)."""
         fleet, health = self.router.fleet, self.router.health
         model = self.req.model
         candidates, held_in = fleet.placeable(leg, trio.current_time(), model)
@@ -260,6 +264,10 @@ class RequestRun(RequestLegs):
                 f"no placeable {'producer' if leg == 'prefill' else 'consumer'} engine",
                 phase=Phase.ADMISSION,
             )
+        return choice
+
+    def _placed(self, leg: Leg, choice: Choice) -> EngineState:
+        """The leg goes where ``choice`` says: counted, and an adapter noted there."""
         self.router.metrics.placements_of(leg, choice.reason).inc()
         if self._adapter is not None:  # on its way there: the engine's series may not say
             choice.engine.adapters.placed(self._adapter)
@@ -302,8 +310,15 @@ class RequestRun(RequestLegs):
         return producer, consumer
 
     def _decode_first(self) -> tuple[GoLocal | Prefill, EngineState, EngineState]:
-        consumer = self._place("decode")
-        decision = self._disaggregation(consumer)
+        choice = self._choice("decode")
+        decision = self._disaggregation(choice.engine)
+        producers, _ = self.router.fleet.placeable("prefill", trio.current_time(), self.req.model)
+        only_producer = self.machine.only_engine([p.id for p in producers])
+        if self.machine.wants_other_consumer(choice.engine.id, decision, only_producer):
+            other = self._choice("decode", other_leg=choice.engine.id)
+            if other.engine is not choice.engine:
+                choice, decision = other, self._disaggregation(other.engine)
+        consumer = self._placed("decode", choice)
         local = self.machine.decode_first(consumer.id, decision)
         if local is not None:
             self.router.metrics.disaggregation_of(decision).inc()

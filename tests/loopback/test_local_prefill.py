@@ -73,3 +73,25 @@ async def test_a_local_stream_cut_after_output_ends_with_a_terminal_event(
     assert b'"error"' in events[-1]
     assert harness.router.journal.lines[-1].outcome == "failed"
     await finish(harness)
+
+
+async def test_a_long_prompt_is_handed_off_when_the_one_producer_is_also_a_consumer(
+    nursery: trio.Nursery,
+) -> None:
+    # p0 produces and consumes, d0 only consumes: decode first may pick p0 as the consumer,
+    # and the one producer is then the consumer itself. A long prompt is still handed off,
+    # to d0, rather than computed on p0 alone; a short one may run on either alone.
+    harness = await start_fleet(
+        nursery, {"p0": "both", "d0": "decode"}, placement=LOCAL, serving=ServingConfig()
+    )
+    for n in range(4):
+        long = {**SHORT, "prompt": f"{n}: a long prompt that no engine holds " * 40}
+        assert (await harness.post("/v1/completions", long)).status == 200
+    legs = [
+        (a.producer, a.consumer, a.local)
+        for ln in harness.router.journal.lines
+        for a in ln.attempts
+    ]
+    assert legs == [("p0", "d0", False)] * 4
+    assert harness.engines["d0"].counters["kv_pull_ok"] == 4
+    await finish(harness)

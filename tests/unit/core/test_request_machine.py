@@ -289,12 +289,18 @@ def test_every_life_keeps_the_rules(
     assert sum(1 for a in machine.attempts if a.handoff is not None) == len(life.handoffs)
 
 
-def test_a_retry_goes_to_engines_that_have_not_failed() -> None:
-    machine = RequestMachine(
-        _config(3, 0), deadline=DEADLINE_S, budget=RetryBudget(5, 0), rng=random.Random(0)
-    )
+def _attempting(max_attempts: int, credits: int) -> RequestMachine:
+    """A machine dispatched and in its first attempt, resume off."""
+    budget = RetryBudget(float(credits), 0.0)
+    config = _config(max_attempts, 0)
+    machine = RequestMachine(config, deadline=DEADLINE_S, budget=budget, rng=random.Random(0))
     machine.dispatched()
     machine.attempt()
+    return machine
+
+
+def test_a_retry_goes_to_engines_that_have_not_failed() -> None:
+    machine = _attempting(max_attempts=3, credits=5)
     machine.prefill_sent("e0")
     fault = PrefillTimeout("slow", phase=Phase.PREFILL, engine_id="e0")
     after = machine.failed(fault, now=1.0, body=BODY, chat=False, consumers=ENGINES, needed_s=0)
@@ -305,11 +311,7 @@ def test_a_retry_goes_to_engines_that_have_not_failed() -> None:
 
 
 def test_a_handoff_to_its_own_producer_runs_alone_unless_it_needs_the_prefill() -> None:
-    machine = RequestMachine(
-        _config(1, 0), deadline=DEADLINE_S, budget=RetryBudget(0, 0), rng=random.Random(0)
-    )
-    machine.dispatched()
-    machine.attempt()
+    machine = _attempting(max_attempts=1, credits=0)
     route = machine.producer_placed("e0", consumer=None, only_consumer="e0", consumers=1, body=BODY)
     assert type(route) is GoLocal
     assert route.decision == "local_one_engine"
@@ -322,11 +324,7 @@ def test_a_handoff_to_its_own_producer_runs_alone_unless_it_needs_the_prefill() 
 
 
 def test_a_descriptor_past_the_lease_is_never_handed_off() -> None:
-    machine = RequestMachine(
-        _config(1, 0), deadline=DEADLINE_S, budget=RetryBudget(0, 0), rng=random.Random(0)
-    )
-    machine.dispatched()
-    machine.attempt()
+    machine = _attempting(max_attempts=1, credits=0)
     machine.prefill_sent("e0")
     handoff = machine.prefill_answered("r", "e0", _result(), started=0.0)
     with pytest.raises(HandoffExpired, match="older than the producer's KV lease"):

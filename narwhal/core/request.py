@@ -168,10 +168,6 @@ class RequestMachine:
             raise InvalidTransition("dispatched twice")
         self._queued = False
 
-    @property
-    def queued(self) -> bool:
-        return self._queued
-
     # ---- attempts --------------------------------------------------------------------------
 
     @property
@@ -213,12 +209,12 @@ class RequestMachine:
         return self.continuation is None and not wants_prompt_side(body)
 
     def wants_other_consumer(
-        self, consumer: str, decision: Decision, only_producer: str | None
+        self, consumer: str, decision: Decision, producers: Callable[[], Sequence[str]]
     ) -> bool:
         """Decode first chose ``consumer`` for a disaggregated attempt, but the one producer
-        left is that engine itself: another consumer, if there is one, makes it a handoff
-        instead of a local attempt on the producer."""
-        return decision == "disaggregated" and consumer == only_producer
+        left (of ``producers``, asked only then) is that engine itself: another consumer, if
+        there is one, makes it a handoff instead of a local attempt on the producer."""
+        return decision == "disaggregated" and self.only_engine(producers()) == consumer
 
     def decode_first(self, consumer: str, decision: Decision) -> GoLocal | None:
         """Decode first: the consumer is placed, and ``decision`` says whether it computes
@@ -337,16 +333,16 @@ class RequestMachine:
         now: float,
         body: Mapping[str, Any],
         chat: bool,
-        consumers: Sequence[str],
+        consumers: Callable[[], Sequence[str]],
         needed_s: float,
     ) -> AfterFault:
         """A resume for a stream that failed after output (when allowed), else a retry
         before output (when every rule allows one), else the end. ``consumers``: the
-        placeable consumers (a continuation goes to one this request has not failed on);
+        placeable consumers, asked only for a resume (a continuation goes to one this
+        request has not failed on);
         ``needed_s``: the time its first output took (a continuation needs as much)."""
         if self._resumable():
-            other = any(c not in self.failed_engines for c in consumers)
-            reason = self._resume_refusal(fault, now, body, chat, other, needed_s)
+            reason = self._resume_refusal(fault, now, body, chat, consumers, needed_s)
             self.attempt_line.resume = reason or "resumed"
             if reason is None:
                 self.attempt_line.error, self.attempt_line.phase = fault.message, fault.phase
@@ -374,7 +370,7 @@ class RequestMachine:
         now: float,
         body: Mapping[str, Any],
         chat: bool,
-        other_consumer: bool,
+        consumers: Callable[[], Sequence[str]],
         needed_s: float,
     ) -> str | None:
         kept = self.kept
@@ -392,7 +388,7 @@ class RequestMachine:
             )
         except ValueError as exc:  # the limit was reached, or there is none to give
             return str(exc)
-        if not other_consumer:
+        if all(c in self.failed_engines for c in consumers()):
             return "no other consumer"
         reason = resume.after(
             fault,

@@ -182,7 +182,7 @@ class RequestRun(RequestLegs):
             now=trio.current_time(),
             body=self.req.body,
             chat=self.req.chat,
-            consumers=self._consumers(),
+            consumers=self._consumers,
             needed_s=self.first_byte_s or 0.0,
         )
         if type(after) is Resume:
@@ -197,6 +197,11 @@ class RequestRun(RequestLegs):
             if after.retry_denied is not None:
                 metrics.retries_denied.labels(after.retry_denied).inc()
         return after
+
+    def _producers(self) -> list[str]:
+        fleet = self.router.fleet
+        candidates, _ = fleet.placeable("prefill", trio.current_time(), self.req.model)
+        return [engine.id for engine in candidates]
 
     def _consumers(self) -> list[str]:
         fleet = self.router.fleet
@@ -312,9 +317,7 @@ class RequestRun(RequestLegs):
     def _decode_first(self) -> tuple[GoLocal | Prefill, EngineState, EngineState]:
         choice = self._choice("decode")
         decision = self._disaggregation(choice.engine)
-        producers, _ = self.router.fleet.placeable("prefill", trio.current_time(), self.req.model)
-        only_producer = self.machine.only_engine([p.id for p in producers])
-        if self.machine.wants_other_consumer(choice.engine.id, decision, only_producer):
+        if self.machine.wants_other_consumer(choice.engine.id, decision, self._producers):
             other = self._choice("decode", other_leg=choice.engine.id)
             if other.engine is not choice.engine:
                 choice, decision = other, self._disaggregation(other.engine)

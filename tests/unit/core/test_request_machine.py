@@ -212,7 +212,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
         except RequestFault as fault:
             output = machine.lifecycle.output_seen
             after = machine.failed(
-                fault, now=now, body=BODY, chat=False, consumers=ENGINES, needed_s=0.0
+                fault, now=now, body=BODY, chat=False, consumers=lambda: ENGINES, needed_s=0.0
             )
             if type(after) is Retry:
                 life.saw(not output, "invariant 3: no retry after output")
@@ -303,7 +303,9 @@ def test_a_retry_goes_to_engines_that_have_not_failed() -> None:
     machine = _attempting(max_attempts=3, credits=5)
     machine.prefill_sent("e0")
     fault = PrefillTimeout("slow", phase=Phase.PREFILL, engine_id="e0")
-    after = machine.failed(fault, now=1.0, body=BODY, chat=False, consumers=ENGINES, needed_s=0)
+    after = machine.failed(
+        fault, now=1.0, body=BODY, chat=False, consumers=lambda: ENGINES, needed_s=0
+    )
     assert type(after) is Retry
     assert machine.usable(ENGINES) == ["e1", "e2"]
     assert machine.attempts[0].retry == "retry"

@@ -51,12 +51,15 @@ class DirectBody:
     """The client connection under one request's HTTP/1.1 stream (``DIRECT_BODY``; absent
     under another server, or a test's)."""
 
-    __slots__ = ("_conn", "_h11", "_stream")
+    __slots__ = ("_chunked", "_conn", "_h11", "_stream")
 
     def __init__(self, stream: HTTPStream, h11_conn: Any, conn: Connection) -> None:
         self._stream = stream
         self._h11 = h11_conn
         self._conn = conn
+        # whether the response's body goes out in chunks: known once its head is sent, and
+        # the same until its end (asked of h11 once, not on every token)
+        self._chunked: bool | None = None
 
     def framing_send(
         self,
@@ -83,13 +86,12 @@ class DirectBody:
         """``body`` as one chunk, as h11 would frame it, when the response is streaming a
         chunked body; None otherwise (HEAD, 204 and 304 have no chunked writer)."""
         h = self._h11
-        if (
-            body
-            and self._stream.state is ASGIHTTPState.RESPONSE
-            and h.our_state is h11.SEND_BODY
-            and writes_chunks(h)
-        ):
-            return b"%x\r\n%s\r\n" % (len(body), body)
+        if body and self._stream.state is ASGIHTTPState.RESPONSE and h.our_state is h11.SEND_BODY:
+            chunked = self._chunked
+            if chunked is None:
+                chunked = self._chunked = writes_chunks(h)
+            if chunked:
+                return b"%x\r\n%s\r\n" % (len(body), body)
         return None
 
     def write_nowait(self, body: bytes) -> bool | None:

@@ -99,17 +99,19 @@ class NixlConnector:
             + b"}"
         )
 
-    def prefill_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def prefill_body(self, body: Mapping[str, Any], *, handoff: bool = True) -> dict[str, Any]:
         """The prefill leg's body: the client's fields as they came (raw JSON, spliced by
         the encoder) with the prefill's own. A client's ``return_token_ids`` stays in it:
-        the producer's prompt ids go into an echo."""
+        the producer's prompt ids go into an echo. ``handoff`` False: the leg asks for no
+        descriptor (its producer decodes too), so the engine holds no blocks for a read."""
         out = {k: v for k, v in spliceable(body).items() if k not in _PREFILL_DROPPED}
         if body.get("echo") and body.get("logprobs") is None:
             # the token the producer adds after an echoed prompt is known by its logprob
             out["logprobs"] = 0
         out["max_tokens"] = 1
         out["stream"] = False
-        out[_RESERVED] = {"do_remote_decode": True}
+        if handoff:
+            out[_RESERVED] = {"do_remote_decode": True}
         return out
 
     def decode_body(
@@ -145,9 +147,16 @@ class NixlConnector:
             )
 
     def extract(
-        self, response: bytes, *, producer_url: str, endpoint: str, request_id: str
+        self,
+        response: bytes,
+        *,
+        producer_url: str,
+        endpoint: str,
+        request_id: str,
+        handoff: bool = True,
     ) -> PrefillResult:
-        """Find and validate the descriptor in a prefill response (contract 4.1, 4.2)."""
+        """Find and validate the descriptor in a prefill response (contract 4.1, 4.2);
+        ``handoff`` False: none was asked for, only the prompt side is read."""
         try:
             parsed = msgspec.json.decode(response, type=_PrefillResponse)
         except (msgspec.DecodeError, RecursionError) as exc:
@@ -159,12 +168,15 @@ class NixlConnector:
             raw = parsed.choices[0].kv_transfer_params
         elif _present(parsed.kv_transfer_params):
             raw = parsed.kv_transfer_params
-        if not _present(raw):
+        if not handoff:
+            raw = msgspec.Raw()
+        elif not _present(raw):
             raise DescriptorInvalid(
                 "missing engine identity: prefill response has no kv_transfer_params",
                 phase=Phase.PREFILL,
             )
-        validate_descriptor(raw)
+        else:
+            validate_descriptor(raw)
         prompt_logprobs = parsed.prompt_logprobs
         first = parsed.choices[0] if parsed.choices else _Choice()
         if _present(first.prompt_logprobs):

@@ -111,6 +111,7 @@ class RequestMachine:
     """One prefill/decode chain of a client request (a fan-out runs one per choice)."""
 
     __slots__ = (
+        "_asked",
         "_budget",
         "_config",
         "_counted",
@@ -158,6 +159,7 @@ class RequestMachine:
         self.resumes = 0
         self._counted = False  # how a resumed stream ended is counted once
         self._handoff: Handoff | None = None  # the running attempt's descriptor
+        self._asked = True  # the running attempt's prefill asked for a descriptor
         self._queued = True
 
     # ---- the queue -------------------------------------------------------------------------
@@ -233,14 +235,23 @@ class RequestMachine:
         """The route once a producer is placed (``consumer``: the one decode first chose;
         ``only_consumer``: the one engine left that may decode, if one). Two legs go to two
         engines: when the only engine that may decode is the producer, it runs alone, as a
-        handoff to itself would leave the prefill's blocks held for the lease."""
+        handoff to itself would leave the prefill's blocks held for the lease; an answer
+        that needs the prefill leg takes both legs there, its prefill asking for no
+        descriptor."""
         if consumer is None and consumers == 0:
             # no consumer to decode: refuse now rather than pin KV nobody will read
             raise NoCapacity("no placeable consumer engine", phase=Phase.ADMISSION)
         alone = consumer if consumer is not None else only_consumer
-        if producer == alone and self.may_go_local(body):
+        if producer != alone:
+            return Prefill(producer, consumer)
+        if self.may_go_local(body):
             return GoLocal(producer, "local_one_engine")
-        return Prefill(producer, consumer)
+        return Prefill(producer, consumer, handoff=False)
+
+    def continuation_prefill(self, producer: str, consumer: str) -> Prefill:
+        """A continuation's legs: a handoff between two engines, or both legs on one
+        (the consumer is the only producer left) with no descriptor asked for."""
+        return Prefill(producer, consumer, handoff=producer != consumer)
 
     def resume_consumer(self, consumer: str) -> None:
         """A continuation decodes on a consumer that has not failed this request."""
@@ -266,27 +277,42 @@ class RequestMachine:
         for step in (Input.PREFILL, Input.DESCRIPTOR, Input.DISPATCH):
             self.lifecycle.advance(step)
 
-    def prefill_sent(self, producer: str) -> None:
+    def prefill_sent(self, producer: str, *, handoff: bool = True) -> None:
+        """The prefill leg goes to ``producer``; ``handoff``: it asks for a descriptor."""
         self.attempt_line.producer = producer
+        self._asked = handoff
         if self.continuation is None:  # a continuation's client stream is committed
             self.lifecycle.advance(Input.PREFILL)
 
+    @property
+    def handoff_asked(self) -> bool:
+        """Whether the running attempt's prefill asks for a descriptor."""
+        return self._asked
+
     def prefill_answered(
         self, rid: str, producer: str, result: PrefillResult, started: float
-    ) -> Handoff:
-        """The producer's descriptor is in hand; its age counts from the prefill's start."""
+    ) -> Handoff | None:
+        """The producer's answer is in hand, and its descriptor, if one was asked for (its
+        age counts from the prefill's start); None: no descriptor, nothing to hand off."""
         if self.continuation is None:
             self.lifecycle.advance(Input.DESCRIPTOR)
+        if not self._asked:
+            self._handoff = None
+            return None
         handoff = Handoff(rid, self.attempt_line.number, producer, result, started)
         self._handoff = handoff
         return handoff
 
     def handing_off(self, consumer: str, now: float) -> Decode:
         """The descriptor's way to ``consumer``, or the fault that it is too old for it
-        (past the lease the producer may have freed the blocks: a read gives garbage)."""
+        (past the lease the producer may have freed the blocks: a read gives garbage). A
+        prefill that asked for none decodes where it is, with nothing to hand off."""
         handoff = self._handoff
-        assert handoff is not None
         self.attempt_line.consumer = consumer
+        if handoff is None:
+            if self.continuation is None:
+                self.lifecycle.advance(Input.DISPATCH)
+            return Decode(consumer, None, crossed=False)
         age = handoff.age(now)
         reason = too_old(
             age,
@@ -304,9 +330,8 @@ class RequestMachine:
         return Decode(consumer, handoff, crossed=consumer != handoff.producer)
 
     def decode_taken(self, decode: Decode) -> None:
-        """The consumer took the decode leg: reading the blocks is its job now. One that
-        decodes without the descriptor (its own prefill) leaves it to the reclaim queue."""
-        if decode.crossed:
+        """The consumer took the decode leg: reading the blocks is its job now."""
+        if decode.crossed and decode.handoff is not None:
             decode.handoff.fate = Fate.DECODED
 
     def decode_failed(self, consumer: str) -> None:

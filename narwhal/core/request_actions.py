@@ -38,29 +38,31 @@ class GoLocal:
 
 class Prefill:
     """A producer leg on ``producer``, then a handoff to ``consumer`` (None: placed once
-    the descriptor is in hand)."""
+    the descriptor is in hand). ``handoff`` False: the producer decodes too, so the leg
+    asks for no descriptor (it would hold the blocks for a read that never comes)."""
 
-    __slots__ = ("consumer", "producer")
+    __slots__ = ("consumer", "handoff", "producer")
 
-    def __init__(self, producer: str, consumer: str | None) -> None:
+    def __init__(self, producer: str, consumer: str | None, *, handoff: bool = True) -> None:
         self.producer = producer
         self.consumer = consumer
+        self.handoff = handoff
 
 
 class Decode:
-    """The decode leg on ``consumer``: with the descriptor (``crossed``), or without it,
-    when the only consumer was the producer itself."""
+    """The decode leg on ``consumer``: with the descriptor (``crossed``), or without one,
+    when the only consumer was the producer itself (its prefill asked for none)."""
 
     __slots__ = ("consumer", "crossed", "handoff")
 
-    def __init__(self, consumer: str, handoff: Handoff, crossed: bool) -> None:
+    def __init__(self, consumer: str, handoff: Handoff | None, crossed: bool) -> None:
         self.consumer = consumer
         self.handoff = handoff
         self.crossed = crossed
 
     @property
     def descriptor(self) -> PrefillResult | None:
-        return self.handoff.result if self.crossed else None
+        return self.handoff.result if self.crossed and self.handoff is not None else None
 
 
 class Resume:

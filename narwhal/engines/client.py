@@ -161,12 +161,14 @@ class EngineClient:
         *,
         request_id: str = "",
         trace: Headers = NO_HEADERS,
+        handoff: bool = True,
     ) -> PrefillResult:
-        """Run the one-token prefill leg; return the validated descriptor."""
-        payload = _encode(self.connector.prefill_body(body))
+        """Run the one-token prefill leg; return the validated descriptor (``handoff``
+        False: none is asked for, its producer decodes too: only the prompt side)."""
+        payload = _encode(self.connector.prefill_body(body, handoff=handoff))
         data = await self._post_whole(url, endpoint, payload, request_id, trace)
         return self.connector.extract(
-            data, producer_url=url, endpoint=endpoint, request_id=request_id
+            data, producer_url=url, endpoint=endpoint, request_id=request_id, handoff=handoff
         )
 
     def decode(

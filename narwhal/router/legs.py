@@ -124,6 +124,7 @@ class RequestLegs(RunRecord):
                             body,
                             request_id=backend_id,
                             trace=self._leg_trace(span),
+                            handoff=self.machine.handoff_asked,
                         )
             clock, phase = Clock.PREFILL, Phase.PREFILL
             raise ran_out(clock, budget, phase=phase, engine_id=producer.id, scope=prefill_clock)

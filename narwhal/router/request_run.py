@@ -309,9 +309,9 @@ class RequestRun(RequestLegs):
             route, producer, consumer = self._decode_first()
         else:
             route, producer, consumer = self._producer_first()
-        if type(route) is GoLocal:
+        if isinstance(route, GoLocal):
             return None, producer if consumer is None else consumer
-        self._prefilling(producer)
+        self._prefilling(producer, route.handoff)
         return producer, consumer
 
     def _decode_first(self) -> tuple[GoLocal | Prefill, EngineState, EngineState]:
@@ -363,13 +363,14 @@ class RequestRun(RequestLegs):
         consumer = self._place("decode")
         machine.resume_consumer(consumer.id)
         producer = self._place("prefill", other_leg=consumer.id)
-        self._prefilling(producer)
+        route = machine.continuation_prefill(producer.id, consumer.id)
+        self._prefilling(producer, route.handoff)
         machine.within_context(consumer.id, await self._context(consumer))
         return producer, consumer
 
-    def _prefilling(self, producer: EngineState) -> None:
+    def _prefilling(self, producer: EngineState, handoff: bool) -> None:
         self.router.fleet.turn += 1
-        self.machine.prefill_sent(producer.id)
+        self.machine.prefill_sent(producer.id, handoff=handoff)
 
     async def _context(self, consumer: EngineState) -> int | None:
         """The consumer's context length, asked at each resume (``/v1/models``, within the
@@ -431,7 +432,8 @@ class RequestRun(RequestLegs):
                     health.failure(consumer, fault, "decode", crossed_from)
                     raise
             finally:
-                self._settle(handoff, machine.leg_done())
+                if handoff is not None:  # a prefill that asked for no descriptor left none
+                    self._settle(handoff, machine.leg_done())
             health.success(consumer)
             self._remember(consumer, self._consumer_holds())
             if decode.crossed:  # its reclaims are told at once (the NIXL handshake is done)

@@ -156,8 +156,8 @@ async def test_decode_carries_the_descriptor_verbatim_and_the_producer_released_
 async def test_one_engine_in_both_roles_is_sent_no_transfer_params_to_decode(
     nursery: trio.Nursery, echo: bool
 ) -> None:
-    # alone, it serves the request in one leg; an echo needs the prefill leg, and then its
-    # decode on the same engine carries no descriptor
+    # alone, it serves the request in one leg; an echo needs the prefill leg, and then
+    # neither leg carries a descriptor
     harness = await start_fleet(nursery, {"solo": "both"})
     reply = await harness.post(
         "/v1/completions",
@@ -172,9 +172,9 @@ async def test_one_engine_in_both_roles_is_sent_no_transfer_params_to_decode(
     )
     assert reply.status == 200
     legs = _requests(harness.engines["solo"])
-    if echo:
+    if echo:  # the prefill leg asks for no descriptor: its producer decodes too
         prefill, decode = legs
-        assert prefill["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+        assert "kv_transfer_params" not in prefill["body"]
     else:
         (decode,) = legs
     assert "kv_transfer_params" not in decode["body"]

@@ -11,6 +11,7 @@ The fake producer models the lease and counts a read of an expired descriptor
 from __future__ import annotations
 
 import msgspec
+import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -279,14 +280,18 @@ async def test_a_failed_reclaim_counts_against_no_breaker_and_no_client_metric(
 async def test_no_healthy_consumer_but_the_producer_drops_the_reclaim(
     nursery: trio.Nursery,
 ) -> None:
-    # one engine plays both roles, and an echo needs the prefill leg: a reclaim may not go
-    # back to the producer itself
-    harness = await start_fleet(nursery, {"e0": "both"})
-    harness.engines["e0"].faults.push(Fault(kind="status", status=503, leg="decode"))
-    assert (await harness.post("/v1/completions", {**BODY, "echo": True})).status == 502
+    # e0 plays both roles, d1 refuses the decode: the orphan's reclaim may go neither back to
+    # its producer nor to the consumer that just refused it (the retry runs on e0 alone)
+    serving = ServingConfig(max_attempts=2, graceful_timeout_s=0.5)
+    harness = await start_fleet(nursery, {"e0": "both", "d1": "decode"}, serving=serving)
+    harness.engines["d1"].faults.push(Fault(kind="status", status=503, leg="decode"))
+    reply = await harness.post("/v1/completions", BODY)
     await settled(harness)
+    assert legs_of(harness)[0] == ("e0", "d1")
     value = harness.router.metrics.registry.get_sample_value
     assert value("narwhal_reclaim_dropped_total", {"reason": "no_consumer"}) == 1
+    assert reply.status == 200
+    assert legs_of(harness)[1] == (None, "e0")  # the retry: local, on e0 alone
     await finish(harness)
 
 
@@ -341,21 +346,31 @@ async def test_a_producer_beside_the_only_consumer_takes_the_prefill(
     await finish(harness)
 
 
-async def test_an_echo_on_one_engine_sends_its_descriptor_to_be_reclaimed(
-    nursery: trio.Nursery,
+@pytest.mark.parametrize(
+    "extra", [{"echo": True}, {"prompt_logprobs": 1}, {"return_token_ids": True}]
+)
+async def test_an_answer_that_needs_the_prefill_on_one_engine_holds_no_kv(
+    nursery: trio.Nursery, extra: dict[str, object]
 ) -> None:
-    # the echo needs the prefill leg, and the only consumer is its producer: both legs go
-    # there, and the descriptor nobody will read is counted an orphan, not a decode
+    # its answer needs the prefill leg, and the only consumer is its producer: both legs go
+    # there, and the prefill asks for no descriptor, so the engine holds no blocks for a
+    # read that never comes (a fleet of one engine would otherwise fill its cache)
     harness = await start_fleet(nursery, {"e0": "both"})
-    reply = await harness.post("/v1/completions", {**BODY, "echo": True})
-    assert reply.status == 200
-    assert reply.json()["choices"][0]["text"].startswith(BODY["prompt"])
+    for _ in range(3):
+        reply = await harness.post("/v1/completions", {**BODY, **extra})
+        assert reply.status == 200
+    if "echo" in extra:
+        assert reply.json()["choices"][0]["text"].startswith(BODY["prompt"])
     await settled(harness)
-    (line,) = harness.router.journal.lines
-    assert (line.attempts[0].producer, line.attempts[0].consumer) == ("e0", "e0")
-    assert line.attempts[0].handoff == "orphaned"
+    assert legs_of(harness) == [("e0", "e0")] * 3
+    assert all(a.handoff is None for ln in harness.router.journal.lines for a in ln.attempts)
+    prefills = [e["body"] for e in harness.engines["e0"].log if e["request_id"].endswith("prefill")]
+    assert len(prefills) == 3
+    assert all("kv_transfer_params" not in body for body in prefills)
+    assert held(harness, "e0") == 0
+    assert harness.engines["e0"].counters["kv_leases_issued"] == 0
     value = harness.router.metrics.registry.get_sample_value
-    assert value("narwhal_reclaim_dropped_total", {"reason": "no_consumer"}) == 1
+    assert value("narwhal_reclaim_dropped_total", {"reason": "no_consumer"}) in (None, 0.0)
     await finish(harness)
 
 

@@ -49,6 +49,7 @@ LEASE_S = 60.0
 LIMIT_S = EngineConfig(kv_lease_s=LEASE_S / 0.98).lease_limit_s  # the lease less its slack
 DEADLINE_S = 120.0
 BODY: dict[str, Any] = {"model": "m", "prompt": "hello", "max_tokens": 40}
+ECHO = {**BODY, "echo": True}  # its answer needs the prefill leg's prompt side
 
 
 def _config(max_attempts: int, resume_streams: int) -> FleetConfig:
@@ -127,6 +128,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
     machine.dispatched()
     with pytest.raises(InvalidTransition):  # it left the queue once
         machine.dispatched()
+    body = data.draw(st.sampled_from([BODY, ECHO]), label="body")
     now = 0.0
     while True:
         step = machine.attempt()
@@ -142,7 +144,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 consumer = _place(data, machine)
                 machine.resume_consumer(consumer)
                 producer = _place(data, machine, apart_from=consumer)
-                route: GoLocal | Prefill = Prefill(producer, consumer)
+                route: GoLocal | Prefill = machine.continuation_prefill(producer, consumer)
             else:
                 life.saw(type(step) is Fresh, "an attempt is fresh or a continuation")
                 life.saw(not machine.lifecycle.output_seen, "a fresh attempt only before output")
@@ -153,31 +155,39 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                     consumer=consumer_first,
                     only_consumer=None,
                     consumers=len(ENGINES),
-                    body=BODY,
+                    body=body,
                 )
             if isinstance(route, GoLocal):
                 machine.going_local(route.consumer)
                 leg_engine, phase = route.consumer, Phase.DECODE
             else:
                 leg_engine, phase = route.producer, Phase.PREFILL
-                machine.prefill_sent(route.producer)
+                life.saw(
+                    route.handoff or route.consumer == route.producer,
+                    "no descriptor asked for only where one engine runs both legs",
+                )
+                machine.prefill_sent(route.producer, handoff=route.handoff)
                 started = now
                 if data.draw(st.booleans(), label="prefill fails"):
                     raise _fault(data, phase, leg_engine)
                 now += data.draw(st.floats(0, 2 * LEASE_S), label="prefill and placement")
                 handoff = machine.prefill_answered("r", route.producer, _result(), started)
-                life.handoffs.append(handoff)
+                life.saw((handoff is not None) == route.handoff, "a descriptor iff asked for")
+                if handoff is not None:
+                    life.handoffs.append(handoff)
                 consumer = route.consumer or _place(data, machine, apart_from=route.producer)
                 phase = Phase.HANDOFF
                 try:
                     decode = machine.handing_off(consumer, now)
                 except HandoffExpired:
-                    life.saw(handoff.age(now) > LIMIT_S, "a descriptor expires past the lease only")
-                    life.saw(handoff.fate is Fate.EXPIRED, "an expired descriptor says so")
+                    expired = handoff is not None and handoff.age(now) > LIMIT_S
+                    life.saw(expired, "a descriptor expires past the lease only")
+                    life.saw(handoff is not None and handoff.fate is Fate.EXPIRED, "expired")
                     raise
-                life.saw(
-                    handoff.age(now) <= LIMIT_S, "invariant 6: never handed off past the lease"
-                )
+                if handoff is not None:
+                    life.saw(
+                        handoff.age(now) <= LIMIT_S, "invariant 6: never handed off past the lease"
+                    )
                 leg_engine, phase = consumer, Phase.DECODE
                 if data.draw(st.booleans(), label="consumer refuses"):
                     machine.decode_failed(consumer)
@@ -212,7 +222,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
         except RequestFault as fault:
             output = machine.lifecycle.output_seen
             after = machine.failed(
-                fault, now=now, body=BODY, chat=False, consumers=lambda: ENGINES, needed_s=0.0
+                fault, now=now, body=body, chat=False, consumers=lambda: ENGINES, needed_s=0.0
             )
             if type(after) is Retry:
                 life.saw(not output, "invariant 3: no retry after output")
@@ -321,6 +331,7 @@ def test_a_handoff_to_its_own_producer_runs_alone_unless_it_needs_the_prefill() 
         "e0", consumer=None, only_consumer="e0", consumers=1, body={**BODY, "echo": True}
     )
     assert type(echo) is Prefill
+    assert not echo.handoff  # its producer decodes too: no descriptor, no blocks held
     with pytest.raises(NoCapacity):
         machine.producer_placed("e0", consumer=None, only_consumer=None, consumers=0, body=BODY)
 

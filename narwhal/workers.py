@@ -234,6 +234,7 @@ class Supervisor:
             "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir,
         }
         try:
+            # descriptor kept: both sockets are this function's, closed after the spawn
             process = await trio.lowlevel.open_process(
                 [sys.executable, "-c", WORKER_COMMAND, "narwhal-worker", f"{worker.index}/{n}"],
                 stdin=subprocess.DEVNULL,

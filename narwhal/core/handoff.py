@@ -54,6 +54,14 @@ def too_old(age: float, *, handoff_timeout_s: float, lease_limit_s: float) -> st
     return None
 
 
+def age_limit(*, handoff_timeout_s: float, lease_limit_s: float) -> float:
+    """The oldest a descriptor may be at the last byte of its decode request (``too_old``'s
+    bound as one number): the handoff clock runs from the producer leg's start to there."""
+    if handoff_timeout_s > 0:
+        return min(handoff_timeout_s, lease_limit_s)
+    return lease_limit_s
+
+
 class Handoff:
     """One descriptor on its way from a producer to a consumer, and where it ended."""
 
@@ -72,6 +80,10 @@ class Handoff:
 
     def age(self, now: float) -> float:
         return now - self.started
+
+    def send_by(self, limit_s: float) -> float:
+        """When its handoff clock fires: the last moment its decode request may be sent."""
+        return self.started + limit_s
 
     @property
     def backend_id(self) -> str:

@@ -56,7 +56,7 @@ from narwhal.core.faults import (
     Phase,
     RequestFault,
 )
-from narwhal.core.handoff import Fate, Handoff, too_old
+from narwhal.core.handoff import Fate, Handoff, age_limit, too_old
 from narwhal.core.lifecycle import Input, InvalidTransition, Lifecycle, State
 from narwhal.core.records import AttemptLine, Outcome
 from narwhal.core.request_actions import (
@@ -314,11 +314,11 @@ class RequestMachine:
                 self.lifecycle.advance(Input.DISPATCH)
             return Decode(consumer, None, crossed=False)
         age = handoff.age(now)
-        reason = too_old(
-            age,
-            handoff_timeout_s=self._config.serving.handoff_timeout_s,
-            lease_limit_s=self._config.engine.lease_limit_s,
-        )
+        bounds = {
+            "handoff_timeout_s": self._config.serving.handoff_timeout_s,
+            "lease_limit_s": self._config.engine.lease_limit_s,
+        }
+        reason = too_old(age, **bounds)
         if reason is not None:
             handoff.fate = Fate.EXPIRED
             raise HandoffExpired(
@@ -327,18 +327,23 @@ class RequestMachine:
             )
         if self.continuation is None:
             self.lifecycle.advance(Input.DISPATCH)
-        return Decode(consumer, handoff, crossed=consumer != handoff.producer)
+        send_by = handoff.send_by(age_limit(**bounds))
+        return Decode(consumer, handoff, consumer != handoff.producer, send_by)
 
     def decode_taken(self, decode: Decode) -> None:
         """The consumer took the decode leg: reading the blocks is its job now."""
         if decode.crossed and decode.handoff is not None:
             decode.handoff.fate = Fate.DECODED
 
-    def decode_failed(self, consumer: str) -> None:
+    def decode_failed(self, consumer: str, fault: RequestFault) -> None:
         """Its reclaim goes elsewhere: a consumer that just failed this descriptor would
-        most likely fail the reclaim too."""
-        if self._handoff is not None:
-            self._handoff.failed_consumer = consumer
+        most likely fail the reclaim too. A handoff clock that fired before the decode
+        request was sent (``HandoffExpired``) left the descriptor unsent: expired."""
+        handoff = self._handoff
+        if handoff is not None:
+            handoff.failed_consumer = consumer
+            if isinstance(fault, HandoffExpired):
+                handoff.fate = Fate.EXPIRED
 
     def leg_done(self) -> Handoff | None:
         """The attempt's handoff is over: its fate goes to the journal; one no consumer

@@ -4,6 +4,8 @@ descriptor, and what follows a fault (a resume, a retry after its delay, or the 
 
 from __future__ import annotations
 
+import math
+
 from narwhal.core.connector import PrefillResult
 from narwhal.core.disaggregation import Decision
 from narwhal.core.faults import RequestFault
@@ -51,14 +53,19 @@ class Prefill:
 
 class Decode:
     """The decode leg on ``consumer``: with the descriptor (``crossed``), or without one,
-    when the only consumer was the producer itself (its prefill asked for none)."""
+    when the only consumer was the producer itself (its prefill asked for none).
+    ``send_by``: the handoff clock, the time by which the decode request must be sent
+    whole (contract 5); never, for a leg that carries no descriptor."""
 
-    __slots__ = ("consumer", "crossed", "handoff")
+    __slots__ = ("consumer", "crossed", "handoff", "send_by")
 
-    def __init__(self, consumer: str, handoff: Handoff | None, crossed: bool) -> None:
+    def __init__(
+        self, consumer: str, handoff: Handoff | None, crossed: bool, send_by: float = math.inf
+    ) -> None:
         self.consumer = consumer
         self.handoff = handoff
         self.crossed = crossed
+        self.send_by = send_by if crossed else math.inf
 
     @property
     def descriptor(self) -> PrefillResult | None:

@@ -9,6 +9,7 @@ libraries raise as engine faults (the table of ``narwhal.engines.boundary``).
 
 from __future__ import annotations
 
+import math
 import ssl
 from collections.abc import Mapping
 from types import TracebackType
@@ -19,16 +20,18 @@ import msgspec
 import trio
 
 from narwhal.core.connector import NixlConnector, PrefillResult
-from narwhal.core.faults import EngineStatusError, Phase, StreamBroken
+from narwhal.core.faults import EngineStatusError, HandoffExpired, Phase, StreamBroken
 from narwhal.engines.transport import (
     IDLE_EXPIRY_S,
     Connect,
     Pool,
     Response,
+    SendTooLate,
     tcp_connect,
     tls_connect,
     tls_context,
 )
+from narwhal.fast_io import Parkable
 from narwhal.tracing import NO_HEADERS, Headers
 
 MAX_PREFILL_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -103,9 +106,21 @@ class _EnginePool:
         request_id: str,
         phase: Phase,
         trace: Headers = NO_HEADERS,
+        send_by: float = math.inf,
     ) -> Response:
         headers = self.headers_for(request_id, trace)
-        return await self.pool.request(method, path.encode(), headers, body, phase=phase)
+        target = path.encode()
+        try:
+            return await self.pool.request(
+                method, target, headers, body, phase=phase, send_by=send_by
+            )
+        except SendTooLate:
+            raise HandoffExpired(
+                f"KV handoff expired: the descriptor's limit came before its request to engine "
+                f"{self.base_url} was sent (no free connection, or a slow connect)",
+                phase=Phase.HANDOFF,
+                engine_url=self.base_url,
+            ) from None
 
 
 def _refuse_scheme(scheme: str) -> Connect:
@@ -180,18 +195,22 @@ class EngineClient:
         *,
         request_id: str = "",
         trace: Headers = NO_HEADERS,
+        send_by: float = math.inf,
     ) -> DecodeStream:
         """The decode leg's stream: each item is what one socket read brought.
 
         With ``result`` None, or produced on this same engine, every ``kv_transfer_params``
         is stripped (same-worker decode). Use as ``async with client.decode(...) as s:``;
-        plain ``async for`` also works and closes the stream when it ends.
+        plain ``async for`` also works and closes the stream when it ends. ``send_by``: the
+        descriptor's handoff clock (contract 5); once it fires with the request unsent, the
+        stream raises ``HandoffExpired`` and the consumer never holds the descriptor.
         """
         same_worker = result is None or result.producer_url.rstrip("/") == url.rstrip("/")
         decode_body = self.connector.decode_body(
             body, None if same_worker else result, endpoint=endpoint
         )
-        return DecodeStream(self._engine(url), endpoint, _encode(decode_body), request_id, trace)
+        payload = _encode(decode_body)
+        return DecodeStream(self._engine(url), endpoint, payload, request_id, trace, send_by)
 
     async def pass_through(
         self,
@@ -223,13 +242,16 @@ class EngineClient:
             )
         return data
 
-    async def reclaim(self, url: str, result: PrefillResult, *, request_id: str) -> int:
+    async def reclaim(
+        self, url: str, result: PrefillResult, *, request_id: str, send_by: float = math.inf
+    ) -> int:
         """Send a consumer the reclaim request for an orphaned descriptor (the connector's
-        ``reclaim_body``); the consumer's HTTP status. Bounded by the caller's scope."""
+        ``reclaim_body``); the consumer's HTTP status. Bounded by the caller's scope, and
+        its sending by the descriptor's handoff clock ``send_by`` (``HandoffExpired``)."""
         engine = self._engine(url)
         payload = self.connector.reclaim_body(result)
         async with await engine.request(
-            b"POST", "/v1/completions", payload, request_id, Phase.HANDOFF
+            b"POST", "/v1/completions", payload, request_id, Phase.HANDOFF, send_by=send_by
         ) as response:
             await response.read_within(MAX_ERROR_BODY_BYTES)
         return response.status
@@ -289,9 +311,11 @@ class DecodeStream:
         payload: bytes,
         request_id: str,
         trace: Headers = NO_HEADERS,
+        send_by: float = math.inf,
     ) -> None:
         self._engine = engine
         self._trace = trace
+        self._send_by = send_by  # the descriptor's handoff clock (inf: none)
         self._endpoint = endpoint
         self._payload = payload
         self._request_id = request_id
@@ -315,7 +339,13 @@ class DecodeStream:
         engine = self._engine
         payload, self._payload = self._payload, b""  # sent once; not held for the stream
         response = await engine.request(
-            b"POST", self._endpoint, payload, self._request_id, Phase.DECODE, trace=self._trace
+            b"POST",
+            self._endpoint,
+            payload,
+            self._request_id,
+            Phase.DECODE,
+            trace=self._trace,
+            send_by=self._send_by,
         )
         self._response = response
         if response.status == 200:
@@ -362,10 +392,11 @@ class DecodeStream:
             await self.aclose()
         return batch
 
-    def park_fd(self) -> int:
-        """The socket a parked relay waits on (``StreamReactor``); -1: ``read`` instead."""
+    def park_socket(self) -> Parkable | None:
+        """The connection a parked relay waits on (``StreamReactor``); None: ``read``
+        instead."""
         response = self._response
-        return -1 if response is None else response.park_fd()
+        return None if response is None else response.park_socket()
 
     def read_nowait(self) -> bytes | None:
         """``read`` without waiting, in the stream reactor's task: b"" when nothing is

@@ -17,6 +17,7 @@ wraps the connect and each of a response's steps (``start``, ``next_batch``, ``r
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import ssl
@@ -80,21 +81,41 @@ def tls_connect(connect: Connect, context: ssl.SSLContext) -> Connect:
 
 
 class _Connection:
-    __slots__ = ("fd", "h11", "idle_since", "poll_fd", "stream")
+    """One connection to an engine. Its sockets are held as objects, never as descriptor
+    numbers (``narwhal.fast_io``): the number is read afresh at each system call."""
+
+    __slots__ = ("before_close", "h11", "idle_since", "poll_socket", "socket", "stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
-        # fd: read directly (plain TCP only); poll_fd: the socket under TLS too, which
-        # ``looks_alive`` polls (readable while idle: closed, or a TLS alert); -1: in memory
-        self.fd = self.poll_fd = -1
+        # socket: read and written directly (plain TCP only); poll_socket: the socket under
+        # TLS too, which ``looks_alive`` polls (readable while idle: closed, or a TLS
+        # alert); None: in memory (tests)
+        self.socket: trio.socket.SocketType | None = None
+        self.poll_socket: trio.socket.SocketType | None = None
         if isinstance(stream, trio.SocketStream):
-            self.fd = self.poll_fd = stream.socket.fileno()
+            self.socket = self.poll_socket = stream.socket
         elif isinstance(stream, trio.SSLStream) and isinstance(
             stream.transport_stream, trio.SocketStream
         ):
-            self.poll_fd = stream.transport_stream.socket.fileno()
+            self.poll_socket = stream.transport_stream.socket
+        # set while a reader waits on this connection outside trio (the stream reactor's
+        # epoll): called with the error that reader is to raise, before the socket closes,
+        # so the registration ends while the number is still this socket's
+        self.before_close: Callable[[BaseException], None] | None = None
+
+    def fileno(self) -> int:
+        """The plain socket's descriptor now: -1 once closed, or when there is none."""
+        sock = self.socket
+        return -1 if sock is None else sock.fileno()
+
+    def closing(self, error: BaseException) -> None:
+        """The connection is about to close: a reader parked outside trio gets ``error``."""
+        hook, self.before_close = self.before_close, None
+        if hook is not None:
+            hook(error)
 
     async def send(self, data: bytes) -> None:
         """Write ``data``. On a socket, one non-blocking write first, which the kernel takes
@@ -102,9 +123,9 @@ class _Connection:
         scheduler after its write, two per request on the way to the first token. The
         leg's cancellation point is the limiter's checkpoint just before (``request``);
         what the kernel did not take goes through ``send_all``."""
-        fd = self.fd
-        if fd >= 0:
-            sent = write_nowait(fd, data)
+        sock = self.socket
+        if sock is not None:
+            sent = write_nowait(sock, data)
             if sent == len(data):
                 return
             data = data[sent:]
@@ -114,20 +135,23 @@ class _Connection:
         """What one read brings. On a socket: wait until readable, then read once. Trio's
         ``receive_some`` tries the read first, and between tokens of a stream that try
         always fails (a syscall and an exception per token), before it waits anyway."""
-        fd = self.fd
-        if fd < 0:
+        sock = self.socket
+        if sock is None:
             return bytes(await self.stream.receive_some(READ_SIZE))
-        return await read_when_ready(fd, READ_SIZE)
+        return await read_when_ready(sock, READ_SIZE)
 
     def looks_alive(self, now: float) -> bool:
         """Fresh enough and with nothing to read (readable while idle means closed)."""
         if now - self.idle_since > IDLE_EXPIRY_S:
             return False
-        if self.poll_fd < 0:
+        sock = self.poll_socket
+        if sock is None:
             return True  # an in-memory stream (tests)
+        if sock.fileno() < 0:
+            return False  # closed already
         # poll, not select: a busy router has descriptors beyond select's 1024 limit
         poller = select.poll()
-        poller.register(self.poll_fd, select.POLLIN)
+        poller.register(sock, select.POLLIN)
         return not poller.poll(0)
 
 
@@ -177,20 +201,25 @@ class Pool:
         body: bytes,
         *,
         phase: Phase,
+        send_by: float = math.inf,
     ) -> Response:
         """Send a request and read the response head; the caller reads the body and closes
-        the Response. Holds a capacity-limiter slot until then. Its faults are of ``phase``."""
+        the Response. Holds a capacity-limiter slot until then. Its faults are of ``phase``.
+
+        ``send_by``: the time by which the request's last byte must be written (a KV
+        descriptor's handoff clock, contract 5): the wait for a slot, the connect and the
+        write all run under it, and when it fires ``SendTooLate`` is raised with the
+        request unsent or cut short on a connection closed at once, so the engine never
+        holds a complete request. The response head is read after, outside it."""
         response = Response(self, phase)
-        # with its checkpoint even when a slot is free: dropping it saved no CPU that could
-        # be measured, and it paces a burst of new requests' connects
-        await self.limiter.acquire_on_behalf_of(response)
         try:
             for _ in range(2):  # a reused connection closed under us gets one fresh retry
-                conn, reused = await self._checkout(phase)
-                response.conn = conn
-                self.active += 1
+                with trio.CancelScope(deadline=send_by) as clock:
+                    reused = await self._send(response, method, target, headers, body)
+                if clock.cancelled_caught:
+                    raise SendTooLate(send_by)
                 try:
-                    await response.start(method, target, headers, body)
+                    await response.read_head()
                     return response
                 except StreamBroken:
                     await response.drop_connection()
@@ -200,6 +229,26 @@ class Pool:
         except BaseException:
             await response.aclose()
             raise
+
+    async def _send(
+        self,
+        response: Response,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> bool:
+        """A slot (once), a connection, the request written: whether it was a reused one."""
+        if not response.holding:
+            # with its checkpoint even when a slot is free: dropping it saved no CPU that
+            # could be measured, and it paces a burst of new requests' connects
+            await self.limiter.acquire_on_behalf_of(response)
+            response.holding = True
+        conn, reused = await self._checkout(response.errors.phase)
+        response.conn = conn
+        self.active += 1
+        await response.send(method, target, headers, body)
+        return reused
 
     async def sweep(self) -> None:
         """Close idle connections past their expiry: once traffic stops, the router holds no
@@ -214,6 +263,14 @@ class Pool:
         idle, self.idle = self.idle, []
         for conn in idle:
             await _close(conn)
+
+
+class SendTooLate(Exception):
+    """A request's ``send_by`` came before its last byte was written (``Pool.request``)."""
+
+    def __init__(self, send_by: float) -> None:
+        super().__init__(f"not sent by its deadline (t={send_by:.3f})")
+        self.send_by = send_by
 
 
 def _feed_chunked(decoder: ChunkedDecoder, data: bytes) -> list[bytes]:
@@ -237,15 +294,16 @@ class Response:
         self.conn: _Connection | None = None
         self.status = 0
         self.done = False
-        self._holding = True
+        self.holding = False  # a slot of the pool's limiter, from the request to aclose
         # a chunked body is decoded here, not by h11 (see narwhal.stream.chunked)
         self._chunked: ChunkedDecoder | None = None
         self._early: list[bytes] = []  # body bytes that came in with the head
         self._keep_alive = False
 
-    async def start(
+    async def send(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> None:
+        """Write the request whole on ``conn``."""
         conn = self.conn
         assert conn is not None
         pool = self.pool
@@ -259,6 +317,12 @@ class Response:
             data += conn.h11.send(h11.Data(data=body)) or b""
             data += conn.h11.send(h11.EndOfMessage()) or b""
             await conn.send(data)
+
+    async def read_head(self) -> None:
+        """Read the response head (past any 1xx); a chunked body is decoded here after."""
+        conn = self.conn
+        assert conn is not None
+        with self.errors:
             event = await self._next_event()
             while isinstance(event, h11.InformationalResponse):
                 event = await self._next_event()
@@ -306,12 +370,12 @@ class Response:
         parts = self._early
         if parts:
             self._early = []
-        fd = conn.fd
+        sock = conn.socket
         while not parts and not decoder.done:
-            if fd < 0:
+            if sock is None:
                 data = await conn.receive()
             else:  # conn.receive's socket path, one call less: this runs once per token
-                data = await read_when_ready(fd, READ_SIZE)
+                data = await read_when_ready(sock, READ_SIZE)
             parts = _feed_chunked(decoder, data)
         if decoder.done:
             self.done = True
@@ -320,27 +384,25 @@ class Response:
                 return None
         return b"".join(parts) if len(parts) != 1 else parts[0]
 
-    def park_fd(self) -> int:
-        """The socket to wait on before ``read_nowait`` can bring more; -1: none, call
+    def park_socket(self) -> _Connection | None:
+        """The connection to wait on before ``read_nowait`` can bring more; None: call
         ``next_batch`` (not a chunked body on a plain socket, or the rest of the body is
         read already: its socket may never be readable again)."""
         decoder, conn = self._chunked, self.conn
         if decoder is None or decoder.done or conn is None or self._early or self.done:
-            return -1
-        return conn.fd
+            return None
+        return None if conn.socket is None else conn
 
     def read_nowait(self) -> bytes | None:
         """``next_batch`` without waiting, for a parked stream (``StreamReactor``): what one
         read of a chunked body on a plain socket brought, b"" when nothing is there yet.
         None: ``next_batch`` goes on (the end of the body, bytes that came with the head,
         or a body this cannot read), with nothing lost: the last parts wait for it."""
-        decoder, conn = self._chunked, self.conn
-        if self.park_fd() < 0:
+        conn, decoder = self.park_socket(), self._chunked
+        if conn is None or conn.socket is None or decoder is None:
             return None
-        assert decoder is not None
-        assert conn is not None
         try:
-            data = read_nowait(conn.fd, READ_SIZE)
+            data = read_nowait(conn.socket, READ_SIZE)
             if data is None:
                 return b""  # a spurious readiness: nothing yet
             parts = _feed_chunked(decoder, data)
@@ -409,6 +471,8 @@ class Response:
         if conn is None:
             return
         self.pool.active -= 1
+        if conn.before_close is not None:  # its reader is parked: another task closes it
+            conn.closing(self._closed_under_reader())
         h = conn.h11
         if self._chunked is not None:
             # h11 never saw this body, so it cannot judge reuse: the decoder's clean end,
@@ -425,13 +489,18 @@ class Response:
                 return
         await _close(conn)
 
+    def _closed_under_reader(self) -> BaseException:
+        error = trio.ClosedResourceError("closed by another task while its reader waited")
+        fault = self.errors.fault(error)
+        return error if fault is None else fault
+
     async def aclose(self) -> None:
         """End the exchange: connection back to the pool or closed, capacity slot freed."""
         try:
             await self.drop_connection()
         finally:
-            if self._holding:
-                self._holding = False
+            if self.holding:
+                self.holding = False
                 self.pool.limiter.release_on_behalf_of(self)
 
     async def __aenter__(self) -> Self:
@@ -453,5 +522,6 @@ def _is_chunked(head: h11.Response) -> bool:
 
 
 async def _close(conn: _Connection) -> None:
+    conn.closing(trio.ClosedResourceError("engine connection closed"))
     with trio.CancelScope(shield=True), trio.move_on_after(1):
         await conn.stream.aclose()

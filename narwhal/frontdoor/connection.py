@@ -297,16 +297,15 @@ class ClientConnection:
         await self.protocol.handle(Closed())
 
     async def _read_socket(self, socket: trio.socket.SocketType) -> None:
-        """The read loop on a plain socket (no read timeout): wait until readable,
-        then read once. A socket closed under it (``_abort``) has the descriptor -1, which
-        ends the loop; the descriptor is taken afresh before each wait and read, so it is
-        never another socket's."""
+        """The read loop on a plain socket (no read timeout): wait until readable, then
+        read once. The socket is closed by other tasks too (the app's, after a ``Connection:
+        close`` answer; ``_abort``), even between the wake-up and this loop's next step:
+        ``read_when_ready`` takes its number afresh after the wait, so a closed socket ends
+        the loop and the socket that took its number is never read here."""
         handle = self.protocol.handle
         while True:
             try:
-                if socket.fileno() < 0:
-                    break
-                data = await read_when_ready(socket.fileno(), MAX_RECV)
+                data = await read_when_ready(socket, MAX_RECV)
             except STREAM_GONE:
                 break
             try:
@@ -405,7 +404,7 @@ class ClientConnection:
         if socket is None or socket.fileno() < 0:
             return 0  # a test's stream, or closed already
         try:
-            answer = ioctl(socket.fileno(), SIOCOUTQNSD, b"\0" * 4)
+            answer = ioctl(socket, SIOCOUTQNSD, b"\0" * 4)
         except OSError:
             return None
         return int(struct.unpack("i", answer)[0])
@@ -420,8 +419,8 @@ class ClientConnection:
             self._rest, self._rest_state = data, Rest.UNLOCKED
             return False
         try:
-            sent = write_nowait(socket.fileno(), data)  # a closed socket (fd -1): OSError
-        except OSError:
+            sent = write_nowait(socket, data)  # closed, reset: STREAM_GONE
+        except STREAM_GONE:
             self._rest_state = Rest.BROKEN
             return False
         if sent == len(data):
@@ -461,7 +460,7 @@ class ClientConnection:
             return
         lock.acquire_nowait()  # the send that nothing contends for: no scheduler trip
         try:
-            sent = write_nowait(socket.fileno(), data)  # a closed socket (fd -1): OSError
+            sent = write_nowait(socket, data)  # closed, reset: STREAM_GONE
             if sent < len(data):
                 await self._send_all(memoryview(data)[sent:])
         finally:

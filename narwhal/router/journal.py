@@ -75,6 +75,7 @@ class Journal:
         self._regular = False
         self._writer: LineWriter[bytes] | None = None
         if path:
+            # descriptor kept: the journal's file, used and closed by its writer thread alone
             self._fd = os.open(path, OPEN_FLAGS, 0o644)
             self._regular = _is_regular(self._fd)
             self._writer = LineWriter(

@@ -12,6 +12,7 @@ it. The request deadline is the outer scope, owned by ``Router.handle``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -160,6 +161,7 @@ class RequestLegs(RunRecord):
                 result,
                 request_id=backend_id,
                 trace=self._leg_trace(span),
+                send_by=math.inf if decode is None else decode.send_by,  # the handoff clock
             )
             # decode_clock: first-token budget until the first token, then silence budget
             decode_clock = trio.CancelScope(deadline=trio.current_time() + budget)

@@ -25,7 +25,7 @@ import trio
 
 from narwhal.core.config import FleetConfig
 from narwhal.core.engine_state import EngineState
-from narwhal.core.faults import ConnectTimeout, EngineFault, EngineUnreachable
+from narwhal.core.faults import ConnectTimeout, EngineFault, EngineUnreachable, HandoffExpired
 from narwhal.core.fleet import Fleet
 from narwhal.core.handoff import Fate, Handoff, reclaim_plan
 from narwhal.engines.client import EngineClient
@@ -159,8 +159,14 @@ class Reclaimer:
         with trio.move_on_after(bound_s):
             try:
                 status = await self.host.client.reclaim(
-                    consumer.url, handoff.result, request_id=handoff.backend_id
+                    consumer.url,
+                    handoff.result,
+                    request_id=handoff.backend_id,
+                    send_by=handoff.send_by(self.host.config.engine.lease_limit_s),
                 )
+            except HandoffExpired:  # its handoff clock fired before the request was sent
+                self.host.metrics.reclaim_dropped.labels("lease").inc()
+                return Fate.RECLAIM_DROPPED, True
             except EngineFault as fault:
                 problem = fault.message
                 reached = not isinstance(fault, EngineUnreachable | ConnectTimeout)

@@ -427,7 +427,7 @@ class RequestRun(RequestLegs):
                 try:
                     await self._decode(consumer, decode, number)
                 except RequestFault as fault:
-                    machine.decode_failed(consumer.id)
+                    machine.decode_failed(consumer.id, fault)
                     crossed_from = producer if decode.crossed else None
                     health.failure(consumer, fault, "decode", crossed_from)
                     raise

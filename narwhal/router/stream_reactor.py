@@ -13,8 +13,14 @@ task, on its socket's readiness, runs the request's ``on_ready`` callback, which
 applies the relay's rules and writes to the client without waiting. Whatever does need
 waiting (the first output, a slow client's rest, the end, an error) is handed back: the
 request's task wakes with it and goes on in its own nursery, deadlines, reservations and
-``finally`` blocks as before. The reactor owns no request state; a request owns its fd's
-registration, which ends before its task runs again (hand-back or abort).
+``finally`` blocks as before. The reactor owns no request state; a request owns its
+socket's registration, which ends before its task runs again (hand-back or abort).
+
+Registrations are by descriptor number (epoll knows no other key), so the reactor keeps the
+rule of ``narwhal.fast_io`` by never letting a number outlive its socket here: whoever
+closes a parked socket calls its ``before_close`` first, which hands the request back with
+that error and ends the registration while the number is still the socket's; and after
+each wait the number is checked against the socket's own before it is served.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ import heapq
 import math
 import select
 from collections.abc import Callable
+from functools import partial
 
 import outcome
 import trio
+
+from narwhal.fast_io import Parkable
 
 wait_readable = trio.lowlevel.wait_readable
 
@@ -45,19 +54,28 @@ STALE_DUES_SLACK = 1024
 
 
 class _Parked:
-    """One parked request: its task, its callbacks, and when ``on_due`` is next called."""
+    """One parked request: its socket and the number it was registered under, its task,
+    its callbacks, and when ``on_due`` is next called (``seq``: its entry in the dues)."""
 
-    __slots__ = ("due", "fd", "on_due", "on_ready", "task")
+    __slots__ = ("due", "fd", "on_due", "on_ready", "seq", "sock", "task")
 
     def __init__(
         self,
+        sock: Parkable,
         fd: int,
         task: trio.lowlevel.Task,
         on_ready: Callable[[], object],
         on_due: Callable[[], float] | None,
     ) -> None:
-        self.fd, self.task, self.on_ready, self.on_due = fd, task, on_ready, on_due
+        # descriptor kept: the registration's key, ended by ``before_close`` before any close
+        self.sock, self.fd, self.task = sock, fd, task
+        self.on_ready, self.on_due = on_ready, on_due
         self.due = NEVER
+        self.seq = 0
+
+    def registered(self) -> bool:
+        """Its socket still holds the number it was registered under (not closed)."""
+        return self.sock.fileno() == self.fd
 
 
 class StreamReactor:
@@ -70,9 +88,9 @@ class StreamReactor:
     def __init__(self) -> None:
         self._epoll: select.epoll | None = None
         self._parked: dict[int, _Parked] = {}
-        # a heap of (due, seq, fd); stale entries (unparked, or moved since) are skipped.
-        # By descriptor, not entry: a stale entry must not keep a finished request's
-        # objects alive until its due (at 3,000 requests a second, tens of MiB)
+        # a heap of (due, seq, fd); stale entries (unparked, or moved since: another seq)
+        # are skipped. By descriptor, not entry: a stale entry must not keep a finished
+        # request's objects alive until its due (at 3,000 requests a second, tens of MiB)
         self._dues: list[tuple[float, int, int]] = []
         self._seq = 0
         self._timer = trio.CancelScope()  # the reactor's wait, until the earliest due
@@ -87,11 +105,11 @@ class StreamReactor:
         parked, dues = self._parked, self._dues
         try:
             task_status.started()
-            poll, fd = epoll.poll, epoll.fileno()
+            poll = epoll.poll
             while True:
                 # the timer: the earliest due; ``set_due`` brings it forward while waiting
                 with trio.CancelScope(deadline=dues[0][0] if dues else NEVER) as self._timer:
-                    await wait_readable(fd)
+                    await wait_readable(epoll)
                 # level-triggered: a socket with bytes left after one read is ready again
                 for ready, _ in poll(0):
                     entry = parked.get(ready)
@@ -108,40 +126,46 @@ class StreamReactor:
 
     async def park(
         self,
-        fd: int,
+        sock: Parkable,
         on_ready: Callable[[], object],
         due: float = NEVER,
         on_due: Callable[[], float] | None = None,
     ) -> object:
-        """Wait here while ``on_ready`` (called on each readiness of ``fd``, in the reactor's
-        task) returns None; return what it returned otherwise, raise what it raised (or
-        what ``on_due`` raised). ``on_due`` is called at ``due`` and returns the next one.
-        Cancellation ends the wait as any checkpoint's; the fd is unregistered before this
-        returns or raises, so the caller may close it."""
+        """Wait here while ``on_ready`` (called on each readiness of ``sock``, in the
+        reactor's task) returns None; return what it returned otherwise, raise what it
+        raised (or what ``on_due`` raised, or what the socket's closer gave
+        ``before_close``). ``on_due`` is called at ``due`` and returns the next one.
+        Cancellation ends the wait as any checkpoint's; the socket is unregistered before
+        this returns or raises, so the caller may close it."""
         epoll = self._epoll
-        if epoll is None:
+        if epoll is None or sock.fileno() < 0:  # no reactor, or closed: the task reads
             await trio.lowlevel.checkpoint()
             return HAND_BACK
-        entry = _Parked(fd, trio.lowlevel.current_task(), on_ready, on_due)
+        fd = sock.fileno()
+        stale = self._parked.get(fd)
+        if stale is not None:  # closed without a word, and this socket took its number
+            self._hand_back(epoll, stale, outcome.Error(trio.ClosedResourceError()))
+        entry = _Parked(sock, fd, trio.lowlevel.current_task(), on_ready, on_due)
         self.parks += 1
         epoll.register(fd, select.EPOLLIN)
         self._parked[fd] = entry
-        self.set_due(fd, due)
+        sock.before_close = partial(self._closing, entry)
+        self.set_due(sock, due)
 
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
-            del self._parked[fd]
-            epoll.unregister(fd)
+            self._unpark(epoll, entry)
             return trio.lowlevel.Abort.SUCCEEDED
 
         return await trio.lowlevel.wait_task_rescheduled(abort)
 
-    def set_due(self, fd: int, due: float) -> None:
-        """Call the parked ``fd``'s ``on_due`` at ``due`` instead (NEVER: not at all)."""
-        entry = self._parked[fd]
+    def set_due(self, sock: Parkable, due: float) -> None:
+        """Call the parked ``sock``'s ``on_due`` at ``due`` instead (NEVER: not at all)."""
+        entry = self._parked[sock.fileno()]
         entry.due = due
         if due < NEVER:
             self._seq += 1
-            heapq.heappush(self._dues, (due, self._seq, fd))
+            entry.seq = self._seq
+            heapq.heappush(self._dues, (due, self._seq, entry.fd))
             if len(self._dues) > STALE_DUES_FACTOR * len(self._parked) + STALE_DUES_SLACK:
                 self._compact_dues()
             if due < self._timer.deadline:
@@ -151,22 +175,28 @@ class StreamReactor:
         """Drop the stale entries: a due moved at each half-silence, and requests that
         ended, leave one each until its time (the heap stays within a few per stream)."""
         dues = self._dues  # the same list: ``run`` holds it
-        parked = enumerate(self._parked.items())
-        dues[:] = [(e.due, seq, fd) for seq, (fd, e) in parked if e.due < NEVER]
+        dues.clear()
+        for seq, (fd, entry) in enumerate(self._parked.items(), 1):
+            entry.seq = seq
+            if entry.due < NEVER:
+                dues.append((entry.due, seq, fd))
         heapq.heapify(dues)
         self._seq = len(self._parked)
 
     def _call_dues(self, epoll: select.epoll) -> None:
         dues, now = self._dues, trio.current_time()
         while dues and dues[0][0] <= now:
-            due, _, fd = heapq.heappop(dues)
+            _, seq, fd = heapq.heappop(dues)
             entry = self._parked.get(fd)
-            if entry is None or entry.due != due:
+            if entry is None or entry.seq != seq:
                 continue  # unparked, or its due moved since
             self._call_due(epoll, entry)
 
     def _serve(self, epoll: select.epoll, entry: _Parked) -> None:
         """``on_ready``, in the reactor's task: a result is handed back, as is an error."""
+        if not entry.registered():  # closed since the wait, without a word
+            self._hand_back(epoll, entry, outcome.Error(trio.ClosedResourceError()))
+            return
         try:
             result = entry.on_ready()
         except Exception as exc:  # the transport's error, or a bug: the request raises it
@@ -183,11 +213,22 @@ class StreamReactor:
         except Exception as exc:
             self._hand_back(epoll, entry, outcome.Error(exc))
             return
-        self.set_due(entry.fd, due)
+        self.set_due(entry.sock, due)
+
+    def _closing(self, entry: _Parked, error: BaseException) -> None:
+        """The parked socket's ``before_close``: its request raises ``error``."""
+        epoll = self._epoll
+        if epoll is not None and self._parked.get(entry.fd) is entry:
+            self._hand_back(epoll, entry, outcome.Error(error))
 
     def _hand_back(
         self, epoll: select.epoll, entry: _Parked, result: outcome.Outcome[object]
     ) -> None:
-        del self._parked[entry.fd]
-        epoll.unregister(entry.fd)
+        self._unpark(epoll, entry)
         trio.lowlevel.reschedule(entry.task, result)
+
+    def _unpark(self, epoll: select.epoll, entry: _Parked) -> None:
+        del self._parked[entry.fd]
+        entry.sock.before_close = None
+        if entry.registered():  # a closed socket's registration ended with it
+            epoll.unregister(entry.fd)

@@ -37,6 +37,7 @@ from narwhal.batched_histogram import RequestBuckets
 from narwhal.core.faults import StreamBroken
 from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import DecodeStream
+from narwhal.fast_io import Parkable
 from narwhal.router.stream_reactor import HAND_BACK, HandBack, StreamReactor
 from narwhal.stream.assemble import Echo
 from narwhal.stream.rules import Fault, Finish, FirstOutput, Send, StreamRelay
@@ -149,7 +150,7 @@ class TokenPath:
         self.stream: DecodeStream | None = None
         # the silence clock while parked (``_restart_clock``): the deadline moves only when
         # a read comes in the second half of the silence, or at ``due`` (``on_due``)
-        self.parked_fd = -1
+        self.parked: Parkable | None = None  # the engine connection, while parked
         self.restarted_at = -math.inf  # the last read that restarted the silence clock
         self.due = -math.inf  # -inf: the next read sets the deadline (none set yet)
 
@@ -166,20 +167,20 @@ class TokenPath:
         reactor = self.reactor
         try:
             while True:
-                fd = -1 if reactor is None or not reactor.running else stream.park_fd()
-                if fd >= 0:
+                sock = None if reactor is None or not reactor.running else stream.park_socket()
+                if sock is not None:
                     assert reactor is not None
                     # parked here, not in a call of its own: a held stream's task keeps one
                     # frame fewer (bench/results/request-machine)
-                    self.parked_fd = fd
+                    self.parked = sock
                     try:
                         due = self.due if self.due > -math.inf else math.inf
-                        pending = await reactor.park(fd, self.on_ready, due, self.on_due)
-                    except StreamBroken:  # the engine's read broke (``read_nowait``): it ends
-                        await stream.aclose()
+                        pending = await reactor.park(sock, self.on_ready, due, self.on_due)
+                    except StreamBroken:  # the engine's read broke (``read_nowait``), or
+                        await stream.aclose()  # another task closed its connection
                         raise
                     finally:
-                        self.parked_fd = -1
+                        self.parked = None
                     if type(pending) is not HandBack:
                         end = await self.settle(pending)  # type: ignore[arg-type]
                         if end is not None:
@@ -266,13 +267,14 @@ class TokenPath:
         deadline is exact: parked, it is ``restarted_at`` + silence once ``on_due`` or a
         read in the second half has moved it; in the request's task it moves at once."""
         now = self.restarted_at = trio.current_time()
-        if self.parked_fd < 0 or now >= self.due:
+        parked = self.parked
+        if parked is None or now >= self.due:
             silence = self.silence
             deadline = self.clock.deadline = now + silence if silence > 0 else math.inf
             self.due = deadline - silence / 2
-            if self.parked_fd >= 0:
+            if parked is not None:
                 assert self.reactor is not None
-                self.reactor.set_due(self.parked_fd, self.due)
+                self.reactor.set_due(parked, self.due)
 
     def on_due(self) -> float:
         """The reactor's call at ``due``, half the silence before the deadline: move the

@@ -26,6 +26,25 @@ from narwhal.router.stream_reactor import (
     StreamReactor,
 )
 from tests.support.fleet import MODEL, finish, start_fleet
+from tests.support.wire import CHUNK, EVENT, HEAD, serve_once
+
+
+class Parked:
+    """A socket as the reactor parks it (``narwhal.fast_io.Parkable``): its number now, and
+    the hook its closer calls first."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.before_close: Callable[[BaseException], None] | None = None
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        hook, self.before_close = self.before_close, None
+        if hook is not None:
+            hook(trio.ClosedResourceError("closed by another task"))
+        self.sock.close()
 
 
 def reader(sock: socket.socket, got: list[bytes], until: bytes) -> Callable[[], object]:
@@ -54,7 +73,7 @@ async def test_a_parked_task_sleeps_until_its_callback_hands_back(reactor: Strea
         result: list[object] = []
 
         async def parked() -> None:
-            result.append(await reactor.park(ours.fileno(), reader(ours, got, b"end")))
+            result.append(await reactor.park(Parked(ours), reader(ours, got, b"end")))
 
         nursery.start_soon(parked)
         for part in (b"one ", b"two ", b"end"):
@@ -77,9 +96,9 @@ async def test_what_the_callback_raises_is_raised_in_the_parked_task(
 
     theirs.send(b"x")
     with pytest.raises(ValueError, match="engine garbage"):
-        await reactor.park(ours.fileno(), broken)
+        await reactor.park(Parked(ours), broken)
     # the socket is free again: parking it once more registers it anew
-    assert await reactor.park(ours.fileno(), lambda: "again") == "again"
+    assert await reactor.park(Parked(ours), lambda: "again") == "again"
     ours.close()
     theirs.close()
 
@@ -98,7 +117,7 @@ async def test_on_due_is_called_at_its_time_and_names_the_next(
         return trio.current_time() + 2.0
 
     with pytest.raises(ValueError, match="third"):
-        await reactor.park(ours.fileno(), lambda: None, start + 1.0, on_due)
+        await reactor.park(Parked(ours), lambda: None, start + 1.0, on_due)
     assert calls == pytest.approx([1.0, 3.0, 5.0])
     ours.close()
     theirs.close()
@@ -111,7 +130,7 @@ async def test_cancellation_unparks_and_the_callback_never_runs_after(
     calls: list[str] = []
     start = trio.current_time()
     with trio.move_on_after(0.05) as scope:
-        await reactor.park(ours.fileno(), lambda: calls.append("late"))
+        await reactor.park(Parked(ours), lambda: calls.append("late"))
     assert scope.cancelled_caught
     assert trio.current_time() == start + 0.05  # the deadline, to the tick (virtual time)
     theirs.send(b"after the deadline")
@@ -140,13 +159,13 @@ async def test_a_stopping_reactor_hands_every_parked_task_back(nursery: trio.Nur
     assert results == [HAND_BACK]
     assert not reactor.running
     # and with no reactor running, a park is a checkpoint that says: read it yourself
-    assert await reactor.park(ours.fileno(), lambda: "never") is HAND_BACK
+    assert await reactor.park(Parked(ours), lambda: "never") is HAND_BACK
     ours.close()
     theirs.close()
 
 
 async def _park_into(reactor: StreamReactor, sock: socket.socket, results: list[object]) -> None:
-    results.append(await reactor.park(sock.fileno(), lambda: None))
+    results.append(await reactor.park(Parked(sock), lambda: None))
 
 
 async def test_the_send_lock_may_be_released_by_another_task() -> None:
@@ -167,38 +186,14 @@ async def _release(lock: SendLock) -> None:
     lock.release()
 
 
-async def _serve_once(nursery: trio.Nursery, parts: list[bytes], gates: list[trio.Event]) -> str:
-    """A one-connection HTTP server on loopback that writes ``parts``, each after the first
-    once its gate is set."""
-    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
-
-    async def answer() -> None:
-        async with listener, await listener.accept() as conn:
-            await conn.receive_some()
-            await conn.send_all(parts[0])
-            for part, gate in zip(parts[1:], gates, strict=True):
-                await gate.wait()
-                await conn.send_all(part)
-            await trio.sleep_forever()  # keep-alive: the socket stays open, never readable
-
-    nursery.start_soon(answer)
-    port = listener.socket.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
-
-
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-EVENT = b"data: {}\n\n"
-CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
-
-
 async def test_a_body_read_whole_with_its_head_is_never_parked(nursery: trio.Nursery) -> None:
     """The bytes that came with the head may hold the whole body: its socket will not be
     readable again (keep-alive), so parking on it would wait for ever."""
-    url = await _serve_once(nursery, [HEAD + CHUNK + b"0\r\n\r\n"], [])
+    url = await serve_once(nursery, [HEAD + CHUNK + b"0\r\n\r\n"], [])
     client = EngineClient()
     async with client.decode(url, "/v1/completions", {"model": MODEL}, None) as stream:
         assert await stream.read() == EVENT
-        assert stream.park_fd() == -1
+        assert stream.park_socket() is None
         assert stream.read_nowait() is None
         assert await stream.read() is None
     await client.aclose()
@@ -208,19 +203,19 @@ async def test_read_nowait_says_nothing_yet_then_the_batch_then_go_on(
     nursery: trio.Nursery,
 ) -> None:
     gates = [trio.Event(), trio.Event()]
-    url = await _serve_once(nursery, [HEAD + CHUNK, CHUNK + CHUNK, b"0\r\n\r\n"], gates)
+    url = await serve_once(nursery, [HEAD + CHUNK, CHUNK + CHUNK, b"0\r\n\r\n"], gates)
     client = EngineClient()
     async with client.decode(url, "/v1/completions", {"model": MODEL}, None) as stream:
         assert await stream.read() == EVENT
-        assert stream.park_fd() >= 0
+        assert stream.park_socket() is not None
         assert stream.read_nowait() == b""  # nothing there yet
         gates[0].set()
         with trio.fail_after(5):
-            await trio.lowlevel.wait_readable(stream.park_fd())
+            await trio.lowlevel.wait_readable(stream.park_socket())  # type: ignore[arg-type]
         assert stream.read_nowait() == EVENT + EVENT
         gates[1].set()
         with trio.fail_after(5):
-            await trio.lowlevel.wait_readable(stream.park_fd())
+            await trio.lowlevel.wait_readable(stream.park_socket())  # type: ignore[arg-type]
         assert stream.read_nowait() is None  # the end: read() finishes it
         assert await stream.read() is None
     await client.aclose()
@@ -264,9 +259,10 @@ class _SocketStream:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.parked = Parked(sock)
 
-    def park_fd(self) -> int:
-        return self.sock.fileno()
+    def park_socket(self) -> Parked:
+        return self.parked
 
     def read_nowait(self) -> bytes | None:
         try:
@@ -389,11 +385,11 @@ async def test_a_request_that_left_is_not_kept_alive_until_its_due(
     request = Request()
     gone = weakref.ref(request)
     far = trio.current_time() + 3600
-    assert await reactor.park(ours.fileno(), request.on_ready, far, request.on_due) == "done"
+    assert await reactor.park(Parked(ours), request.on_ready, far, request.on_due) == "done"
     del request
     # the next stream served takes the reactor loop's own reference to the last one
     theirs.send(b"y")
-    assert await reactor.park(ours.fileno(), lambda: "next") == "next"
+    assert await reactor.park(Parked(ours), lambda: "next") == "next"
     gc.collect()
     assert gone() is None
     ours.close()
@@ -405,10 +401,11 @@ async def test_moved_dues_do_not_pile_up(reactor: StreamReactor) -> None:
     it holds more than a few per parked stream."""
     ours, theirs = socket.socketpair()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(reactor.park, ours.fileno(), lambda: None, trio.current_time() + 60)
+        parked = Parked(ours)
+        nursery.start_soon(reactor.park, parked, lambda: None, trio.current_time() + 60)
         await trio.testing.wait_all_tasks_blocked()
         for i in range(10 * STALE_DUES_SLACK):
-            reactor.set_due(ours.fileno(), trio.current_time() + 60 + i)
+            reactor.set_due(parked, trio.current_time() + 60 + i)
             assert len(reactor._dues) <= STALE_DUES_FACTOR + STALE_DUES_SLACK + 1
         nursery.cancel_scope.cancel()
     ours.close()

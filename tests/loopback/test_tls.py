@@ -243,12 +243,12 @@ async def test_tls_connections_are_kept_alive_and_replaced_when_closed(
     assert client.connections()[url] == (1, 0)
     conn: _Connection = client._engines[url].pool.idle[0]
     assert isinstance(conn.stream, trio.SSLStream)
-    assert conn.fd == -1  # never read past TLS
-    assert conn.poll_fd >= 0
+    assert conn.socket is None  # never read past TLS
+    assert conn.poll_socket is not None
     assert conn.looks_alive(trio.current_time())
     await front.drop_connections()  # the engine closes the idle connection
     with trio.fail_after(5):
-        await trio.lowlevel.wait_readable(conn.poll_fd)
+        await trio.lowlevel.wait_readable(conn.poll_socket)
     assert not conn.looks_alive(trio.current_time())
     assert await client.get(url, "/health") == (200, b"")
     assert front.handshakes == 2
@@ -262,8 +262,8 @@ async def test_plain_http_keeps_the_direct_read_path(nursery: trio.Nursery) -> N
     assert await client.get(url, "/health") == (200, b"")
     conn: _Connection = client._engines[url].pool.idle[0]
     assert isinstance(conn.stream, trio.SocketStream)
-    assert conn.fd >= 0
-    assert conn.fd == conn.poll_fd
+    assert conn.socket is not None
+    assert conn.socket is conn.poll_socket
     assert client._tls is None  # an http-only client never loads a trust store
     await client.aclose()
 

@@ -47,3 +47,27 @@ async def open_stream_and_vanish(url: str, body: bytes) -> None:
     while not parser.feed(await stream.receive_some(65536)):
         pass
     await stream.aclose()
+
+
+async def serve_once(nursery: trio.Nursery, parts: list[bytes], gates: list[trio.Event]) -> str:
+    """A one-connection engine on loopback that answers the first request with ``parts``,
+    each after the first once its gate is set, and keeps the connection open after."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+
+    async def answer() -> None:
+        async with listener, await listener.accept() as conn:
+            await conn.receive_some()
+            await conn.send_all(parts[0])
+            for part, gate in zip(parts[1:], gates, strict=True):
+                await gate.wait()
+                await conn.send_all(part)
+            await trio.sleep_forever()  # keep-alive: the socket stays open, never readable
+
+    nursery.start_soon(answer)
+    port = listener.socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+EVENT = b"data: {}\n\n"
+CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)

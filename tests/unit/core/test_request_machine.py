@@ -188,10 +188,18 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                     life.saw(
                         handoff.age(now) <= LIMIT_S, "invariant 6: never handed off past the lease"
                     )
+                    if decode.crossed:  # the handoff clock bounds the send, from the prefill
+                        life.saw(decode.send_by == handoff.started + LIMIT_S, "handoff clock")
                 leg_engine, phase = consumer, Phase.DECODE
+                if decode.crossed and data.draw(st.booleans(), label="clock fires before send"):
+                    late = HandoffExpired("KV handoff expired: not sent", phase=Phase.HANDOFF)
+                    machine.decode_failed(consumer, late)
+                    life.saw(handoff is not None and handoff.fate is Fate.EXPIRED, "unsent")
+                    raise late
                 if data.draw(st.booleans(), label="consumer refuses"):
-                    machine.decode_failed(consumer)
-                    raise _fault(data, phase, consumer)
+                    fault = _fault(data, phase, consumer)
+                    machine.decode_failed(consumer, fault)
+                    raise fault
                 machine.decode_taken(decode)
                 decode_taken = True
                 if decode.crossed:

@@ -21,6 +21,7 @@ from narwhal.core.faults import (
     TooLarge,
 )
 from narwhal.frontdoor.direct import DirectBody
+from narwhal.frontdoor.linger import discard
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -40,12 +41,6 @@ MAX_HEADERS = 100
 MAX_HEADER_BYTES = 32 * 1024
 DISCARD_LIMIT = 64 * 1024  # the most of an unused body read to keep its connection
 DISCARD_TIMEOUT_S = 1.0
-# Lingering close (nginx's lingering_time / lingering_timeout): after an early answer with
-# `connection: close`, the rest of the body is read and dropped, so the client's pending
-# writes do not turn into a reset that destroys the answer before it is read.
-LINGER_TIME_S = 10.0
-LINGER_READ_TIMEOUT_S = 2.0
-LINGER_MAX_BYTES = 64 * 1024 * 1024
 
 
 class Disconnected(Exception):
@@ -174,12 +169,17 @@ async def respond_and_close(
 ) -> None:
     """Answer with ``connection: close`` while the body may still be arriving, then linger.
 
-    The whole answer goes out at once; the end of the response, which makes hypercorn close
-    the connection, waits until the client's body is read and dropped (bounded by
-    ``LINGER_*``). Closing with unread bytes in the socket would send a reset, and a client
-    still writing its body then loses the answer unread (httpx's async client, aiohttp).
+    The whole answer goes out at once; the end of the response, which makes the server close
+    the connection, waits until the client's body is read and dropped through ``receive``
+    (within the bounds of ``narwhal.frontdoor.linger``). Closing with unread bytes in the
+    socket would send a reset, and a client still writing its body then loses the answer
+    unread (httpx's async client, aiohttp). The body is read here, by the app, so that the
+    request ends with its body read under any server: a server's read loop that finds the
+    request's receive queue full waits for room (hypercorn's, and the front door's), and
+    nothing empties it once the app has returned. The front door's close lingers on
+    whatever is left after (``narwhal.frontdoor.connection``).
     After a framing error h11 never parses a byte of this connection as a new request.
-    A body that trickles in too slowly (408) is not waited for again: ``linger=False``.
+    A body that trickles in too slowly (408) is not waited for here: ``linger=False``.
     """
     headers = _json_headers(status, body, rid, ((b"connection", b"close"),), content_type)
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -190,16 +190,16 @@ async def respond_and_close(
 
 
 async def _linger(receive: Receive) -> None:
-    dropped = 0
-    with trio.move_on_after(LINGER_TIME_S):
-        while dropped <= LINGER_MAX_BYTES:
-            with trio.move_on_after(LINGER_READ_TIMEOUT_S) as idle:
-                message = await receive()
-            if idle.cancelled_caught or message["type"] != "http.request":
-                return
-            dropped += len(message.get("body", b""))
-            if not message.get("more_body", False):
-                return
+    """The rest of the body, read and dropped within the lingering bounds
+    (``narwhal.frontdoor.linger``)."""
+
+    async def read() -> int | None:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return None  # the body's end, or the client's
+        return len(message.get("body", b""))
+
+    await discard(read)
 
 
 async def refuse_websocket(receive: Receive, send: Send) -> None:

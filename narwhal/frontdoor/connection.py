@@ -2,7 +2,7 @@
 front-door rules, over hypercorn's HTTP/1.1 protocol (``narwhal.frontdoor.http11``).
 
 The router faces the open network (contract 3, "HTTP hygiene"; invariants 9 and 10). Hypercorn's
-connection handler is written again with five rules of its own, each in code below:
+connection handler is written again with six rules of its own, each in code below:
 
 1. **One connection's failure is its own.** An exception escaping a connection's tasks
    (a protocol bug, a codec bug) reaches hypercorn's server nursery and ends the process.
@@ -13,8 +13,9 @@ connection handler is written again with five rules of its own, each in code bel
    whose DATA frames are still arriving (hypercorn bug #329: ``KeyError`` in
    ``H2Protocol``), and no OpenAI client, load balancer health check or vLLM engine needs
    HTTP/2 from us. A prior-knowledge HTTP/2 preface is answered with an HTTP/2 ``GOAWAY``
-   (``HTTP_1_1_REQUIRED``, RFC 9113 7) and the connection closes; an ``Upgrade: h2c`` offer is
-   declined by answering in HTTP/1.1 (RFC 9110 7.8); TLS offers only ``http/1.1`` in ALPN.
+   (``HTTP_1_1_REQUIRED``, RFC 9113 7) and the connection closes, lingering (rule 6); an
+   ``Upgrade: h2c`` offer is declined by answering in HTTP/1.1 (RFC 9110 7.8); TLS offers
+   only ``http/1.1`` in ALPN.
 3. **Writes to the client are bounded.** Hypercorn shields ``send_all`` with no deadline, so
    a client that stops reading pins its request past the request deadline and the graceful
    drain. Here a write is cancelled with the request that makes it; a write cut short
@@ -29,6 +30,21 @@ connection handler is written again with five rules of its own, each in code bel
 5. **A client that pipelined a request and left is seen at once** (``PipelineWatch``):
    hypercorn stops reading while the pipelined request waits, so its close was seen only
    when the response before it ended.
+6. **A close lingers** (nginx's ``lingering_close``). Hypercorn closes the socket as soon
+   as the protocol is done with it, and a close with bytes unread makes the kernel send a
+   reset, which destroys the answer that a client still writing its body has not read (the
+   HTTP/2 refusal to a client sending a 200 KB body: a reset, 1 run in 3, from outside).
+   Every close but ``_abort``'s reset goes through ``_close``: our half closes after the
+   answer (a FIN, ``send_eof``; TLS cannot, and goes on without), then, where input may be
+   unread (the client's end not read, and its request not read to its end, a request
+   pipelined behind or a head in part, or bytes waiting in the socket), what the client
+   still sends is read and dropped within the bounds of ``narwhal.frontdoor.linger``
+   (10 s in all, 2 s of silence, 64 MiB); then the socket closes. The closes that come
+   here: the HTTP/2 refusal, the 400 or 413 that answers what h11 refuses, and the end of
+   a response that said ``connection: close`` (each a ``Closed`` from the protocol, which
+   stops the read loop: the lingering close reads in its task, the only reader; the early
+   answers read the body first, through the app: ``narwhal.frontdoor.answers``); the idle
+   timer and the shutdown; the end of the connection's tasks.
 
 A write nothing contends for also goes straight to the socket: one non-blocking ``send``,
 which the kernel almost always takes whole, instead of a lock, a shielded scope and two
@@ -53,12 +69,14 @@ from __future__ import annotations
 import logging
 import socket as stdlib_socket
 import struct
+import termios
 from contextlib import suppress
 from enum import Enum
 from fcntl import ioctl
 from math import inf
 from typing import Any
 
+import h11
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.typing import ConnectionState
@@ -67,6 +85,7 @@ from hypercorn.utils import parse_socket_addr
 from narwhal.fast_io import STREAM_GONE, read_when_ready, write_nowait
 from narwhal.frontdoor.app_queue import AppTaskGroup
 from narwhal.frontdoor.http11 import AppHooks, ClientGone, Http11Only, Http11Protocol
+from narwhal.frontdoor.linger import discard
 
 log = logging.getLogger("narwhal.connection")
 
@@ -85,6 +104,8 @@ ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must
 # SO_LINGER on, zero seconds: close() sends a reset and drops what the kernel still holds
 _LINGER_RESET = struct.pack("ii", 1, 0)
 SIOCOUTQNSD = 0x894B  # linux/sockios.h: bytes in a socket's send queue not yet sent
+# the client's request is not read to its end: its body, or a request h11 refused
+_UNFINISHED = (h11.SEND_BODY, h11.ERROR)
 
 
 class SendLock:
@@ -184,6 +205,10 @@ class ClientConnection:
         self._rest: bytes | memoryview | None = None  # what write_nowait left to write_rest
         self._rest_state = Rest.NONE
         self.aborted = False  # _abort closed it: no disconnect is told for it
+        self._protocol_done = False  # the protocol sent Closed: it reads no more of the client
+        self._input_ended = False  # the client's end (or a reset) was read: nothing is unread
+        self._closed = False  # the lingering close has begun (``_close``)
+        self._reader: trio.lowlevel.Task | None = None  # the read loop's task, while it reads
         self.write_failed = False  # a write broke (reset, closed): later bytes never arrive
         # hypercorn's trio.Lock, owner-free: a write that the stream reactor's task began
         # (write_nowait) may leave its rest to the request's task (write_rest)
@@ -201,7 +226,26 @@ class ClientConnection:
             await self._close()
 
     async def _close(self) -> None:
-        """The end of the connection, as hypercorn's: our half closed, then the stream."""
+        """The end of the connection, lingering (nginx's ``lingering_close``): our half
+        closed, so the client reads the answer and then our end; what the client still
+        sends read and dropped, within the bounds of ``narwhal.frontdoor.linger``, when any
+        of it may be unread (``_may_have_unread``); then the stream closed. Closing with
+        bytes unread makes the kernel send a reset, which destroys the answer a client still
+        writing has not read. Every close of the connection comes here but ``_abort``'s
+        reset. Its caller is the only reader of the stream: the read loop has ended."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._half_close()
+            if self._may_have_unread():
+                await discard(self._drop_a_read)
+        finally:
+            await self.stream.aclose()
+
+    async def _half_close(self) -> None:
+        """Our end after what was written (a FIN): the client reads the answer whole, and
+        knows no more comes, while the router may still read."""
         with suppress(
             trio.BrokenResourceError,
             AttributeError,  # TLS: the stream cannot half-close
@@ -209,7 +253,40 @@ class ClientConnection:
             trio.ClosedResourceError,
         ):
             await self.stream.send_eof()
-        await self.stream.aclose()
+
+    def _may_have_unread(self) -> bool:
+        """nginx's test for a lingering close: the client's end not read yet, and its
+        request not read to its end (a body, a refused request, a head in part, a request
+        pipelined behind), or bytes waiting in the socket."""
+        if self.aborted or self.write_failed or self._input_ended:
+            return False
+        protocol = self._h11
+        if protocol is not None:
+            connection = protocol.connection  # hypercorn's WebSocket wrapper has no states
+            if getattr(connection, "their_state", None) in _UNFINISHED:
+                return True
+            if getattr(connection, "trailing_data", (b"",))[0]:
+                return True
+        return self._waiting() != 0
+
+    def _waiting(self) -> int:
+        """Bytes the kernel holds from the client, unread (under TLS, the TCP socket's)."""
+        socket = self._tcp_socket()
+        if socket is None or socket.fileno() < 0:
+            return 0  # a test's stream, or closed already
+        try:
+            answer = ioctl(socket, termios.FIONREAD, b"\0" * 4)
+        except OSError:
+            return 0
+        return int(struct.unpack("i", answer)[0])
+
+    async def _drop_a_read(self) -> int | None:
+        """One read of the lingering close, dropped: its size, None at the client's end."""
+        try:
+            data = await self.stream.receive_some(MAX_RECV)
+        except (*STREAM_GONE, trio.BusyResourceError):  # Busy: a second reader, a bug
+            return None
+        return len(data) or None
 
     async def _serve(self) -> None:
         """Hypercorn's ``TCPServer.run`` with ``Http11Only`` in place of its
@@ -249,12 +326,18 @@ class ClientConnection:
                 self._h11 = h11_protocol
                 if self._terminating:
                     self._serve_no_more()
-                with self._idle:
-                    await self._read_data()
-                if self._idle.cancelled_caught:  # idle past keep_alive_timeout, or shutdown
+                self._reader = trio.lowlevel.current_task()
+                try:
+                    with self._idle:
+                        await self._read_data()
+                finally:
+                    self._reader = None
+                if self._protocol_done:  # the read loop stopped for the close
+                    await self._close()
+                elif self._idle.cancelled_caught:  # idle past keep_alive_timeout, or shutdown
                     with trio.CancelScope(shield=True):
                         await self.protocol.handle(Closed())
-                        await self.stream.aclose()
+                    await self._close()
         except OSError:
             pass
 
@@ -276,6 +359,7 @@ class ClientConnection:
                 try:
                     await self._receive_stream()
                 except ClientGone:
+                    self._input_ended = True
                     await self.protocol.handle(Closed())
             else:
                 await self._read_socket(socket)
@@ -284,14 +368,22 @@ class ClientConnection:
 
     async def _receive_stream(self) -> None:
         """Hypercorn's read loop, through trio's stream (TLS, a test's stream, or a read
-        timeout to keep): read until the client's end, an error or the timeout."""
+        timeout to keep): read until the client's end, an error, the timeout, or the
+        protocol's close (``Closed``, whose lingering close then reads)."""
         while True:
             try:
                 with trio.fail_after(self.config.read_timeout or inf):
                     data = await self.stream.receive_some(MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                self._input_ended = True
                 break
+            except trio.TooSlowError:
+                break
+            if data == b"":
+                self._input_ended = True
             await self.protocol.handle(RawData(bytes(data)))
+            if self._protocol_done:
+                return
             if data == b"":
                 break
         await self.protocol.handle(Closed())
@@ -301,17 +393,24 @@ class ClientConnection:
         read once. The socket is closed by other tasks too (the app's, after a ``Connection:
         close`` answer; ``_abort``), even between the wake-up and this loop's next step:
         ``read_when_ready`` takes its number afresh after the wait, so a closed socket ends
-        the loop and the socket that took its number is never read here."""
+        the loop and the socket that took its number is never read here. The protocol's
+        close (``Closed``) ends it too: the lingering close reads from then on."""
         handle = self.protocol.handle
         while True:
             try:
                 data = await read_when_ready(socket, MAX_RECV)
             except STREAM_GONE:
+                self._input_ended = True
                 break
+            if not data:
+                self._input_ended = True
             try:
                 await handle(RawData(data))
             except ClientGone:
+                self._input_ended = True
                 break
+            if self._protocol_done:
+                return
             if not data:
                 break
         await handle(Closed())
@@ -348,8 +447,7 @@ class ClientConnection:
             if type(event) is Updated:
                 self._updated(event.idle)
             elif isinstance(event, Closed):  # the protocol is done with the connection
-                await self._close()
-                await self.protocol.handle(Closed())
+                await self._protocol_closed()
             return
         if self._corked is not None:
             self._corked.append(event.data)
@@ -359,6 +457,22 @@ class ClientConnection:
         except STREAM_GONE:
             self.write_failed = True
             await self.protocol.handle(Closed())
+
+    async def _protocol_closed(self) -> None:
+        """The protocol is done with the connection (an answer that ends it: a refusal of
+        HTTP/2, a 400 to a malformed request, a response that said ``connection: close``),
+        perhaps with the client's request unread. Our half closes at once, after the answer.
+        The read loop stops handing the protocol what it reads and ends (cancelled from
+        here when this is another task: a wait for the client's next bytes ends now), and
+        the lingering close (``_close``) reads from there, in its task. When the read loop
+        has ended already (the client's end), the close comes when the connection's tasks
+        have (``run``)."""
+        self._protocol_done = True
+        await self._half_close()
+        await self.protocol.handle(Closed())
+        reader = self._reader
+        if reader is not None and reader is not trio.lowlevel.current_task():
+            self._idle.cancel()
 
     def cork(self) -> None:
         """Hold writes back until ``uncork`` (or any event other than a write): a response's

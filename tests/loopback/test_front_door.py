@@ -31,6 +31,7 @@ import openai
 import pytest
 import trio
 import trio.testing
+from hyperframe.frame import DataFrame
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -445,6 +446,137 @@ async def test_the_openai_client_reads_a_413(door: Harness) -> None:
             with pytest.raises(openai.APIStatusError) as caught:
                 await client.completions.create(model=MODEL, prompt="x" * (2 * LIMIT), max_tokens=2)
             assert caught.value.status_code == 413
+    await finish(door)
+
+
+# Lingering close at the connection, checked at its limits: a client that writes a body far
+# bigger than the socket buffers between it and the router (so bytes are certainly unread when
+# the router answers), in pieces, while reading. Closing with them unread sends a reset: the
+# client's next write fails, and a client that meets the failed write before it reads reports
+# the reset and never reads the answer (httpx's async client, above, before the early answers
+# lingered). The router must read and drop the rest, so every run ends with the whole answer,
+# then the router's end (EOF), and the client meets no reset, writing or reading.
+RUNS = 50
+PIECE = 16 * 1024
+FLOOD = 2 * LIMIT  # 2 MiB: unsent beyond the client's small send buffer and the router's window
+
+
+async def send_while_reading(h: Harness, head: bytes, body: list[bytes]) -> tuple[bytes, list[str]]:
+    """Write ``head``, then each piece of ``body``, reading all the while: what the router
+    answered up to its end, and each reset the client met (writing or reading)."""
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PIECE)  # the body waits on the router
+    await sock.connect(address(h))
+    stream = trio.SocketStream(sock)
+    received = bytearray()
+    resets: list[str] = []
+
+    async def write() -> None:
+        try:
+            await stream.send_all(head)
+            for piece in body:
+                await stream.send_all(piece)
+        except trio.BrokenResourceError as exc:
+            resets.append(f"write, {len(received)} bytes read: {exc.__cause__!r}")
+
+    async with stream, trio.open_nursery() as nursery:
+        nursery.start_soon(write)
+        try:
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+        except trio.BrokenResourceError as exc:
+            resets.append(f"read, {len(received)} bytes read: {exc.__cause__!r}")
+    return bytes(received), resets
+
+
+def h2_flood_head() -> bytes:
+    """A prior-knowledge HTTP/2 preface and a POST's HEADERS announcing ``FLOOD`` bytes."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        (":scheme", "http"),
+        (":authority", "127.0.0.1"),
+        ("content-length", str(FLOOD)),
+    ]
+    conn.send_headers(1, headers)
+    return conn.data_to_send()
+
+
+def h2_flood_body() -> list[bytes]:
+    """``FLOOD`` bytes of DATA frames on stream 1, framed by hand: a client that sends its
+    body without waiting for the window (h2 itself would stop at 64 KiB)."""
+    frame = DataFrame(1, data=b"x" * PIECE).serialize()
+    return [frame] * (FLOOD // PIECE)
+
+
+def goaway(raw: bytes) -> h2.events.ConnectionTerminated | None:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    ended = [e for e in client.receive_data(raw) if isinstance(e, h2.events.ConnectionTerminated)]
+    return ended[0] if ended else None
+
+
+async def test_an_http2_client_flooding_a_body_reads_the_goaway_every_time(door: Harness) -> None:
+    """The HTTP/2 refusal closed with the body unread: the kernel's reset destroyed the
+    GOAWAY for a client still writing (1 run in 3 from outside; every run here)."""
+    head, body = h2_flood_head(), h2_flood_body()
+    failed = []
+    with trio.fail_after(30):
+        for run in range(RUNS):
+            raw, resets = await send_while_reading(door, head, body)
+            ended = goaway(raw)
+            if (
+                resets
+                or ended is None
+                or ended.error_code != h2.errors.ErrorCodes.HTTP_1_1_REQUIRED
+            ):
+                failed.append((run, resets, raw[-60:]))
+    assert not failed, f"{len(failed)} of {RUNS} runs failed; the first: {failed[0]}"
+    await assert_serving(door)
+    assert door.router.metrics.connection_errors._value.get() == 0
+    await finish(door)
+
+
+def flood_chunked() -> list[bytes]:
+    """``FLOOD`` bytes of a chunked body, one chunk per piece, and its end."""
+    return [b"%x\r\n" % PIECE + b"x" * PIECE + b"\r\n"] * (FLOOD // PIECE) + [b"0\r\n\r\n"]
+
+
+@pytest.mark.parametrize(
+    ("head", "body", "status"),
+    [
+        # the router answers before the body: no such path
+        (
+            request(b"", b"content-length: %d" % LIMIT, path=b"/no/such/path"),
+            [b"x" * PIECE] * (LIMIT // PIECE),
+            404,
+        ),
+        # the length announced is past the limit
+        (request(b"", b"content-length: %d" % FLOOD), [b"x" * PIECE] * (FLOOD // PIECE), 413),
+        # a chunk announced past the limit: h11's refusal, answered by the server
+        (
+            request(b"%x\r\n" % FLOOD, b"transfer-encoding: chunked"),
+            [b"x" * PIECE] * (FLOOD // PIECE),
+            413,
+        ),
+        # chunks whose sum passes the limit: the app's refusal
+        (request(b"", b"transfer-encoding: chunked"), flood_chunked(), 413),
+    ],
+    ids=["404-length", "413-length", "413-chunk-announced", "413-chunks-summed"],
+)
+async def test_an_http11_client_flooding_a_body_reads_the_early_answer_every_time(
+    door: Harness, head: bytes, body: list[bytes], status: int
+) -> None:
+    failed = []
+    with trio.fail_after(30):
+        for run in range(RUNS):
+            raw, resets = await send_while_reading(door, head, body)
+            if resets or statuses(raw) != [status]:
+                failed.append((run, resets, raw[:60]))
+    assert not failed, f"{len(failed)} of {RUNS} runs failed; the first: {failed[0]}"
+    await assert_serving(door)
     await finish(door)
 
 

@@ -18,7 +18,10 @@ callers check for a socket first).
 from __future__ import annotations
 
 import os
+import struct
+import termios
 from collections.abc import Callable
+from fcntl import ioctl
 from typing import Protocol
 
 import trio
@@ -28,6 +31,7 @@ import trio
 STREAM_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 wait_readable = trio.lowlevel.wait_readable
+SIOCOUTQNSD = 0x894B  # linux/sockios.h: bytes in a socket's send queue not yet sent
 
 
 class Socket(Protocol):
@@ -86,3 +90,24 @@ async def read_when_ready(sock: Socket, size: int) -> bytes:
         data = read_nowait(sock, size)
         if data is not None:
             return data
+
+
+def unread(sock: Socket) -> int:
+    """Bytes the kernel holds from the peer, not yet read (0 once closed, or unknown)."""
+    return _queued(sock, termios.FIONREAD) or 0
+
+
+def unsent(sock: Socket) -> int | None:
+    """Bytes the kernel holds for the peer, not yet sent (its window is full); 0 once
+    closed, None when the kernel cannot say (not Linux)."""
+    return _queued(sock, SIOCOUTQNSD)
+
+
+def _queued(sock: Socket, request: int) -> int | None:
+    if sock.fileno() < 0:
+        return 0
+    try:
+        answer = ioctl(sock, request, b"\0" * 4)
+    except OSError:
+        return None
+    return int(struct.unpack("i", answer)[0])

@@ -30,38 +30,22 @@ connection handler is written again with six rules of its own, each in code belo
 5. **A client that pipelined a request and left is seen at once** (``PipelineWatch``):
    hypercorn stops reading while the pipelined request waits, so its close was seen only
    when the response before it ended.
-6. **A close lingers** (nginx's ``lingering_close``). Hypercorn closes the socket as soon
-   as the protocol is done with it, and a close with bytes unread makes the kernel send a
-   reset, which destroys the answer that a client still writing its body has not read (the
-   HTTP/2 refusal to a client sending a 200 KB body: a reset, 1 run in 3, from outside).
-   Every close but ``_abort``'s reset goes through ``_close``: our half closes after the
-   answer (a FIN, ``send_eof``; TLS cannot, and goes on without), then, where input may be
-   unread (the client's end not read, and its request not read to its end, a request
-   pipelined behind or a head in part, or bytes waiting in the socket), what the client
-   still sends is read and dropped within the bounds of ``narwhal.frontdoor.linger``
-   (10 s in all, 2 s of silence, 64 MiB); then the socket closes. The closes that come
-   here: the HTTP/2 refusal, the 400 or 413 that answers what h11 refuses, and the end of
-   a response that said ``connection: close`` (each a ``Closed`` from the protocol, which
-   stops the read loop: the lingering close reads in its task, the only reader; the early
-   answers read the body first, through the app: ``narwhal.frontdoor.answers``); the idle
-   timer and the shutdown; the end of the connection's tasks.
+6. **A close lingers** (nginx's ``lingering_close``): hypercorn closes as soon as the
+   protocol is done, and a close with bytes unread sends a reset that destroys an answer
+   the client has not read yet (the HTTP/2 refusal to a client sending a body). Every
+   close but ``_abort``'s reset goes through ``_close``, which half-closes, then reads and
+   drops what may be unread within the bounds of ``narwhal.frontdoor.linger`` (whose
+   docstring lists the closes that come here).
 
-A write nothing contends for also goes straight to the socket: one non-blocking ``send``,
-which the kernel almost always takes whole, instead of a lock, a shielded scope and two
-scheduler trips per chunk. Three per-request costs are trimmed the same way
-(``bench/results/relay-reactor.md``): the idle timer is the read loop's cancel scope,
-whose deadline moves, and the server's shutdown
-reaches it through ``ServerEnd`` (hypercorn starts a task, under a lock, at every response
-and cancels it at every request; a task per connection waiting on the shutdown event cost
-about 2 KB a connection); the read loop waits
-until the socket is readable before reading (trio tries the read first, and between
-requests that try always fails); and ``cork`` lets a response's head go out with its first
-chunk, and its last chunk with the end, in one write each. ``ClientConnection`` runs none
-of ``TCPServer``'s code; what of hypercorn's protocol and h11 runs against ours is checked at
-start against the versions it was written for (``narwhal.frontdoor.seams``), the only module
-that touches their private names;
-``docs/upstream.md`` writes each up as an upstream bug report;
-``bench/results/server-fixes.md`` has the figures.
+Per-chunk and per-request costs trimmed (``bench/results/relay-reactor.md``,
+``bench/results/server-fixes.md``): a write nothing contends for goes straight to the
+socket (one non-blocking ``send``, not a lock, a shielded scope and two scheduler trips);
+the idle timer is the read loop's cancel scope, reached at shutdown through ``ServerEnd``
+(no task per connection); the read loop waits for readiness before it reads; ``cork``
+sends a response's head with its first chunk, and its last chunk with the end.
+``ClientConnection`` runs none of ``TCPServer``'s code; what of hypercorn's protocol and h11
+runs against ours is checked at start (``narwhal.frontdoor.seams``, the only module that
+touches their private names; ``docs/upstream.md`` writes each up for upstream).
 """
 
 from __future__ import annotations
@@ -69,10 +53,7 @@ from __future__ import annotations
 import logging
 import socket as stdlib_socket
 import struct
-import termios
 from contextlib import suppress
-from enum import Enum
-from fcntl import ioctl
 from math import inf
 from typing import Any
 
@@ -82,93 +63,22 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
-from narwhal.fast_io import STREAM_GONE, read_when_ready, write_nowait
+from narwhal.fast_io import STREAM_GONE, read_when_ready, unread, unsent, write_nowait
 from narwhal.frontdoor.app_queue import AppTaskGroup
 from narwhal.frontdoor.http11 import AppHooks, ClientGone, Http11Only, Http11Protocol
 from narwhal.frontdoor.linger import discard
+from narwhal.frontdoor.send_lock import Rest, SendLock
+from narwhal.frontdoor.server_end import ServerEnd
 
 log = logging.getLogger("narwhal.connection")
-
-
-class Rest(Enum):
-    """What a write without waiting (``write_nowait``) left for ``write_rest``."""
-
-    NONE = "nothing"
-    UNLOCKED = "all of it, through the send lock"  # the socket was busy: nothing written
-    LOCKED = "the rest, the send lock held"  # the kernel took a part
-    BROKEN = "nothing: the write broke"  # closed or reset: the stream is told at once
 
 
 MAX_RECV = 2**16  # hypercorn's read size
 ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must not flood logs
 # SO_LINGER on, zero seconds: close() sends a reset and drops what the kernel still holds
 _LINGER_RESET = struct.pack("ii", 1, 0)
-SIOCOUTQNSD = 0x894B  # linux/sockios.h: bytes in a socket's send queue not yet sent
 # the client's request is not read to its end: its body, or a request h11 refused
 _UNFINISHED = (h11.SEND_BODY, h11.ERROR)
-
-
-class SendLock:
-    """A lock that any task may release (trio's ``Lock`` insists on its owner): the part
-    of ``trio.Lock`` that ``ClientConnection`` uses for its writes."""
-
-    def __init__(self) -> None:
-        self._semaphore = trio.Semaphore(1, max_value=1)
-
-    def locked(self) -> bool:
-        return self._semaphore.value == 0
-
-    def acquire_nowait(self) -> None:
-        self._semaphore.acquire_nowait()
-
-    def release(self) -> None:
-        self._semaphore.release()
-
-    async def __aenter__(self) -> None:
-        await self._semaphore.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._semaphore.release()
-
-
-class ServerEnd:
-    """Hypercorn's ``context.terminated`` event, which also tells every live connection
-    when the server shuts down (``ClientConnection.server_ends``): the idle timer needs no
-    task per connection to wait on the event. Installed on the worker's context by its
-    first connection; hypercorn sets, waits on and reads the event as before."""
-
-    def __init__(self, event: Any) -> None:
-        self._event = event
-        self._connections: set[ClientConnection] = set()
-
-    @classmethod
-    def of(cls, context: Any) -> ServerEnd:
-        end = context.terminated
-        if not isinstance(end, ServerEnd):
-            end = context.terminated = cls(end)
-        return end
-
-    def add(self, connection: ClientConnection) -> None:
-        self._connections.add(connection)
-        if self.is_set():  # accepted as the server began to shut down
-            connection.server_ends()
-
-    def discard(self, connection: ClientConnection) -> None:
-        self._connections.discard(connection)
-
-    async def set(self) -> None:
-        await self._event.set()
-        for connection in list(self._connections):
-            connection.server_ends()
-
-    async def clear(self) -> None:
-        await self._event.clear()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-
-    def is_set(self) -> bool:
-        return bool(self._event.is_set())
 
 
 class ClientConnection:
@@ -272,13 +182,7 @@ class ClientConnection:
     def _waiting(self) -> int:
         """Bytes the kernel holds from the client, unread (under TLS, the TCP socket's)."""
         socket = self._tcp_socket()
-        if socket is None or socket.fileno() < 0:
-            return 0  # a test's stream, or closed already
-        try:
-            answer = ioctl(socket, termios.FIONREAD, b"\0" * 4)
-        except OSError:
-            return 0
-        return int(struct.unpack("i", answer)[0])
+        return 0 if socket is None else unread(socket)  # None: a test's stream
 
     async def _drop_a_read(self) -> int | None:
         """One read of the lingering close, dropped: its size, None at the client's end."""
@@ -512,16 +416,9 @@ class ClientConnection:
             self._abort()
 
     def _unsent(self) -> int | None:
-        """Bytes the kernel holds for the client and has not sent (its window is full);
-        None when it cannot say (not Linux)."""
+        """Bytes the kernel holds for the client and has not sent (its window is full)."""
         socket = self._tcp_socket()
-        if socket is None or socket.fileno() < 0:
-            return 0  # a test's stream, or closed already
-        try:
-            answer = ioctl(socket, SIOCOUTQNSD, b"\0" * 4)
-        except OSError:
-            return None
-        return int(struct.unpack("i", answer)[0])
+        return 0 if socket is None else unsent(socket)  # None: a test's stream
 
     def write_nowait(self, data: bytes) -> bool:
         """Write ``data`` now when nothing contends for the socket: True when the kernel took

@@ -10,6 +10,15 @@ a bound, before it closes. Two layers use it: the connection, whose close linger
 input may be unread (``narwhal.frontdoor.connection``), and the early HTTP/1.1 answers,
 which read the rest of the body through the ASGI receive (``narwhal.frontdoor.answers``) so
 that the request ends with its body read under any server.
+
+The connection's ``_close`` half-closes after the answer (a FIN; TLS cannot, and goes on
+without), then lingers where input may be unread: the client's end not read, and its
+request not read to its end, a request pipelined behind or a head in part, or bytes waiting
+in the socket. The closes that come there: the HTTP/2 refusal, the 400 or 413 that answers
+what h11 refuses, and the end of a response that said ``connection: close`` (each a
+``Closed`` from the protocol, which stops the read loop: the lingering close reads in its
+task, the only reader); the idle timer and the shutdown; the end of the connection's
+tasks. ``_abort``'s reset never lingers.
 """
 
 from __future__ import annotations

@@ -26,10 +26,11 @@ from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from narwhal.frontdoor import seams
-from narwhal.frontdoor.connection import ClientConnection, ServerEnd
+from narwhal.frontdoor.connection import ClientConnection
 from narwhal.frontdoor.http11 import AppHooks
 from narwhal.frontdoor.internals_check import verify
 from narwhal.frontdoor.listener import BurstListener
+from narwhal.frontdoor.server_end import ServerEnd
 
 
 @cache  # the installed libraries do not change under a running process

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import EngineClient
-from narwhal.frontdoor.connection import SendLock
+from narwhal.frontdoor.send_lock import SendLock
 from narwhal.router.stream_reactor import (
     HAND_BACK,
     STALE_DUES_FACTOR,

@@ -20,7 +20,8 @@ from narwhal.core.config import FleetConfig
 from narwhal.core.requests import parse_request
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
-from narwhal.frontdoor.connection import ClientConnection, ServerEnd
+from narwhal.frontdoor.connection import ClientConnection
+from narwhal.frontdoor.server_end import ServerEnd
 from narwhal.router.app import RouterApp
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router

@@ -426,14 +426,16 @@ def serve_narwhal(
     root: str | None = None,
     pure: bool = False,
     launcher: tuple[str, ...] = ("-m", "narwhal"),
+    python: str | None = None,
 ) -> tuple[Proc, str]:
     """``narwhal serve`` on a fleet file of this text; (process, URL). With ``root``, the
-    narwhal of that checkout runs (``--baseline``)."""
+    narwhal of that checkout runs (``--baseline``); ``python``: the interpreter (default
+    this one), e.g. that checkout's own venv."""
     fleet = tmp / f"{name}-fleet.toml"
     fleet.write_text(fleet_text)
     proc = Proc(
         [
-            sys.executable,
+            python or sys.executable,
             *launcher,
             "serve",
             "--config",

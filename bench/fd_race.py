@@ -1,4 +1,4 @@
-"""A bounded outside reproduction of the front door's descriptor-reuse race (issue 46).
+"""A bounded outside reproduction of the front door's descriptor-reuse race.
 
     python bench/fd_race.py [--rounds 20] [--clients 16] [--pollers 3] [--queue on|off]
                             [--tree PATH] [--pure] [--timeout-s 10] [--logs DIR]

@@ -10,9 +10,11 @@ pool's wait queue (the httpcore pool-slot leak under contended cancellation,
 encode/httpcore#1093, cannot happen), and the capacity limiter in front bounds the pool.
 
 Timeouts are the caller's cancel scopes, except the connect timeout, which bounds the TCP
-connect and, for an ``https://`` engine, the TLS handshake together (``tls_connect``).
+connect and, for an ``https://`` engine, the TLS handshake together (``tls_connect``), and a
+request's ``send_by``, the handoff clock of the descriptor it carries (``Pool.request``).
 What the libraries raise leaves as engine faults: ``EngineErrors`` (``narwhal.engines.boundary``)
-wraps the connect and each of a response's steps (``start``, ``next_batch``, ``read_nowait``).
+wraps the connect and each of a response's steps (``send``, ``read_head``, ``next_batch``,
+``read_nowait``).
 """
 
 from __future__ import annotations
@@ -285,8 +287,8 @@ def _feed_chunked(decoder: ChunkedDecoder, data: bytes) -> list[bytes]:
 
 class Response:
     """One response being read; ``next_batch`` coalesces what each socket read brought.
-    Each step that calls the libraries (``start``, ``next_batch``, ``read_nowait``) runs
-    inside ``errors``: what they raise leaves as the engine's fault."""
+    Each step that calls the libraries (``send``, ``read_head``, ``next_batch``,
+    ``read_nowait``) runs inside ``errors``: what they raise leaves as the engine's fault."""
 
     def __init__(self, pool: Pool, phase: Phase) -> None:
         self.pool = pool

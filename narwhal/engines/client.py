@@ -21,8 +21,8 @@ import trio
 
 from narwhal.core.connector import NixlConnector, PrefillResult
 from narwhal.core.faults import EngineStatusError, HandoffExpired, Phase, StreamBroken
+from narwhal.engines.engine_connection import IDLE_EXPIRY_S
 from narwhal.engines.transport import (
-    IDLE_EXPIRY_S,
     Connect,
     Pool,
     Response,

@@ -20,7 +20,6 @@ wraps the connect and each of a response's steps (``send``, ``read_head``, ``nex
 from __future__ import annotations
 
 import math
-import select
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -33,18 +32,21 @@ import trio
 
 from narwhal.core.faults import Phase, StreamBroken
 from narwhal.engines.boundary import BodyTooLarge, EngineClosed, EngineErrors, Step
-from narwhal.fast_io import read_nowait, read_when_ready, write_nowait
+from narwhal.engines.engine_connection import (
+    IDLE_EXPIRY_S,
+    READ_SIZE,
+    EngineConnection,
+    close,
+)
+from narwhal.fast_io import read_nowait, read_when_ready
 from narwhal.stream.chunked import ChunkedDecoder, ChunkedError
 
 # (host, port) -> an open stream; OSError when the engine cannot be reached
 Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
-IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never race its close
 # idle connections kept per engine: past a burst the rest close at once, so the descriptors
 # a router holds track the streams it carries (at 9,000 open streams the prefill legs'
 # idle connections, kept 4 s, pushed the process past its descriptor limit)
 MAX_IDLE = 128
-READ_SIZE = 65536
-wait_readable = trio.lowlevel.wait_readable
 
 
 async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
@@ -82,81 +84,6 @@ def tls_connect(connect: Connect, context: ssl.SSLContext) -> Connect:
     return connect_tls
 
 
-class _Connection:
-    """One connection to an engine. Its sockets are held as objects, never as descriptor
-    numbers (``narwhal.fast_io``): the number is read afresh at each system call."""
-
-    __slots__ = ("before_close", "h11", "idle_since", "poll_socket", "socket", "stream")
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT)
-        self.idle_since = 0.0
-        # socket: read and written directly (plain TCP only); poll_socket: the socket under
-        # TLS too, which ``looks_alive`` polls (readable while idle: closed, or a TLS
-        # alert); None: in memory (tests)
-        self.socket: trio.socket.SocketType | None = None
-        self.poll_socket: trio.socket.SocketType | None = None
-        if isinstance(stream, trio.SocketStream):
-            self.socket = self.poll_socket = stream.socket
-        elif isinstance(stream, trio.SSLStream) and isinstance(
-            stream.transport_stream, trio.SocketStream
-        ):
-            self.poll_socket = stream.transport_stream.socket
-        # set while a reader waits on this connection outside trio (the stream reactor's
-        # epoll): called with the error that reader is to raise, before the socket closes,
-        # so the registration ends while the number is still this socket's
-        self.before_close: Callable[[BaseException], None] | None = None
-
-    def fileno(self) -> int:
-        """The plain socket's descriptor now: -1 once closed, or when there is none."""
-        sock = self.socket
-        return -1 if sock is None else sock.fileno()
-
-    def closing(self, error: BaseException) -> None:
-        """The connection is about to close: a reader parked outside trio gets ``error``."""
-        hook, self.before_close = self.before_close, None
-        if hook is not None:
-            hook(error)
-
-    async def send(self, data: bytes) -> None:
-        """Write ``data``. On a socket, one non-blocking write first, which the kernel takes
-        whole for a request of a few KB: trio's ``send_all`` adds a trip through the
-        scheduler after its write, two per request on the way to the first token. The
-        leg's cancellation point is the limiter's checkpoint just before (``request``);
-        what the kernel did not take goes through ``send_all``."""
-        sock = self.socket
-        if sock is not None:
-            sent = write_nowait(sock, data)
-            if sent == len(data):
-                return
-            data = data[sent:]
-        await self.stream.send_all(data)
-
-    async def receive(self) -> bytes:
-        """What one read brings. On a socket: wait until readable, then read once. Trio's
-        ``receive_some`` tries the read first, and between tokens of a stream that try
-        always fails (a syscall and an exception per token), before it waits anyway."""
-        sock = self.socket
-        if sock is None:
-            return bytes(await self.stream.receive_some(READ_SIZE))
-        return await read_when_ready(sock, READ_SIZE)
-
-    def looks_alive(self, now: float) -> bool:
-        """Fresh enough and with nothing to read (readable while idle means closed)."""
-        if now - self.idle_since > IDLE_EXPIRY_S:
-            return False
-        sock = self.poll_socket
-        if sock is None:
-            return True  # an in-memory stream (tests)
-        if sock.fileno() < 0:
-            return False  # closed already
-        # poll, not select: a busy router has descriptors beyond select's 1024 limit
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return not poller.poll(0)
-
-
 class Pool:
     """Kept-alive connections to the engine at ``url``, at most ``max_connections`` in use."""
 
@@ -170,22 +97,22 @@ class Pool:
         self.connect = connect
         self.connect_timeout_s = connect_timeout_s
         self.limiter = trio.CapacityLimiter(max_connections)
-        self.idle: list[_Connection] = []
+        self.idle: list[EngineConnection] = []
         self.active = 0
 
-    async def _checkout(self, phase: Phase) -> tuple[_Connection, bool]:
+    async def _checkout(self, phase: Phase) -> tuple[EngineConnection, bool]:
         now = trio.current_time()
         while self.idle:
             conn = self.idle.pop()
             if conn.looks_alive(now):
                 return conn, True
-            await _close(conn)
+            await close(conn)
         connect_errors = EngineErrors(Step.CONNECT, self.url, phase)
         with connect_errors, trio.fail_after(self.connect_timeout_s):
             stream = await self.connect(self.host, self.port)
-        return _Connection(stream), False
+        return EngineConnection(stream), False
 
-    def _checkin(self, conn: _Connection, *, fresh: bool = False) -> bool:
+    def _checkin(self, conn: EngineConnection, *, fresh: bool = False) -> bool:
         """Keep ``conn`` for reuse; False when ``MAX_IDLE`` are kept already (close it)."""
         if len(self.idle) >= MAX_IDLE:
             return False
@@ -259,12 +186,12 @@ class Pool:
         stale = [c for c in self.idle if now - c.idle_since > IDLE_EXPIRY_S]
         self.idle = [c for c in self.idle if now - c.idle_since <= IDLE_EXPIRY_S]
         for conn in stale:
-            await _close(conn)
+            await close(conn)
 
     async def aclose(self) -> None:
         idle, self.idle = self.idle, []
         for conn in idle:
-            await _close(conn)
+            await close(conn)
 
 
 class SendTooLate(Exception):
@@ -293,7 +220,7 @@ class Response:
     def __init__(self, pool: Pool, phase: Phase) -> None:
         self.pool = pool
         self.errors = EngineErrors(Step.EXCHANGE, pool.url, phase)
-        self.conn: _Connection | None = None
+        self.conn: EngineConnection | None = None
         self.status = 0
         self.done = False
         self.holding = False  # a slot of the pool's limiter, from the request to aclose
@@ -333,7 +260,7 @@ class Response:
             if _is_chunked(event):
                 self._take_chunked_body(conn, event)
 
-    def _take_chunked_body(self, conn: _Connection, head: h11.Response) -> None:
+    def _take_chunked_body(self, conn: EngineConnection, head: h11.Response) -> None:
         """From here on the body is ours to decode; h11 saw only the head (it accepts no
         transfer coding but chunked, so a head it parsed with one is chunked)."""
         self._chunked = ChunkedDecoder()
@@ -386,7 +313,7 @@ class Response:
                 return None
         return b"".join(parts) if len(parts) != 1 else parts[0]
 
-    def park_socket(self) -> _Connection | None:
+    def park_socket(self) -> EngineConnection | None:
         """The connection to wait on before ``read_nowait`` can bring more; None: call
         ``next_batch`` (not a chunked body on a plain socket, or the rest of the body is
         read already: its socket may never be readable again)."""
@@ -489,7 +416,7 @@ class Response:
             kept = self.pool._checkin(conn)
             if kept:
                 return
-        await _close(conn)
+        await close(conn)
 
     def _closed_under_reader(self) -> BaseException:
         error = trio.ClosedResourceError("closed by another task while its reader waited")
@@ -521,9 +448,3 @@ def _is_chunked(head: h11.Response) -> bool:
     if head.status_code in (204, 304):
         return False
     return any(name == b"transfer-encoding" for name, _ in head.headers)
-
-
-async def _close(conn: _Connection) -> None:
-    conn.closing(trio.ClosedResourceError("engine connection closed"))
-    with trio.CancelScope(shield=True), trio.move_on_after(1):
-        await conn.stream.aclose()

@@ -54,19 +54,19 @@ import logging
 import socket as stdlib_socket
 import struct
 from contextlib import suppress
+from functools import partial
 from math import inf
 from typing import Any
 
-import h11
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
-from narwhal.fast_io import STREAM_GONE, read_when_ready, unread, unsent, write_nowait
+from narwhal.fast_io import STREAM_GONE, read_when_ready, unsent, write_nowait
 from narwhal.frontdoor.app_queue import AppTaskGroup
 from narwhal.frontdoor.http11 import AppHooks, ClientGone, Http11Only, Http11Protocol
-from narwhal.frontdoor.linger import discard
+from narwhal.frontdoor.linger import discard, drop_a_read, half_close, unread_input
 from narwhal.frontdoor.send_lock import Rest, SendLock
 from narwhal.frontdoor.server_end import ServerEnd
 
@@ -77,8 +77,6 @@ MAX_RECV = 2**16  # hypercorn's read size
 ERROR_LOG_INTERVAL_S = 10.0  # one traceback per interval: a hostile client must not flood logs
 # SO_LINGER on, zero seconds: close() sends a reset and drops what the kernel still holds
 _LINGER_RESET = struct.pack("ii", 1, 0)
-# the client's request is not read to its end: its body, or a request h11 refused
-_UNFINISHED = (h11.SEND_BODY, h11.ERROR)
 
 
 class ClientConnection:
@@ -147,50 +145,18 @@ class ClientConnection:
             return
         self._closed = True
         try:
-            await self._half_close()
+            await half_close(self.stream)
             if self._may_have_unread():
-                await discard(self._drop_a_read)
+                await discard(partial(drop_a_read, self.stream))
         finally:
             await self.stream.aclose()
 
-    async def _half_close(self) -> None:
-        """Our end after what was written (a FIN): the client reads the answer whole, and
-        knows no more comes, while the router may still read."""
-        with suppress(
-            trio.BrokenResourceError,
-            AttributeError,  # TLS: the stream cannot half-close
-            trio.BusyResourceError,
-            trio.ClosedResourceError,
-        ):
-            await self.stream.send_eof()
-
     def _may_have_unread(self) -> bool:
-        """nginx's test for a lingering close: the client's end not read yet, and its
-        request not read to its end (a body, a refused request, a head in part, a request
-        pipelined behind), or bytes waiting in the socket."""
+        """The client's end not read yet, and input it sent may be unread (``unread_input``)."""
         if self.aborted or self.write_failed or self._input_ended:
             return False
         protocol = self._h11
-        if protocol is not None:
-            connection = protocol.connection  # hypercorn's WebSocket wrapper has no states
-            if getattr(connection, "their_state", None) in _UNFINISHED:
-                return True
-            if getattr(connection, "trailing_data", (b"",))[0]:
-                return True
-        return self._waiting() != 0
-
-    def _waiting(self) -> int:
-        """Bytes the kernel holds from the client, unread (under TLS, the TCP socket's)."""
-        socket = self._tcp_socket()
-        return 0 if socket is None else unread(socket)  # None: a test's stream
-
-    async def _drop_a_read(self) -> int | None:
-        """One read of the lingering close, dropped: its size, None at the client's end."""
-        try:
-            data = await self.stream.receive_some(MAX_RECV)
-        except (*STREAM_GONE, trio.BusyResourceError):  # Busy: a second reader, a bug
-            return None
-        return len(data) or None
+        return unread_input(None if protocol is None else protocol.connection, self._tcp_socket())
 
     async def _serve(self) -> None:
         """Hypercorn's ``TCPServer.run`` with ``Http11Only`` in place of its
@@ -372,7 +338,7 @@ class ClientConnection:
         has ended already (the client's end), the close comes when the connection's tasks
         have (``run``)."""
         self._protocol_done = True
-        await self._half_close()
+        await half_close(self.stream)
         await self.protocol.handle(Closed())
         reader = self._reader
         if reader is not None and reader is not trio.lowlevel.current_task():

@@ -24,8 +24,13 @@ tasks. ``_abort``'s reset never lingers.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import Any
 
+import h11
 import trio
+
+from narwhal.fast_io import STREAM_GONE, unread
 
 LINGER_TIME_S = 10.0  # the most time spent reading and dropping (nginx's lingering_time)
 LINGER_READ_TIMEOUT_S = 2.0  # the most silence waited for in one read (lingering_timeout)
@@ -44,3 +49,41 @@ async def discard(read: Callable[[], Awaitable[int | None]]) -> None:
             if silent.cancelled_caught or size is None:
                 return
             dropped += size
+
+
+READ_SIZE = 2**16
+# the client's request is not read to its end: its body, or a request h11 refused
+_UNFINISHED = (h11.SEND_BODY, h11.ERROR)
+
+
+async def half_close(stream: trio.abc.Stream) -> None:
+    """Our end after what was written (a FIN): the client reads the answer whole, and knows
+    no more comes, while the router may still read. TLS cannot half-close: it goes on."""
+    with suppress(
+        trio.BrokenResourceError,
+        AttributeError,  # TLS: the stream cannot half-close
+        trio.BusyResourceError,
+        trio.ClosedResourceError,
+    ):
+        await stream.send_eof()  # type: ignore[attr-defined]
+
+
+def unread_input(connection: Any, socket: Any) -> bool:
+    """nginx's test for a lingering close, the client's end not being read yet: its request
+    not read to its end by h11's ``connection`` (a body, a refused request, a head in part,
+    a request pipelined behind), or bytes waiting in the TCP ``socket`` (None: a test's)."""
+    if connection is not None:  # hypercorn's WebSocket wrapper has no states
+        if getattr(connection, "their_state", None) in _UNFINISHED:
+            return True
+        if getattr(connection, "trailing_data", (b"",))[0]:
+            return True
+    return socket is not None and unread(socket) != 0
+
+
+async def drop_a_read(stream: trio.abc.Stream) -> int | None:
+    """One read of the lingering close, dropped: its size, None at the client's end."""
+    try:
+        data = await stream.receive_some(READ_SIZE)
+    except (*STREAM_GONE, trio.BusyResourceError):  # Busy: a second reader, a bug
+        return None
+    return len(data) or None

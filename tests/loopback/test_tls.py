@@ -23,7 +23,7 @@ from narwhal.core.config import ConfigError, EngineConfig
 from narwhal.core.config_parse import parse_config
 from narwhal.core.faults import EngineStatusError, EngineUnreachable
 from narwhal.engines.client import EngineClient
-from narwhal.engines.transport import _Connection
+from narwhal.engines.engine_connection import EngineConnection
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.http import Exchange, Request, serve_connection
@@ -241,7 +241,7 @@ async def test_tls_connections_are_kept_alive_and_replaced_when_closed(
         assert await client.get(url, "/health") == (200, b"")
     assert front.handshakes == 1  # one connection, reused
     assert client.connections()[url] == (1, 0)
-    conn: _Connection = client._engines[url].pool.idle[0]
+    conn: EngineConnection = client._engines[url].pool.idle[0]
     assert isinstance(conn.stream, trio.SSLStream)
     assert conn.socket is None  # never read past TLS
     assert conn.poll_socket is not None
@@ -260,7 +260,7 @@ async def test_plain_http_keeps_the_direct_read_path(nursery: trio.Nursery) -> N
     url = await nursery.start(engine.serve)
     client = EngineClient()
     assert await client.get(url, "/health") == (200, b"")
-    conn: _Connection = client._engines[url].pool.idle[0]
+    conn: EngineConnection = client._engines[url].pool.idle[0]
     assert isinstance(conn.stream, trio.SocketStream)
     assert conn.socket is not None
     assert conn.socket is conn.poll_socket

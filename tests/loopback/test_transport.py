@@ -11,7 +11,7 @@ import trio
 
 from narwhal.core.faults import RequestFault
 from narwhal.engines.client import EngineClient
-from narwhal.engines.transport import _Connection
+from narwhal.engines.engine_connection import EngineConnection
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
 
@@ -125,7 +125,7 @@ async def test_a_request_the_kernel_takes_in_part_is_still_sent_whole() -> None:
     a full send buffer leaves is written after, in order, nothing lost or doubled."""
     ours, theirs = trio.socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    conn = _Connection(trio.SocketStream(ours))
+    conn = EngineConnection(trio.SocketStream(ours))
     payload = bytes(random.Random(7).randbytes(1 << 20))  # far more than the buffer
     received = bytearray()
 

@@ -250,3 +250,16 @@ def test_no_test_module_imports_another() -> None:
 
 
 TEST_ROOTS = ("tests", "fuzz", "e2e")
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_in_the_package_is_longer_than_a_reader_takes_in() -> None:
+    """A module over 500 lines holds more than one thing: split it along its seams."""
+    long = {
+        module_name(path): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}

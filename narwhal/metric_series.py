@@ -200,8 +200,9 @@ class MetricSeries:
         # placement (contract 4.4): each decision by its reason; each engine's own report
         self.placements = counter(
             "narwhal_placement_decisions",
-            "Legs placed, by leg and by why that engine: only, prefix_match, affinity, "
-            "spill, least_loaded, round_robin.",
+            "Legs placed, by leg and by why that engine: only, room (the one candidate "
+            "with room, the others saturated), adapter, prefix_match, affinity, spill, "
+            "least_loaded, round_robin.",
             ("leg", "reason"),
         )
         self.disaggregation = counter(

@@ -107,7 +107,9 @@ def dispatchable(
     """Whether one more request may go on to the engines now: fewer than ``limit`` (this
     process's in-flight share) are dispatched, and the room of the engines it needs
     (``headroom()``, asked only then: it reads every engine) is more than the requests
-    already let go from the queue and not yet running. No room known (None: no placeable
+    already let go from the queue and not yet running. The room is summed over the engines,
+    which holds only because placement sends a request to an engine with room while any
+    has it (``narwhal.core.placement.with_room``). No room known (None: no placeable
     engine of a role) lets it go: its run answers 503 at once rather than wait."""
     if dispatched >= limit:
         return False

@@ -1,9 +1,17 @@
 """Placement: which producer and which consumer, as a pure function of fleet state (contract 4.4).
 
 The candidates are the placeable engines of the leg's role (``Fleet.placeable``). Engines
-a retry must avoid are used only when nothing else is left; then:
+a retry must avoid are used only when nothing else is left. Saturated candidates (no room
+by ``EngineState.room``, the admission queue's own measure, contract 4.5) are passed over
+whenever another candidate has room, whatever the rules below prefer. The queue dispatches
+a request while any engine of the role has room; a rule that then sends it to a saturated
+one leaves it waiting in that engine's queue while another idles, and when every prompt
+shares a first block, prefix affinity sent every prefill to the one producer that held it
+until requests were shed. So a cached prefix, however small a part of the prompt, buys at
+most a queue below ``engine_waiting_limit`` while another engine has room; with every
+candidate saturated the rules choose among all of them, as before. Then:
 
-* one candidate: it (reason ``only``);
+* one candidate: it (reason ``only``); one of several with room: it (``room``);
 * a request for a LoRA adapter, with ``adapter_affinity``: among the candidates under the
   load bound, the cheapest for the adapter (``lora_slots.tier``): those that have it
   loaded (running or waiting on it, or idle in a slot by what this router placed there or
@@ -36,18 +44,23 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from narwhal.core.config import PlacementConfig
+from narwhal.core.config import AdmissionConfig, PlacementConfig
 from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.lora_slots import SLOT_FREE, tier
 from narwhal.core.policies import EngineLoad, PrefixRing, bound, least_loaded
 from narwhal.core.precise_index import PreciseIndex, TokenPrompt
 from narwhal.core.prefix_index import BLOCK_TOKENS, PrefixIndex, Prompt
 
+# the queue's limits when the caller gives none: the defaults, so that no caller places on a
+# saturated engine by leaving them out
+DEFAULT_LIMITS = AdmissionConfig()
+
 Reason = Literal[
-    "only", "adapter", "prefix_match", "affinity", "spill", "least_loaded", "round_robin"
+    "only", "room", "adapter", "prefix_match", "affinity", "spill", "least_loaded", "round_robin"
 ]
 REASONS: tuple[Reason, ...] = (
     "only",
+    "room",
     "adapter",
     "prefix_match",
     "affinity",
@@ -88,6 +101,7 @@ def choose(
     precise: PreciseIndex | None = None,
     tokens: TokenPrompt | None = None,
     adapter: str | None = None,
+    limits: AdmissionConfig = DEFAULT_LIMITS,
 ) -> Choice | None:
     """The engine for ``leg`` and why; None when there are no candidates. ``key`` is the
     request's prompt prefix (producers only), ``ring`` the producers' ring, ``prompt`` and
@@ -96,11 +110,18 @@ def choose(
     token ids (``held_tokens``); ``adapter`` the LoRA adapter it runs under. ``other_leg``
     is the engine that runs the attempt's other leg: it is chosen only when no other
     candidate is left, since a handoff to the producer itself would leave the prefill's
-    blocks held for the lease with nobody to read them."""
+    blocks held for the lease with nobody to read them. ``limits``: the admission queue's
+    ``engine_waiting_limit`` and ``kv_usage_limit``, which say when an engine is saturated."""
     pool = [e for e in candidates if e.id not in avoid] or list(candidates)
     pool = [e for e in pool if e.id != other_leg] or pool
     if len(pool) <= 1:
         return Choice(pool[0], "only") if pool else None
+    roomy = with_room(pool, leg, now, config.metrics_interval_s, limits)
+    if len(roomy) == 1:
+        return Choice(roomy[0], "room")
+    # every candidate's id when some have no room: the ring's home is the first of them
+    everyone = {e.id for e in pool} if len(roomy) < len(pool) else None
+    pool = roomy
     consumer = leg == "decode"
     costs = {e.id: load_of(e, now, config.metrics_interval_s).cost(consumer=consumer) for e in pool}
     if adapter is not None and config.adapter_affinity:
@@ -115,6 +136,8 @@ def choose(
             return Choice(held, "prefix_match")
     if not consumer and config.prefix_affinity and key is not None and ring is not None:
         home, spilled = ring.choose(key, costs, config.affinity_load_factor)
+        if everyone is not None:  # a home with no room was passed over: a spill too
+            spilled = spilled or home != next((p for p in ring.order(key) if p in everyone), home)
         for engine in pool:
             if engine.id == home:
                 return Choice(engine, "spill" if spilled else "affinity")
@@ -131,6 +154,17 @@ def choose(
     chosen = least_loaded(pool, rng, lambda e: (costs[e.id], rotation(e)))
     assert chosen is not None  # the pool has two or more
     return Choice(chosen, "least_loaded")
+
+
+def with_room(
+    pool: Sequence[EngineState], leg: Leg, now: float, interval_s: float, limits: AdmissionConfig
+) -> list[EngineState]:
+    """The candidates that are not saturated for ``leg`` (contract 4.5), or all of them when
+    every one is: a request is never held for a saturated engine while another has room,
+    and with none left the rules weigh them all as before."""
+    waiting, kv = limits.engine_waiting_limit, limits.kv_usage_limit
+    roomy = [e for e in pool if e.room(now, interval_s, waiting, kv, leg)[0] > 0]
+    return roomy or list(pool)
 
 
 def adapter_tier(engine: EngineState, adapter: str, now: float, interval_s: float) -> int:

@@ -263,6 +263,7 @@ class RequestRun(RequestLegs):
             precise=fleet.precise,
             tokens=self._tokens,
             adapter=self._adapter,
+            limits=self.config.admission,
         )
         if choice is None:
             raise NoCapacity(

@@ -9,6 +9,7 @@ the client's socket without waiting, still under virtual time."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,3 +139,33 @@ async def memory_fleet(
     services = [router.health.run, *([router.reactor.run] if sockets else [])]
     await nursery.start(router.background.run, services)
     return MemoryFleet(router, engines[0], engines[1], engines[2:], config, net)
+
+
+@dataclass
+class EngineFleet:
+    """A router over any number of fake engines (``engines``: by id) on one in-memory
+    network, scraping their ``/metrics`` as ``narwhal serve`` does."""
+
+    router: Router
+    engines: dict[str, FakeEngine]
+
+
+async def engine_fleet(
+    nursery: trio.Nursery,
+    engines: dict[str, FakeEngineConfig],
+    *,
+    rng: random.Random | None = None,
+    **sections: Any,
+) -> EngineFleet:
+    """Fake engines by id, each as configured (its role from its config), and a router over
+    them that runs health checks and scrapes: the cost model's queues and prefix caches
+    under trio's MockClock, for placement and the admission queue as the engines load up."""
+    net = MemoryNetwork(nursery)
+    fakes: dict[str, FakeEngine] = {}
+    for eid, cfg in engines.items():
+        fakes[eid] = FakeEngine(cfg, network=net)
+        fakes[eid].attach(eid)
+    config = fleet_config({eid: (e.url, e.config.role) for eid, e in fakes.items()}, **sections)
+    router = Router(config, connect=net.open_stream, journal=Journal(keep=100_000), rng=rng)
+    await nursery.start(router.background.run, [router.health.run, router.scraper.run])
+    return EngineFleet(router, fakes)

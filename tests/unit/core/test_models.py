@@ -230,10 +230,10 @@ def test_the_lora_series_newest_label_set_is_the_one_that_holds() -> None:
 
 
 def _lora(
-    engine_report_at: float, running: str, max_lora: int = 1, waiting: str = ""
+    engine_report_at: float, running: str, max_lora: int = 1, waiting: str = "", queue: int = 0
 ) -> EngineReport:
     text = (
-        "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        f"vllm:num_requests_running 0\nvllm:num_requests_waiting {queue}\n"
         f'vllm:lora_requests_info{{max_lora="{max_lora}",running_lora_adapters="{running}",'
         f'waiting_lora_adapters="{waiting}"}} 1.0\n'
     )
@@ -266,6 +266,26 @@ def test_adapter_affinity_prefers_loaded_then_a_free_slot_then_a_swap() -> None:
     stale = choose(fleet.consumers, "decode", config, rng=random.Random(0), now=10.0, adapter="a")
     assert stale is not None
     assert stale.reason == "least_loaded"
+
+
+def test_an_adapters_saturated_engine_is_passed_over_while_another_has_room() -> None:
+    both = _served("tiny", "a:tiny", "b:tiny")
+    fleet = _fleet(("d0", both), ("d1", both), ("d2", both))
+    d0, d1, d2 = fleet.engines
+    # d0 runs the adapter, with two requests waiting (saturated at engine_waiting_limit 2)
+    d0.report, d1.report, d2.report = _lora(0.0, "a", queue=2), _lora(0.0, "b"), _lora(0.0, "", 2)
+    config = PlacementConfig(prefix_affinity=False)
+    got = choose(fleet.consumers, "decode", config, rng=random.Random(0), now=0.0, adapter="a")
+    assert got is not None
+    assert (got.engine.id, got.reason) == ("d2", "adapter")  # a free slot, with room
+    d2.report = _lora(0.0, "", 2, queue=2)
+    got = choose(fleet.consumers, "decode", config, rng=random.Random(0), now=0.0, adapter="a")
+    assert got is not None
+    assert (got.engine.id, got.reason) == ("d1", "room")  # a swap, but the one with room
+    d1.report = _lora(0.0, "b", queue=3)
+    got = choose(fleet.consumers, "decode", config, rng=random.Random(0), now=0.0, adapter="a")
+    assert got is not None
+    assert (got.engine.id, got.reason) == ("d0", "adapter")  # all saturated: as before
 
 
 HOT_COLD = _served("tiny", "hot:tiny", "cold:tiny", "z:tiny")

@@ -8,9 +8,9 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.core.config import EngineSpec, PlacementConfig, RecoveryConfig
+from narwhal.core.config import AdmissionConfig, EngineSpec, PlacementConfig, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
-from narwhal.core.engine_state import Leg
+from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.fleet import Fleet
 from narwhal.core.placement import Choice, choose
 from narwhal.core.prefix_index import prompt_of
@@ -258,3 +258,188 @@ def test_equal_matches_go_to_the_consumer_that_recorded_them_last() -> None:
     fleet.prefixes.record("e0", blocks, 0.2)  # ... its prefill on the other engine
     fleet.by_id["e1"].inflight["decode"] = 2  # a little busier: still under the bound
     assert _indexed(fleet, "decode", text + " next") == Choice(fleet.by_id["e1"], "prefix_match")
+
+
+# ---- saturated engines (contract 4.5) --------------------------------------------------------
+
+LIMITS = AdmissionConfig()  # saturated at 2 waiting, or a consumer at 95% of its KV cache
+NEVER_FULL = AdmissionConfig(engine_waiting_limit=10**6, kv_usage_limit=1.0)
+SHARED = "".join(f"{n:063d}\n" for n in range(4))  # four 64-byte blocks every prompt starts with
+
+
+def _saturate(fleet: Fleet, engine: str, waiting: int = 2, kv: float = 0.0) -> None:
+    """The engine's fresh report: ``waiting`` legs in its queue (another router's)."""
+    fleet.by_id[engine].report = EngineReport(at=0.0, running=1, waiting=waiting, kv_usage=kv)
+
+
+def test_a_saturated_holder_of_the_prefix_is_passed_over_while_another_has_room() -> None:
+    fleet = _fleet("prefill", "prefill")
+    _held(fleet, "e0", SHARED)  # a block every prompt shares: e0 matches every request
+    assert _indexed(fleet, "prefill", SHARED + "own").engine.id == "e0"
+    _saturate(fleet, "e0")
+    assert _indexed(fleet, "prefill", SHARED + "own") == Choice(fleet.by_id["e1"], "room")
+
+
+def test_among_several_with_room_the_rules_still_choose() -> None:
+    fleet = _fleet("prefill", "prefill", "prefill")
+    text = SHARED + "own"
+    home, second, third = fleet.ring.order(text[:512])
+    for engine in (home, second):
+        _held(fleet, engine, SHARED)
+    _held(fleet, home, text)  # the longest match of all
+    _saturate(fleet, home)
+    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id[second], "prefix_match")
+    _saturate(fleet, second)
+    _held(fleet, third, SHARED)
+    fleet.by_id[home].report = None  # room again: the longest match takes it back
+    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id[home], "prefix_match")
+
+
+def test_a_saturated_home_on_the_ring_spills_to_the_next_with_room() -> None:
+    fleet = _fleet("prefill", "prefill", "prefill")
+    text = "never seen " * 100
+    home, second, _ = fleet.ring.order(text[:512])
+    _saturate(fleet, home)
+    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id[second], "spill")
+
+
+def test_a_saturated_consumer_is_passed_over_whatever_it_holds() -> None:
+    fleet = _fleet("decode", "decode", "decode")
+    text = SHARED + "the conversation so far"
+    _held(fleet, "e0", text)
+    assert _indexed(fleet, "decode", text + ", and more").engine.id == "e0"
+    _saturate(fleet, "e0")  # under the load bound still: only its queue says no
+    assert _indexed(fleet, "decode", text + ", and more").engine.id != "e0"
+
+
+def test_with_every_candidate_saturated_affinity_works_as_before() -> None:
+    fleet = _fleet("prefill", "prefill")
+    _held(fleet, "e0", SHARED)
+    _saturate(fleet, "e0", waiting=4)
+    _saturate(fleet, "e1", waiting=2)
+    assert _indexed(fleet, "prefill", SHARED + "own") == Choice(fleet.by_id["e0"], "prefix_match")
+    text = "never seen " * 100
+    home = fleet.ring.order(text[:512])[0]
+    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id[home], "affinity")
+
+
+def test_the_limits_given_say_when_an_engine_is_saturated() -> None:
+    fleet = _fleet("prefill", "prefill")
+    _held(fleet, "e0", SHARED)
+    _saturate(fleet, "e0", waiting=2)  # saturated at the default limit, 2
+    roomier = AdmissionConfig(engine_waiting_limit=3)
+    assert _indexed(fleet, "prefill", SHARED + "own", limits=roomier).engine.id == "e0"
+    assert _indexed(fleet, "prefill", SHARED + "own").engine.id == "e1"
+
+
+@given(
+    loads=st.lists(
+        st.tuples(
+            st.integers(0, 6),  # this router's legs on it
+            st.integers(0, 3),  # its scraped waiting queue
+            st.sampled_from([0.0, 0.5, 0.97]),  # its KV cache usage
+            st.integers(0, 4),  # how many of the shared blocks it is believed to hold
+        ),
+        min_size=2,
+        max_size=5,
+    ),
+    leg=st.sampled_from(["prefill", "decode"]),
+    avoid=st.sets(st.integers(0, 4)),
+    seed=st.integers(0, 2**32),
+    policy=st.sampled_from(["least_loaded", "round_robin"]),
+    affinity=st.booleans(),
+    own=st.text(max_size=30),
+)
+def test_never_a_saturated_engine_while_another_has_room(
+    loads: list[tuple[int, int, float, int]],
+    leg: Leg,
+    avoid: set[int],
+    seed: int,
+    policy: str,
+    affinity: bool,
+    own: str,
+) -> None:
+    """Whatever the policy, the loads, what each engine holds and the avoid set: an engine
+    with room whenever one outside the avoid set has room; and when none has room or all
+    have, the choice is the one the rules make with saturation left out."""
+    fleet = _fleet(*["both"] * len(loads))
+    for engine, (legs, waiting, kv, blocks) in zip(fleet.engines, loads, strict=True):
+        engine.inflight[leg] = legs
+        engine.report = EngineReport(at=0.0, running=legs, waiting=waiting, kv_usage=kv, ours=legs)
+        if blocks:
+            _held(fleet, engine.id, SHARED[: 64 * blocks])
+    config = PlacementConfig(policy=policy, prefix_affinity=affinity)  # type: ignore[arg-type]
+    avoided = {f"e{i}" for i in avoid}
+    text = SHARED + own
+
+    def placed(limits: AdmissionConfig) -> Choice | None:
+        return choose(
+            fleet.engines,
+            leg,
+            config,
+            rng=random.Random(seed),
+            now=1.0,
+            avoid=avoided,
+            key=text[:512] if leg == "prefill" else None,
+            ring=fleet.ring,
+            prompt=prompt_of({"prompt": text}, chat=False),
+            index=fleet.prefixes,
+            limits=limits,
+        )
+
+    choice = placed(LIMITS)
+    assert choice is not None
+    allowed = [e for e in fleet.engines if e.id not in avoided] or fleet.engines
+
+    def room(engine: EngineState) -> int:
+        return engine.room(1.0, 1.0, LIMITS.engine_waiting_limit, LIMITS.kv_usage_limit, leg)[0]
+
+    roomy = [e for e in allowed if room(e) > 0]
+    if roomy:
+        assert choice.engine in roomy
+    if len(roomy) in (0, len(allowed)):
+        unchanged = placed(NEVER_FULL)
+        assert unchanged is not None
+        assert choice.engine is unchanged.engine
+
+
+@given(
+    producers=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3)), min_size=1, max_size=4),
+    consumers=st.lists(st.tuples(st.integers(0, 3), st.floats(0, 1)), min_size=1, max_size=4),
+    blocks=st.integers(0, 4),
+    seed=st.integers(0, 2**32),
+)
+def test_when_the_queue_sees_room_placement_goes_where_the_room_is(
+    producers: list[tuple[int, int]],
+    consumers: list[tuple[int, float]],
+    blocks: int,
+    seed: int,
+) -> None:
+    """The admission queue dispatches a request while the fleet has room for it
+    (``Fleet.headroom``); its legs then go to engines with room, never to a saturated one
+    that holds its prefix."""
+    fleet = _fleet(*["prefill"] * len(producers), *["decode"] * len(consumers))
+    states = [*producers, *[(waiting, 0.0) for waiting, _ in consumers]]
+    kvs = [0.0] * len(producers) + [kv for _, kv in consumers]
+    for engine, (legs, waiting), kv in zip(fleet.engines, states, kvs, strict=True):
+        engine.report = EngineReport(at=0.0, running=legs, waiting=waiting, kv_usage=kv)
+        _held(fleet, engine.id, SHARED[: 64 * max(1, blocks)])
+    limits = (1.0, LIMITS.engine_waiting_limit, LIMITS.kv_usage_limit)
+    if not fleet.headroom(1.0, *limits):
+        return
+    text = SHARED + "own"
+    for leg in ("prefill", "decode"):
+        candidates, _ = fleet.placeable(leg, 1.0)  # type: ignore[arg-type]
+        choice = choose(
+            candidates,
+            leg,  # type: ignore[arg-type]
+            AFFINITY,
+            rng=random.Random(seed),
+            now=1.0,
+            key=text[:512] if leg == "prefill" else None,
+            ring=fleet.ring,
+            prompt=prompt_of({"prompt": text}, chat=False),
+            index=fleet.prefixes,
+        )
+        assert choice is not None
+        assert choice.engine.room(1.0, *limits, leg)[0] > 0  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ from narwhal.core.config import EngineConfig, ServingConfig
 from narwhal.frontdoor.http11 import Http11Protocol
 from narwhal.router.app import RouterApp
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
-from tests.support.wire import read_answer
+from tests.support.wire import h2_post, read_answer
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 COMPLETION = msgspec.json.encode({"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
@@ -491,17 +491,7 @@ async def send_while_reading(h: Harness, head: bytes, body: list[bytes]) -> tupl
 
 def h2_flood_head() -> bytes:
     """A prior-knowledge HTTP/2 preface and a POST's HEADERS announcing ``FLOOD`` bytes."""
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    headers = [
-        (":method", "POST"),
-        (":path", "/v1/completions"),
-        (":scheme", "http"),
-        (":authority", "127.0.0.1"),
-        ("content-length", str(FLOOD)),
-    ]
-    conn.send_headers(1, headers)
-    return conn.data_to_send()
+    return h2_post(FLOOD).data_to_send()
 
 
 def h2_flood_body() -> list[bytes]:

@@ -45,6 +45,7 @@ from narwhal.router.health import live_tasks
 from narwhal.router.journal import Journal
 from narwhal.stream.sse import SSEParser
 from tests.support.fleet import MODEL, Harness, start_fleet
+from tests.support.wire import h2_post
 
 ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode", "d2": "decode"}
 CONSUMERS = ("d0", "d1", "d2")
@@ -71,7 +72,13 @@ CLIENT_LIMIT_S = SERVING.request_timeout_s + 2.0  # past this a request counts a
 DRAIN_S = 2.0
 CANCEL_LAG_S = 1.0
 QUEUE_SLACK_S = 0.25  # a queued request's timer fires late by at most this on a busy machine
-EVIDENCE_EXTRA = 64  # the most requests a run adds while it waits for an expected ejection
+# A run that expects an ejection goes on, bounded, until the failing engine has met enough
+# legs to be judged: placement passes over an engine whose hung legs fill its room, so it
+# meets them a room's worth per first-token budget, and a fast fleet serves many requests
+# meanwhile on the others. So the bound is in time (the budgets that many legs take, twice
+# over) as well as in requests.
+EVIDENCE_EXTRA = 4096  # the most requests a run adds while it waits for an expected ejection
+EVIDENCE_S = 2 * (RECOVERY.eject_after + 1) * ENGINE.first_token_timeout_s
 # every request also carries a forged descriptor aimed at a real-looking producer
 FORGED = {
     "do_remote_prefill": True,
@@ -484,16 +491,7 @@ async def _stalled_request(
 async def _http2_client(url: str) -> bool:
     """An HTTP/2 prior-knowledge client whose body is still arriving when it is answered;
     True when the router refused it with GOAWAY(HTTP_1_1_REQUIRED)."""
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    headers = [
-        (":method", "POST"),
-        (":path", "/v1/completions"),
-        (":scheme", "http"),
-        (":authority", "127.0.0.1"),
-        ("content-length", str(10 << 20)),
-    ]
-    conn.send_headers(1, headers)
+    conn = h2_post(10 << 20)
     conn.send_data(1, b"x" * 15_000)
     host, port = url.removeprefix("http://").split(":")
     raw = b""
@@ -600,7 +598,7 @@ def _journal(sc: Scenario, keep: int) -> Journal:
 
 async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
     async with trio.open_nursery() as nursery:
-        journal = _journal(sc, requests * 4 + 100)
+        journal = _journal(sc, (requests + EVIDENCE_EXTRA) * 4 + 100)
         h = await start_fleet(
             nursery,
             ROLES,
@@ -660,14 +658,20 @@ async def _load(
     results: list[ClientResult] = []
     pool = httpcore.AsyncConnectionPool(max_connections=concurrency, keepalive_expiry=5.0)
     next_index = 0
+    evidence_by = math.inf  # when the run stops waiting for an expected ejection
 
     def more() -> bool:
-        # A scenario that expects an ejection keeps its load on (bounded) until the failing
-        # engine has met enough legs to be judged: a short run can finish on the healthy
-        # consumers while d0's first hung legs still hold it out of placement.
+        # A scenario that expects an ejection keeps its load on (bounded, EVIDENCE_*) until
+        # the failing engine has met enough legs to be judged: a short run can finish on the
+        # healthy consumers while d0's first hung legs still hold it out of placement.
+        nonlocal evidence_by
         if next_index < requests:
             return True
-        return _awaits_ejection(h, sc) and next_index < requests + EVIDENCE_EXTRA
+        if not _awaits_ejection(h, sc) or next_index >= requests + EVIDENCE_EXTRA:
+            return False
+        if evidence_by == math.inf:
+            evidence_by = trio.current_time() + EVIDENCE_S
+        return trio.current_time() < evidence_by
 
     async def worker() -> None:
         nonlocal next_index

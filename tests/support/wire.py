@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import h2.config
+import h2.connection
 import trio
 
 from narwhal.stream.sse import SSEParser
@@ -71,3 +73,19 @@ async def serve_once(nursery: trio.Nursery, parts: list[bytes], gates: list[trio
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 EVENT = b"data: {}\n\n"
 CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+
+
+def h2_post(content_length: int, path: str = "/v1/completions") -> h2.connection.H2Connection:
+    """A prior-knowledge HTTP/2 client that has sent its preface and a POST's HEADERS
+    announcing ``content_length`` bytes (the bytes wait in its ``data_to_send``)."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":path", path),
+        (":scheme", "http"),
+        (":authority", "127.0.0.1"),
+        ("content-length", str(content_length)),
+    ]
+    conn.send_headers(1, headers)
+    return conn

@@ -3,7 +3,8 @@ trip or a failed syscall per call: the uncontended write to a client or an engin
 of a parked engine stream, the read that follows readiness. And the one list of errors that
 mean a stream is gone, however it went.
 
-**No descriptor number outlives a checkpoint** (docs/architecture.md, "Descriptors"). A
+**No descriptor number outlives a checkpoint** (docs/architecture.md, "Descriptors";
+contract 8, invariant 13). A
 socket may be closed by a task other than its reader (a client's connection by the app's
 task after a ``Connection: close`` answer; an engine's by a drain or a shutdown), and the
 kernel gives the freed number to the next socket the process opens. A number kept across a

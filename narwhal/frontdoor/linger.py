@@ -1,6 +1,7 @@
 """Lingering close: the one set of bounds on reading and dropping what a client still sends
-after the router has answered and is about to close (nginx's ``lingering_close``, with its
-``lingering_time``, ``lingering_timeout`` and a cap on the bytes).
+after the router has answered and is about to close (contract 8, invariant 13: nginx's
+``lingering_close``, with its ``lingering_time``, ``lingering_timeout`` and a cap on the
+bytes).
 
 Closing a TCP socket with unread bytes in its receive buffer makes the kernel send a reset,
 and a reset destroys what the client has not read yet: the answer it was sent, when the

@@ -1,4 +1,5 @@
-"""No descriptor number outlives its socket (docs/architecture.md, "Descriptors").
+"""No descriptor number outlives its socket (docs/architecture.md, "Descriptors"; contract 8,
+invariant 13).
 
 A socket is closed by tasks other than its reader: a client's by the app's task after a
 ``Connection: close`` answer, an engine's by whoever gives the exchange up. The kernel hands

@@ -116,6 +116,7 @@ class ClientConnection:
         self._protocol_done = False  # the protocol sent Closed: it reads no more of the client
         self._input_ended = False  # the client's end (or a reset) was read: nothing is unread
         self._closed = False  # the lingering close has begun (``_close``)
+        self._half_closed = False  # our end was sent (``_half_close``): once is enough
         self._reader: trio.lowlevel.Task | None = None  # the read loop's task, while it reads
         self.write_failed = False  # a write broke (reset, closed): later bytes never arrive
         # hypercorn's trio.Lock, owner-free: a write that the stream reactor's task began
@@ -145,11 +146,18 @@ class ClientConnection:
             return
         self._closed = True
         try:
-            await half_close(self.stream)
+            await self._half_close()
             if self._may_have_unread():
                 await discard(partial(drop_a_read, self.stream))
         finally:
             await self.stream.aclose()
+
+    async def _half_close(self) -> None:
+        """Our end, after the answer: sent once, whether the protocol's close or ``_close``
+        comes first."""
+        if not self._half_closed:
+            self._half_closed = True
+            await half_close(self.stream)
 
     def _may_have_unread(self) -> bool:
         """The client's end not read yet, and input it sent may be unread (``unread_input``)."""
@@ -260,11 +268,12 @@ class ClientConnection:
 
     async def _read_socket(self, socket: trio.socket.SocketType) -> None:
         """The read loop on a plain socket (no read timeout): wait until readable, then
-        read once. The socket is closed by other tasks too (the app's, after a ``Connection:
-        close`` answer; ``_abort``), even between the wake-up and this loop's next step:
-        ``read_when_ready`` takes its number afresh after the wait, so a closed socket ends
-        the loop and the socket that took its number is never read here. The protocol's
-        close (``Closed``) ends it too: the lingering close reads from then on."""
+        read once. Another task may close the socket (``_abort``'s reset), even between the
+        wake-up and this loop's next step: ``read_when_ready`` takes its number afresh after
+        the wait, so a closed socket ends the loop and the socket that took its number is
+        never read here. The protocol's close (``Closed``, which the app's task sends after
+        a ``Connection: close`` answer) ends it too, without closing the socket: this
+        task's lingering close reads and closes from then on."""
         handle = self.protocol.handle
         while True:
             try:
@@ -338,7 +347,7 @@ class ClientConnection:
         has ended already (the client's end), the close comes when the connection's tasks
         have (``run``)."""
         self._protocol_done = True
-        await half_close(self.stream)
+        await self._half_close()
         await self.protocol.handle(Closed())
         reader = self._reader
         if reader is not None and reader is not trio.lowlevel.current_task():

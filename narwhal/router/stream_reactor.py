@@ -19,8 +19,10 @@ socket's registration, which ends before its task runs again (hand-back or abort
 Registrations are by descriptor number (epoll knows no other key), so the reactor keeps the
 rule of ``narwhal.fast_io`` by never letting a number outlive its socket here: whoever
 closes a parked socket calls its ``before_close`` first, which hands the request back with
-that error and ends the registration while the number is still the socket's; and after
-each wait the number is checked against the socket's own before it is served.
+that error and ends the registration while the number is still the socket's; a socket
+closed without a word leaves no readiness (the kernel ends its registration), and the
+request's reads go through the socket object, which reads as closed. A park on a number
+that a stale entry still holds hands that entry back closed.
 """
 
 from __future__ import annotations
@@ -194,9 +196,6 @@ class StreamReactor:
 
     def _serve(self, epoll: select.epoll, entry: _Parked) -> None:
         """``on_ready``, in the reactor's task: a result is handed back, as is an error."""
-        if not entry.registered():  # closed since the wait, without a word
-            self._hand_back(epoll, entry, outcome.Error(trio.ClosedResourceError()))
-            return
         try:
             result = entry.on_ready()
         except Exception as exc:  # the transport's error, or a bug: the request raises it

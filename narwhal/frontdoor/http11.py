@@ -100,6 +100,7 @@ class _Http11Connection(h11.Connection):
     # the request body is announced and its bytes are awaited
     body_limit: Callable[[], int | None] = staticmethod(lambda: None)
     refusal = ""  # why ``next_event`` refused the body, for the answer's message
+    _both_lengths = False  # the request's head had Content-Length and Transfer-Encoding
 
     def send_with_data_passthrough(self, event: Any) -> list[bytes] | None:
         kind = type(event)
@@ -117,15 +118,34 @@ class _Http11Connection(h11.Connection):
     def next_event(self) -> Any:
         if self.their_state is h11.MUST_CLOSE:
             return h11.ConnectionClosed() if self._eof else h11.NEED_DATA
-        event = super().next_event()
+        in_body = self.their_state is h11.SEND_BODY
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError:
+            if in_body and not self.refusal:
+                raise self._body_broke() from None
+            raise
         kind = type(event)
         if kind is h11.Data:
             self._body_read += len(event.data)  # type: ignore[union-attr]
         elif kind is h11.Request:
             self._body_read = 0
+            names = {name for name, _ in event.headers}  # type: ignore[union-attr]
+            self._both_lengths = {b"content-length", b"transfer-encoding"} <= names
         elif event is h11.NEED_DATA and self.their_state is h11.SEND_BODY:
             self._refuse_a_chunk_too_large()
         return event
+
+    def _body_broke(self) -> h11.RemoteProtocolError:
+        """The head was good and its body's framing is not: a 400 that says so. h11 hints
+        431 (its buffer full) for a chunk-size line that never ends, when the bytes after
+        the head came with it; that is the body's framing, not the head's size. A head with
+        both lengths is named as the app names it when the body is not there yet."""
+        if self._both_lengths:
+            self.refusal = "transfer-encoding: not allowed together with content-length"
+        else:
+            self.refusal = "transfer-encoding: malformed chunked body"
+        return h11.RemoteProtocolError(self.refusal, error_status_hint=400)
 
     def _refuse_a_chunk_too_large(self) -> None:
         """A chunk announced larger than the body may be is refused (413) when announced:

@@ -239,6 +239,32 @@ async def test_framing_errors_are_400_and_close_the_connection(door: Harness, sh
     await finish(door)
 
 
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ((b"transfer-encoding: chunked",), "transfer-encoding: malformed chunked body"),
+        (
+            (b"content-length: 2000000", b"transfer-encoding: chunked"),
+            "transfer-encoding: not allowed together with content-length",
+        ),
+    ],
+    ids=["endless-chunk-size", "cl-te"],
+)
+async def test_a_broken_body_that_came_with_its_head_is_a_400_not_a_431(
+    door: Harness, headers: tuple[bytes, ...], message: str
+) -> None:
+    """100 KB after the head in one write, no line end among them: h11's buffer fills on
+    the chunk-size line and hints 431 (headers too large); the head was fine, the body's
+    framing is what broke, and the answer says so, as it does when the head comes alone."""
+    shape = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n%s\r\n\r\n" % b"\r\n".join(headers)
+    raw = await exchange(door, shape + b"a" * 100_000)
+    assert statuses(raw) == [400], raw[:400]
+    _, _, body = raw.partition(b"\r\n\r\n")
+    assert msgspec.json.decode(body)["error"]["message"] == message
+    assert engine_legs(door) == 0
+    await finish(door)
+
+
 async def test_a_body_that_breaks_its_framing_gets_a_400_with_its_request_id(
     door: Harness,
 ) -> None:

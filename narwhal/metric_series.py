@@ -19,6 +19,8 @@ from narwhal.batched_histogram import BatchedHistogram
 # 15-30 s are real), inter-token gaps milliseconds to seconds, requests up to minutes.
 # FROM_ARRIVAL_BUCKETS: the arrival to the prefill's answer, and to the first token
 FROM_ARRIVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# observed over predicted: a median near 1 and its spread are what an operator reads
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 TRANSFER_BUCKETS = (
     0.001,
     0.0025,
@@ -82,6 +84,19 @@ class MetricSeries:
             "Time to first token less prefill completion: KV transfer plus decode queueing.",
             TRANSFER_BUCKETS,
             ("model",),
+        )
+        self.prediction_error = histogram(
+            "narwhal_prediction_error_ratio",
+            'Observed over predicted, policy "predicted": figure "ttft" (a plan\'s start to its '
+            'first token) per engine that computed the prompt, "tpot" per consumer.',
+            RATIO_BUCKETS,
+            ("engine", "figure"),
+        )
+        self.slo = counter(
+            "narwhal_slo_total",
+            "Requests of a class with a latency target, by target (ttft, tpot) and whether "
+            "it was met (a request that failed missed its TTFT target).",
+            ("class", "target", "met"),
         )
         self.in_flight = gauge(
             "narwhal_requests_in_flight",

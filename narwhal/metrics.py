@@ -37,6 +37,7 @@ from narwhal.core.flow import SATURATIONS, Exit, Priority
 from narwhal.core.handoff import DROP_REASONS, FATES
 from narwhal.core.placement import REASONS
 from narwhal.core.precise_index import REJECTS as KV_REJECTS
+from narwhal.core.records import JournalLine
 from narwhal.core.resume import OUTCOMES as RESUME_OUTCOMES
 from narwhal.core.retry import Denial
 from narwhal.metric_series import MetricSeries
@@ -103,6 +104,7 @@ class Metrics(MetricSeries):
         self.prefill_completion_of = Children(self.prefill_completion)
         self.time_to_first_token_of = Children(self.time_to_first_token)
         self.kv_transfer_of = Children(self.kv_transfer)
+        self.slo_of = Children(self.slo)
 
     def _initialise(self, engine_ids: list[str]) -> None:
         for endpoint in ENDPOINTS.values():
@@ -127,6 +129,10 @@ class Metrics(MetricSeries):
         for leg in LEGS:
             for why in REASONS:
                 self.placements.labels(leg, why)
+        for cls in CLASSES:
+            for target in ("ttft", "tpot"):
+                for met in ("yes", "no"):
+                    self.slo.labels(cls, target, met)
         for decision in DECISIONS:
             self.disaggregation.labels(decision)
         for outcome in RESUME_OUTCOMES:
@@ -139,6 +145,30 @@ class Metrics(MetricSeries):
                 self.queue_shed.labels(cls, shed, self.model)
         for engine in engine_ids:
             self.add_engine(engine)
+
+    def record(self, line: JournalLine, ttft_slo_s: float | None = None) -> None:
+        """A finished request's series, from its journal line; ``ttft_slo_s``: its class's
+        TTFT target (a request that failed missed it)."""
+        endpoint = ENDPOINTS.get(line.endpoint, "other")
+        model = line.model or self.model  # a request refused before its name resolved: ours
+        self.requests_of(model, endpoint, line.outcome, str(line.status or 0)).inc()
+        self.duration.observe(line.duration_s)
+        if line.tokens:
+            self.generation_tokens_of(model).inc(line.tokens)
+        if line.prompt_tokens:
+            self.prompt_tokens_of(model).inc(line.prompt_tokens)
+        if line.prefill_s is not None:
+            self.prefill_completion_of(model).observe(line.prefill_s)
+        first = line.first_byte_s
+        if first is not None:
+            self.time_to_first_token_of(model).observe(first)
+            if line.prefill_s is not None:
+                self.kv_transfer_of(model).observe(first - line.prefill_s)
+        if ttft_slo_s is not None and line.cls is not None:
+            met = line.status == 200 and first is not None and first <= ttft_slo_s
+            self.slo_of(line.cls, "ttft", "yes" if met else "no").inc()
+        if line.outcome == "cancelled" and line.phase:
+            self.disconnects_of(line.phase).inc()
 
     def add_engine(self, engine: str) -> None:
         self.engines.add(engine)
@@ -171,6 +201,7 @@ class Metrics(MetricSeries):
             *((self.engine_saturated, (engine, why)) for why in SATURATIONS),
             *((self.kv_event_gaps, (engine, o)) for o in ("repaired", "unrepaired")),
             *((self.kv_events_rejected, (engine, why)) for why in KV_REJECTS),
+            *((self.prediction_error, (engine, figure)) for figure in ("ttft", "tpot")),
             *(
                 (metric, (engine,))
                 for metric in (

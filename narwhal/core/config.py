@@ -7,7 +7,7 @@ once; ``narwhal.core.config_rules`` holds the rules that no annotation can say.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeAlias
+from typing import Annotated, Literal, TypeAlias, cast
 
 from msgspec import Meta, Struct
 
@@ -120,7 +120,8 @@ class DiscoverBlock(Struct, _Roles, frozen=True, forbid_unknown_fields=True):
 class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True):
     """Which engine takes a leg (contract 4.4)."""
 
-    policy: Literal["least_loaded", "round_robin"] = "least_loaded"
+    # "predicted": one cost model decides placement and local-versus-P/D (docs/contract.md 4.8)
+    policy: Literal["least_loaded", "round_robin", "predicted"] = "least_loaded"
     metrics_interval_s: NonNegativeFloat = 1.0  # scrape of each engine's /metrics; 0 = off
     prefix_affinity: bool = True  # producers chosen by prompt prefix, bounded by load
     # a producer may carry this times the mean load before its keys spill to the next
@@ -140,6 +141,15 @@ class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True):
 Priority: TypeAlias = Literal["interactive", "default", "batch"]
 
 
+class ClassTargets(Struct, frozen=True, forbid_unknown_fields=True):
+    """A class's latency targets (``[admission.classes.<name>]``); None: no target."""
+
+    # a request that cannot meet it even with nothing queued ahead is refused at once
+    ttft_slo_s: PositiveFloat | None = None
+    # plans whose predicted time per output token exceeds it are not chosen
+    tpot_slo_s: PositiveFloat | None = None
+
+
 class AdmissionConfig(Struct, frozen=True, forbid_unknown_fields=True):
     """Flow control (contract 4.5): what the router holds while the fleet is saturated."""
 
@@ -152,6 +162,25 @@ class AdmissionConfig(Struct, frozen=True, forbid_unknown_fields=True):
     kv_usage_limit: Annotated[float, Meta(gt=0, le=1)] = 0.95  # ... or, for a consumer, this
     priority_from: Literal["header", "key"] = "header"
     default_class: Priority = "default"
+    classes: dict[Priority, ClassTargets] = {}
+
+    def targets(self, cls: str) -> ClassTargets:
+        """The class's targets (none set: no target)."""
+        return self.classes.get(cast(Priority, cls), NO_TARGETS)
+
+
+NO_TARGETS = ClassTargets()
+
+
+class PredictionConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """The cost model of policy "predicted": priors until ``min_samples`` legs of an
+    engine (or a pair) have been seen, and how fast old samples fade."""
+
+    prefill_tokens_per_s: PositiveFloat = 8000.0
+    decode_step_s: PositiveFloat = 0.03
+    transfer_mib_per_s: PositiveFloat = 1000.0
+    min_samples: PositiveInt = 20
+    half_life_s: PositiveFloat = 300.0  # older samples weigh half as much after this long
 
 
 class KvEventsConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -183,6 +212,7 @@ class FleetConfig(Struct, frozen=True, forbid_unknown_fields=True):
     placement: PlacementConfig = PlacementConfig()
     admission: AdmissionConfig = AdmissionConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
+    prediction: PredictionConfig = PredictionConfig()
     engine_contract: EngineContract | None = None
     # a client's model name -> the served name it stands for (a base model or an adapter)
     aliases: dict[str, str] = {}

@@ -25,6 +25,7 @@ from msgspec import Struct
 from narwhal.core import config_rules
 from narwhal.core.config import (
     AdmissionConfig,
+    ClassTargets,
     ConfigError,
     DiscoverBlock,
     DiscoveryConfig,
@@ -34,6 +35,7 @@ from narwhal.core.config import (
     FleetConfig,
     KvEventsConfig,
     PlacementConfig,
+    PredictionConfig,
     RecoveryConfig,
     ServingConfig,
 )
@@ -46,6 +48,7 @@ _SECTIONS: dict[str, type[Struct]] = {
     "placement": PlacementConfig,
     "admission": AdmissionConfig,
     "kv_events": KvEventsConfig,
+    "prediction": PredictionConfig,
     "engine_contract": EngineContract,
 }
 
@@ -264,13 +267,39 @@ def _check_struct(cls: type[Struct], value: object, path: str, problems: list[st
             )
     converted = {}
     for name, field in fields.items():
-        if name in value:
+        if name in value and name in _TABLES_OF.get(cls, {}):
+            names, item = _TABLES_OF[cls][name]
+            converted[name] = _check_tables(names, item, value[name], f"{path}.{name}", problems)
+        elif name in value:
             converted[name] = _convert_field(cls, name, value[name], f"{path}.{name}", problems)
         elif field.required:
             problems.append(f"{path}.{name}: required key is missing")
     if len(problems) > before:
         return None
     return msgspec.convert(converted, cls)
+
+
+# fields that are tables of tables, each checked on its own so a problem names its key:
+# (the struct, the field) -> (the names a key may take, each table's struct)
+_TABLES_OF: dict[type[Struct], dict[str, tuple[tuple[str, ...], type[Struct]]]] = {
+    AdmissionConfig: {"classes": (("interactive", "default", "batch"), ClassTargets)},
+}
+
+
+def _check_tables(
+    names: tuple[str, ...], item: type[Struct], value: object, path: str, problems: list[str]
+) -> dict[str, Any]:
+    """A table whose keys are ``names`` and whose values are ``item`` tables."""
+    if not isinstance(value, dict):
+        problems.append(f"{path}: must be a table/object, got {type(value).__name__}")
+        return {}
+    kept = {}
+    for key, table in value.items():
+        if key not in names:
+            problems.append(f"{path}.{key}: unknown name (known: {', '.join(names)})")
+            continue
+        kept[key] = _check_struct(item, table, f"{path}.{key}", problems)
+    return kept
 
 
 def _convert_field(
@@ -299,6 +328,10 @@ def describe_rule(info: msgspec.inspect.Type) -> str:
             if bound is not None
         ]
         return f"must be {kind}" + (f" {' and '.join(bounds)}" if bounds else "")
+    if isinstance(info, msgspec.inspect.UnionType):  # an optional key: its value's rule
+        kinds = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+        if len(kinds) == 1:
+            return describe_rule(kinds[0])
     if isinstance(info, msgspec.inspect.StrType):
         return "must be a non-empty string" if info.min_length else "must be a string"
     return f"must be of type {type(info).__name__.removesuffix('Type').lower()}"

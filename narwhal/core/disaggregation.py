@@ -19,8 +19,17 @@ from narwhal.core.config import PlacementConfig
 # local_one_engine: the only engine that may decode is the one placement chose to prefill
 # (a fleet of one ``both`` engine, or the others down or failed): a handoff to itself would
 # leave the prefill's blocks held for the lease, with nobody to read them
-Decision = Literal["local_short", "local_busy", "local_one_engine", "disaggregated"]
-DECISIONS: tuple[Decision, ...] = ("local_short", "local_busy", "local_one_engine", "disaggregated")
+# local_predicted: policy "predicted" found the local plan the fastest (contract 4.8)
+Decision = Literal[
+    "local_short", "local_busy", "local_one_engine", "local_predicted", "disaggregated"
+]
+DECISIONS: tuple[Decision, ...] = (
+    "local_short",
+    "local_busy",
+    "local_one_engine",
+    "local_predicted",
+    "disaggregated",
+)
 
 
 def wants_prompt_side(body: Mapping[str, Any]) -> bool:
@@ -34,8 +43,10 @@ def wants_prompt_side(body: Mapping[str, Any]) -> bool:
 
 
 def decode_first(config: PlacementConfig) -> bool:
-    """Whether the consumer is chosen before the producer (and an attempt may be local)."""
-    return config.local_prefill_tokens > 0 or config.local_prefill_when_busy
+    """Whether the consumer is chosen with the producer or before it (and an attempt may be
+    local): conditional disaggregation, or policy "predicted", which weighs both at once."""
+    predicted = config.policy == "predicted"
+    return config.local_prefill_tokens > 0 or config.local_prefill_when_busy or predicted
 
 
 def local_or_remote(

@@ -4,6 +4,7 @@ placement and the admission queue read of it), and the operator's view of it."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from narwhal.core.breaker import Breaker
@@ -23,6 +24,7 @@ class EngineState:
     __slots__ = (
         "adapters",
         "breaker",
+        "capacity",
         "checked_at",
         "decoding",
         "decoding_at_mark",
@@ -58,6 +60,9 @@ class EngineState:
         self.checked_at: float | None = None
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
+        # the requests it runs at once, learned from its reports: the most it ran while
+        # some waited (None: it never had a queue to show it)
+        self.capacity: float | None = None
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
         # the LoRA adapters placed on it or seen running there: what its idle adapter slots
         # hold, which its report does not list (placement's adapter affinity)
@@ -91,6 +96,8 @@ class EngineState:
         """A new account of its load, from a scrape sent at ``mark`` (``scrape_mark``);
         None: scraping stopped, and every leg not started counts again."""
         self.report = report
+        if report is not None and report.waiting > 0:
+            self.capacity = max(self.capacity or 0.0, report.running)
         sent, decoding, placed = mark
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
         if report is not None and report.lora is not None:
@@ -125,6 +132,24 @@ class EngineState:
             kv_limit=kv_limit,
             consumer=leg == "decode",
         )
+
+    def queued(self, now: float, interval_s: float) -> float:
+        """The waiting queue it is predicted to have (contract 4.5): the report's, less our
+        decodes it may count already, plus our legs it has not started and may not show,
+        less the room it had free then (its learned capacity less what it ran)."""
+        report = self.report
+        if report is None or not report.fresh(now, interval_s):
+            return float(self._ours(False))
+        free = 0.0 if self.capacity is None else max(0.0, self.capacity - report.running)
+        waiting = math.ceil(self._others_waiting(report)) + self._ours(True)
+        return max(0.0, waiting - free)
+
+    def running(self, now: float, interval_s: float) -> float:
+        """The requests it runs: its fresh report's count, else this router's started legs."""
+        report = self.report
+        if report is not None and report.fresh(now, interval_s):
+            return report.running
+        return max(0, self.load - self.decoding - len(self.prefilling))
 
     def note_health(self, ok: bool, now: float) -> str | None:
         """Record one active health check; the transition it caused ("joined", "left")."""

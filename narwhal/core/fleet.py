@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import TracebackType
 
-from narwhal.core.config import EngineSpec, RecoveryConfig
+from narwhal.core.config import EngineSpec, PredictionConfig, RecoveryConfig
 from narwhal.core.engine_state import LEGS, EngineState, Leg
 from narwhal.core.policies import PrefixRing
 from narwhal.core.precise_index import PreciseIndex
+from narwhal.core.prediction import CostModel
 from narwhal.core.prefix_index import PrefixIndex
 from narwhal.core.served_models import Catalog, Served, default_served
 
@@ -137,6 +138,8 @@ class Fleet:
         self.prefixes = PrefixIndex(ttl_s=120.0)
         # what engines with a live KV-event stream say they cache (the precise index)
         self.precise = PreciseIndex()
+        # what each engine and pair costs (policy "predicted"); its priors are the router's
+        self.costs = CostModel(PredictionConfig())
         self.model = ""  # the fleet file's: what an engine serves before it says
         self.aliases: dict[str, str] = {}
         self.catalog = Catalog({}, {})
@@ -167,6 +170,7 @@ class Fleet:
         # an engine replaced (a new URL) or removed starts from nothing cached
         self.prefixes.keep_only(e.id for e in engines if id(e) in previous)
         self.precise.keep_only(e.id for e in engines if id(e) in previous)
+        self.costs.retain(e.id for e in engines if id(e) in previous)
         self.models_changed()
 
     def configure_models(self, model: str, aliases: dict[str, str]) -> None:

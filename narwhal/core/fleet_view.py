@@ -36,7 +36,8 @@ def fleet_view(
 def engine_view(
     config: FleetConfig, fleet: Fleet, engine: EngineState, now: float, held_in: bool
 ) -> dict[str, object]:
-    """One engine: its state, why it is saturated, and its KV-event stream."""
+    """One engine: its state, why it is saturated, its KV-event stream, and what the cost
+    model learned of it."""
     interval_s, flow = config.placement.metrics_interval_s, config.admission
     return {
         **engine.snapshot(now, held_in, interval_s),
@@ -44,6 +45,10 @@ def engine_view(
             now, interval_s, flow.engine_waiting_limit, flow.kv_usage_limit
         ),
         "kv_events": kv_view(config, fleet, engine.id),
+        # the cost model's coefficients in use and their samples (policy "predicted")
+        "prediction": fleet.costs.view(engine.id)
+        if config.placement.policy == "predicted"
+        else None,
     }
 
 

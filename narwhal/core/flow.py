@@ -10,7 +10,10 @@ Rules the queue keeps:
 * within a class, round-robin between fairness keys (tenants): the key just served goes to
   the back of the rotation, a key with nothing queued leaves it, and a key that comes back
   joins at the back; so a tenant sending ten times more gets an equal share, no more;
-* within a key, the order of ``offer`` (the shell offers requests as they arrive);
+* within a key, the order of ``offer`` (the shell offers requests as they arrive), or, for
+  requests that carry a ``due`` (a class with a TTFT target, contract 4.8), earliest due
+  first: the latest dispatch that still meets the target, so a long prompt that needs its
+  time goes before a short one that arrived just before it;
 * a request leaves by ``min(arrival + max_queue_wait_s, deadline)`` at the latest (one that
   cannot wait at all is refused on arrival); the shell may pass a deadline less a margin
   when a request dispatched at its very deadline is not worth sending;
@@ -90,11 +93,16 @@ class Entry(Struct, frozen=True):
     local: bool = False
     # the served name it asked for: the room it needs is that of the engines serving it
     pool: str | None = None
+    # the latest dispatch that meets its class's TTFT target (None: no target): its place
+    # among its key's requests (earliest first), never when it leaves
+    due: float | None = None
 
     def __post_init__(self) -> None:
         # a NaN would compare false with everything and never leave the expiry heap
         if math.isnan(self.arrival) or math.isnan(self.deadline):
             raise ValueError(f"request {self.id!r}: arrival and deadline must be numbers")
+        if self.due is not None and math.isnan(self.due):
+            raise ValueError(f"request {self.id!r}: due must be a number")
 
 
 Kind = tuple[bool, str | None]  # the room a request needs: (its consumer alone, its model)
@@ -116,6 +124,12 @@ class Displaced(Struct, frozen=True):
     victim: Entry
 
 
+def _later(queued: Entry, arriving: Entry) -> bool:
+    """Whether ``arriving`` goes before ``queued``: both have a due, and its is earlier (one
+    without a due keeps the place its arrival gave it)."""
+    return queued.due is not None and arriving.due is not None and queued.due > arriving.due
+
+
 class _Band:
     """One class's queued requests."""
 
@@ -129,7 +143,13 @@ class _Band:
 
     def add(self, entry: Entry) -> None:
         self.order[entry.id] = entry
-        self.by_key.setdefault(entry.key, OrderedDict())[entry.id] = entry
+        queue = self.by_key.setdefault(entry.key, OrderedDict())
+        later: list[tuple[Hashable, Entry]] = []  # those it goes before (a later due)
+        while entry.due is not None and queue and _later(next(reversed(queue.values())), entry):
+            later.append(queue.popitem())
+        queue[entry.id] = entry
+        for id, other in reversed(later):
+            queue[id] = other
 
     def take(self, entry: Entry) -> None:
         del self.order[entry.id]

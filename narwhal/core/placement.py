@@ -42,7 +42,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from narwhal.core.config import AdmissionConfig, PlacementConfig
 from narwhal.core.engine_state import EngineState, Leg
@@ -55,10 +55,8 @@ from narwhal.core.prefix_index import BLOCK_TOKENS, PrefixIndex, Prompt
 # saturated engine by leaving them out
 DEFAULT_LIMITS = AdmissionConfig()
 
+# predicted: policy "predicted" chose the attempt's plan (narwhal.core.plans)
 Reason = Literal[
-    "only", "room", "adapter", "prefix_match", "affinity", "spill", "least_loaded", "round_robin"
-]
-REASONS: tuple[Reason, ...] = (
     "only",
     "room",
     "adapter",
@@ -67,7 +65,9 @@ REASONS: tuple[Reason, ...] = (
     "spill",
     "least_loaded",
     "round_robin",
-)
+    "predicted",
+]
+REASONS: tuple[Reason, ...] = get_args(Reason)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,8 @@ class AttemptLine(msgspec.Struct, omit_defaults=True):
     # generated tokens had been sent
     resumed_at_token: int | None = None
     resume: str | None = None  # after this attempt failed: "resumed", or why not
+    # policy "predicted": the TTFT its plan predicted, from the attempt's start (contract 4.8)
+    predicted_ttft_s: float | None = None
 
 
 class Caller(msgspec.Struct, frozen=True):

@@ -112,7 +112,9 @@ class FakeEngine(Completions, SideEndpoints):
         elif route == ("GET", "/v1/models"):
             await ex.respond(200, self._models())
         elif route == ("GET", "/metrics"):
-            await ex.respond(200, self._metrics(), b"text/plain; version=0.0.4; charset=utf-8")
+            if not await self._struck("metrics", ex):
+                text = b"text/plain; version=0.0.4; charset=utf-8"
+                await ex.respond(200, self._metrics(), text)
         elif route == ("GET", "/fake/stats"):
             await ex.respond(200, msgspec.json.encode(self.stats()))
         elif route == ("GET", "/fake/log"):

@@ -26,7 +26,8 @@ Kinds, by the leg they break:
 A router's reclaim legs (backend id ``...-reclaim``) meet only faults queued with
 ``leg="reclaim"``: a fault scripted for the next client leg is never spent on them.
 Likewise ``/tokenize`` and ``/detokenize`` meet only faults queued with
-``leg="tokenize"``, of the kinds ``status`` and ``hang``.
+``leg="tokenize"``, and ``/metrics`` only those with ``leg="metrics"`` (an engine whose
+metrics stop while it serves), of the kinds ``status`` and ``hang``.
 
 A fault with ``rate`` > 0 stays armed and strikes every matching leg with that probability
 until the queue is cleared.
@@ -40,7 +41,7 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
-Leg = Literal["prefill", "decode", "reclaim", "tokenize", "any"]
+Leg = Literal["prefill", "decode", "reclaim", "tokenize", "metrics", "any"]
 FaultKind = Literal[
     "status",
     "hang",
@@ -85,8 +86,8 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
             raise ValueError(f"fault {self.kind} breaks a decode leg, not a prefill leg")
         if self.kind in PREFILL_ONLY and self.leg == "reclaim":
             raise ValueError(f"fault {self.kind} breaks a prefill leg, not a reclaim leg")
-        if self.leg == "tokenize" and self.kind not in ANY_LEG:
-            raise ValueError(f"fault {self.kind} breaks a leg, not /tokenize or /detokenize")
+        if self.leg in ("tokenize", "metrics") and self.kind not in ANY_LEG:
+            raise ValueError(f"fault {self.kind} breaks a leg, not /{self.leg}")
 
     @property
     def target(self) -> Leg:
@@ -107,10 +108,12 @@ class FaultQueue:
         for fault in faults:
             (self.armed.append if fault.rate > 0 else self._queue.append)(fault)
 
-    def take(self, leg: Literal["prefill", "decode", "reclaim", "tokenize"]) -> Fault | None:
+    def take(
+        self, leg: Literal["prefill", "decode", "reclaim", "tokenize", "metrics"]
+    ) -> Fault | None:
         """The first queued fault for ``leg`` (or for any client leg), removed from the
         queue; else an armed one, drawn at its rate."""
-        targets = (leg,) if leg in ("reclaim", "tokenize") else (leg, "any")
+        targets = (leg,) if leg in ("reclaim", "tokenize", "metrics") else (leg, "any")
         for i, fault in enumerate(self._queue):
             if fault.target in targets:
                 del self._queue[i]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import trio
@@ -106,9 +106,13 @@ class SideEndpoints(EngineBase):
             await ex.respond(404, gen.error_body(msg, "NotFoundError", 404, "model"))
             return None
         self.counters[req.path.strip("/")] += 1
-        fault = self.faults.take("tokenize")
+        return None if await self._struck("tokenize", ex) else body
+
+    async def _struck(self, leg: Literal["tokenize", "metrics"], ex: Exchange) -> bool:
+        """Whether a fault queued for ``leg`` answered instead (an error, or a hang)."""
+        fault = self.faults.take(leg)
         if fault is None:
-            return body
+            return False
         self.counters[f"fault_{fault.kind}"] += 1
         try:
             async with trio.open_nursery() as nursery:
@@ -117,7 +121,7 @@ class SideEndpoints(EngineBase):
                 nursery.cancel_scope.cancel()
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
             ex.disconnected = True  # a write lost the race with the watcher
-        return None
+        return True
 
     def _models(self) -> bytes:
         """vLLM's model list: a card per name of the base model (its root the model's

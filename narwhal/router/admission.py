@@ -145,6 +145,7 @@ class Admission:
         *,
         local: bool = False,
         pool: str | None = None,
+        due: float | None = None,
     ) -> float:
         """Return when the request may go on to the engines, with the seconds it waited;
         raise ``NotDispatched`` (429, or 503 on SIGTERM) when it leaves the queue another
@@ -152,12 +153,13 @@ class Admission:
         (its client left, its deadline) takes it out of the queue at once. ``local``: its
         consumer may serve it alone, so busy producers do not hold it back (in the queue
         too, where it keeps its place in the queue's order). ``pool``: the served name it
-        asked for; the room it needs is its engines'."""
+        asked for; the room it needs is its engines'. ``due``: the latest dispatch that
+        meets its class's TTFT target (its place among its tenant's queued requests)."""
         if not self._flow.queue or (not self._tickets and self._room(local, pool)):
             self._went(cls, pool, 0.0)
             return 0.0
         self._seq += 1
-        entry = Entry(self._seq, cls, tenant, arrival, deadline, local, pool)
+        entry = Entry(self._seq, cls, tenant, arrival, deadline, local, pool, due)
         now = trio.current_time()
         self._queue.max_queued = self.queue_limit()  # the worker count is known by now
         verdict = self._queue.offer(entry, now)

@@ -107,6 +107,41 @@ class RequestLegs(RunRecord):
         """A leg's W3C trace context: its own span's with tracing on, else the client's."""
         return self.trace if span is None else tracing.headers(span)
 
+    def _start_attempt_span(self) -> Span | None:
+        if self.span is None:
+            return None
+        attrs: dict[str, int | str] = {"narwhal.attempt": len(self.machine.attempts)}
+        if self.machine.choice is not None:
+            attrs["narwhal.choice"] = self.machine.choice
+        return tracing.child_span(self.span, "attempt", attrs)
+
+    def _attempt_figures(self) -> dict[str, Any]:
+        """The attempt span's attributes, known once it ended."""
+        if not self.machine.attempts:
+            return {}
+        record = self.machine.attempt_line
+        return {
+            "producer": record.producer,
+            "consumer": record.consumer,
+            "phase": record.phase,
+            "retry": record.retry,
+            "handoff": record.handoff,
+            "local": record.local,
+            "tokens": self.tokens,
+        }
+
+    async def _context(self, consumer: EngineState) -> int | None:
+        """The consumer's context length, asked at each resume (``/v1/models``, within the
+        health checks' bound): an engine restarted since may have another. None: unknown."""
+        with trio.move_on_after(self.config.engine.health_timeout_s):
+            with AtEngine(consumer.id, consumer.url):
+                status, models = await self.router.client.get(consumer.url, "/v1/models")
+            # an adapter's card has no length of its own (vLLM lists it null): its base's
+            model = self.req.model or self.config.model
+            model = self.router.fleet.catalog.served.get(model) or model
+            return resume.context_of(models, model) if status == 200 else None
+        return None
+
     # ---- the prefill leg -------------------------------------------------------------------
 
     async def _prefill(self, producer: EngineState, number: int) -> PrefillResult:

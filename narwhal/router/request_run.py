@@ -11,17 +11,15 @@ before the producer, and an attempt may then run on its consumer alone.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import trio
-from opentelemetry.trace import Span
 
 from narwhal import tracing
 from narwhal.core import resume
 from narwhal.core.config import FleetConfig
 from narwhal.core.disaggregation import Decision, decode_first, local_or_remote, wants_prompt_side
 from narwhal.core.engine_state import EngineState, Leg
-from narwhal.core.faults import AtEngine, NoCapacity, Phase, RequestFault
+from narwhal.core.faults import NoCapacity, Phase, RequestFault
 from narwhal.core.handoff import Handoff
 from narwhal.core.lifecycle import State
 from narwhal.core.placement import Choice, Holdings, choose
@@ -33,7 +31,9 @@ from narwhal.core.request import RequestMachine
 from narwhal.core.request_actions import Continue, End, GoLocal, Prefill, Resume, Retry
 from narwhal.core.requests import ClientRequest
 from narwhal.core.token_ids import given_ids
+from narwhal.router import predicted
 from narwhal.router.legs import RequestLegs
+from narwhal.router.predicted import Forecast
 from narwhal.router.run_record import ClientSink, RouterState
 from narwhal.stream.continuation import Kept
 
@@ -41,7 +41,7 @@ from narwhal.stream.continuation import Kept
 class RequestRun(RequestLegs):
     """One prefill/decode chain: its machine, its placement keys, the legs it runs."""
 
-    __slots__ = ("_adapter", "_prefix", "_prompt", "_tokens", "prefill_s")
+    __slots__ = ("_adapter", "_forecast", "_prefix", "_prompt", "_tokens", "prefill_s")
 
     def __init__(
         self,
@@ -71,6 +71,7 @@ class RequestRun(RequestLegs):
             lifecycle=self.lifecycle,
         )
         self.prefill_s: float | None = None  # the prefill's answer, from the arrival
+        self._forecast: Forecast | None = None  # policy "predicted": the attempt's plan
         placement = config.placement
         # the LoRA adapter it runs under (None: a base model): the prefix indexes keep
         # each adapter's blocks apart
@@ -118,7 +119,20 @@ class RequestRun(RequestLegs):
             return False
         threshold = placement.local_prefill_tokens
         short = threshold > 0 and self._prompt_blocks().tokens < threshold
-        return short or placement.local_prefill_when_busy
+        return short or placement.local_prefill_when_busy or placement.policy == "predicted"
+
+    def beyond_target(self) -> RequestFault | None:
+        if self.config.placement.policy != "predicted":
+            return None
+        fleet, now, req = self.router.fleet, trio.current_time(), self.req
+        holdings = Holdings(self._prompt_blocks(), fleet.prefixes, now, fleet.precise, self._tokens)
+        target = self.config.admission.targets(self.flow.cls.value).ttft_slo_s
+        if target is None:
+            return None
+        least = predicted.unqueued_ttft(fleet, self.config, holdings, now, req.model, req.body)
+        if least is not None:  # its place in the queue: the latest start that meets it
+            self.due = self.arrival + target - least
+        return predicted.beyond(target, least)
 
     def _prompt_blocks(self) -> Prompt:
         if self._prompt is None:  # once per request: every attempt sees the same blocks
@@ -213,29 +227,6 @@ class RequestRun(RequestLegs):
         if self.machine.stream_ended():
             self.router.metrics.resumes_of(outcome).inc()
 
-    def _start_attempt_span(self) -> Span | None:
-        if self.span is None:
-            return None
-        attrs: dict[str, int | str] = {"narwhal.attempt": len(self.machine.attempts)}
-        if self.machine.choice is not None:
-            attrs["narwhal.choice"] = self.machine.choice
-        return tracing.child_span(self.span, "attempt", attrs)
-
-    def _attempt_figures(self) -> dict[str, Any]:
-        """The attempt span's attributes, known once it ended."""
-        if not self.machine.attempts:
-            return {}
-        record = self.machine.attempt_line
-        return {
-            "producer": record.producer,
-            "consumer": record.consumer,
-            "phase": record.phase,
-            "retry": record.retry,
-            "handoff": record.handoff,
-            "local": record.local,
-            "tokens": self.tokens,
-        }
-
     # ---- placement -------------------------------------------------------------------------
 
     def _place(self, leg: Leg, other_leg: str | None = None) -> EngineState:
@@ -306,7 +297,11 @@ class RequestRun(RequestLegs):
         producer, its consumer or None to place once the descriptor is in hand)."""
         route: GoLocal | Prefill
         consumer: EngineState | None
-        if decode_first(self.config.placement):
+        self._forecast = None
+        planned = self._predicted() if self.config.placement.policy == "predicted" else None
+        if planned is not None:
+            route, producer, consumer = planned
+        elif decode_first(self.config.placement):
             route, producer, consumer = self._decode_first()
         else:
             route, producer, consumer = self._producer_first()
@@ -339,6 +334,30 @@ class RequestRun(RequestLegs):
         self.router.metrics.disaggregation_of(counted).inc()
         return route, producer, consumer
 
+    def _predicted(self) -> tuple[GoLocal | Prefill, EngineState, EngineState] | None:
+        """Policy "predicted": the plan of least predicted TTFT (None: no plan, such as a
+        request that needs its prefill leg on a fleet of one engine; placed as before)."""
+        fleet, now, req = self.router.fleet, trio.current_time(), self.req
+        holdings = Holdings(self._prompt_blocks(), fleet.prefixes, now, fleet.precise, self._tokens)
+        avoid, cls = self.machine.failed_engines, self.flow.cls.value
+        seen = self._forecast = predicted.plan_attempt(
+            fleet, self.config, holdings, now, model=req.model, avoid=avoid, cls=cls, body=req.body
+        )
+        if seen is None:
+            return None
+        self.machine.attempt_line.predicted_ttft_s = round(seen.plan.ttft_s, 4)
+        consumer = self._placed("decode", Choice(fleet.by_id[seen.plan.consumer], "predicted"))
+        if seen.plan.producer is None:
+            self.router.metrics.disaggregation_of("local_predicted").inc()
+            return GoLocal(consumer.id, "local_predicted"), consumer, consumer
+        producer = self._placed("prefill", Choice(fleet.by_id[seen.plan.producer], "predicted"))
+        route = self.machine.producer_placed(
+            producer.id, consumer=consumer.id, only_consumer=None, consumers=1, body=req.body
+        )
+        decision = route.decision if type(route) is GoLocal else "disaggregated"
+        self.router.metrics.disaggregation_of(decision).inc()
+        return route, producer, consumer
+
     def _producer_first(self) -> tuple[GoLocal | Prefill, EngineState, None]:
         consumers, _ = self.router.fleet.placeable("decode", trio.current_time(), self.req.model)
         only = self.machine.only_engine([c.id for c in consumers])
@@ -361,6 +380,7 @@ class RequestRun(RequestLegs):
         ids already sent are prefilled on a producer and decoded on a consumer that has not
         failed this request, within its context."""
         machine = self.machine
+        self._forecast = None  # placed by the rules: a continuation's prompt is its own
         consumer = self._place("decode")
         machine.resume_consumer(consumer.id)
         producer = self._place("prefill", other_leg=consumer.id)
@@ -373,18 +393,6 @@ class RequestRun(RequestLegs):
         self.router.fleet.turn += 1
         self.machine.prefill_sent(producer.id, handoff=handoff)
 
-    async def _context(self, consumer: EngineState) -> int | None:
-        """The consumer's context length, asked at each resume (``/v1/models``, within the
-        health checks' bound): an engine restarted since may have another. None: unknown."""
-        with trio.move_on_after(self.config.engine.health_timeout_s):
-            with AtEngine(consumer.id, consumer.url):
-                status, models = await self.router.client.get(consumer.url, "/v1/models")
-            # an adapter's card has no length of its own (vLLM lists it null): its base's
-            model = self.req.model or self.config.model
-            model = self.router.fleet.catalog.served.get(model) or model
-            return resume.context_of(models, model) if status == 200 else None
-        return None
-
     async def _local(self, consumer: EngineState) -> None:
         """One leg to the consumer with no descriptor: it computes the prompt itself. Its
         first token is bounded by the prefill and first-token budgets together."""
@@ -395,12 +403,14 @@ class RequestRun(RequestLegs):
         engine_cfg = self.config.engine
         budget = self.config.serving.prefill_timeout_s + engine_cfg.first_token_timeout_s
         number = self.machine.attempt_line.number
+        sent = trio.current_time()
         try:
             await self._decode(consumer, None, number, first_token_s=budget)
         except RequestFault as fault:
             self.router.health.failure(consumer, fault, "decode", None)
             raise
         self.router.health.success(consumer)
+        self._learn_decode(sent)
         self._remember(consumer, self._consumer_holds())
 
     async def _legs(self, producer: EngineState, consumer: EngineState | None) -> None:
@@ -417,6 +427,9 @@ class RequestRun(RequestLegs):
                 health.failure(producer, fault, "prefill", None)
                 raise
             health.success(producer)
+            if self._forecast is not None:
+                now = trio.current_time()
+                predicted.learn_prefill(fleet.costs, self._forecast, now - started, now)
             handoff = machine.prefill_answered(self.rid, producer.id, result, started)
             if machine.continuation is None:
                 self._remember(producer, self._prompt_blocks() if self._indexing else None)
@@ -424,7 +437,8 @@ class RequestRun(RequestLegs):
                 self.prefill_s = self.elapsed
             try:
                 consumer = consumer or self._place("decode", other_leg=producer.id)
-                decode = machine.handing_off(consumer.id, trio.current_time())
+                sent = trio.current_time()
+                decode = machine.handing_off(consumer.id, sent)
                 try:
                     await self._decode(consumer, decode, number)
                 except RequestFault as fault:
@@ -436,9 +450,21 @@ class RequestRun(RequestLegs):
                 if handoff is not None:  # a prefill that asked for no descriptor left none
                     self._settle(handoff, machine.leg_done())
             health.success(consumer)
+            self._learn_decode(sent)
             self._remember(consumer, self._consumer_holds())
             if decode.crossed:  # its reclaims are told at once (the NIXL handshake is done)
                 self.router.fleet.paired.add((producer.id, consumer.id))
+
+    def _learn_decode(self, sent: float) -> None:
+        """A decode leg sent at ``sent`` ended well: what it teaches the cost model."""
+        path, seen = self._path, self._forecast
+        if seen is not None and path is not None:
+            first, last = path.first_token_at, path.last_output_at
+            costs, cls = self.router.fleet.costs, self.flow.cls.value
+            predicted.learn_decode(costs, seen, sent, first, last, path.tokens)
+            target = self.config.admission.targets(cls).tpot_slo_s
+            metrics = self.router.metrics
+            predicted.account(metrics, seen, first, last, path.tokens, cls=cls, tpot_slo_s=target)
 
     def _settle(self, handoff: Handoff, orphan: Handoff | None) -> None:
         """Count the descriptor's fate; an orphan goes to the reclaim queue (invariant 7).

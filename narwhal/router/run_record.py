@@ -78,6 +78,7 @@ class RunRecord:
         "client_left",
         "config",
         "cut",
+        "due",
         "fault",
         "flow",
         "lifecycle",
@@ -118,6 +119,7 @@ class RunRecord:
         self.trace: tracing.Headers = tracing.NO_HEADERS
         self.cut = False  # the last write (the answer's end) was cut on its way: not whole
         self.client_left = False  # its client's disconnect cancelled it (nobody to tell)
+        self.due: float | None = None  # the latest dispatch that meets its TTFT target
         self.flow = Flow()  # its class and fairness key in the admission queue (contract 4.5)
         self.queued_s = 0.0  # how long it waited there
 
@@ -191,6 +193,12 @@ class RunRecord:
 
     def prompt_tokens(self) -> int | None:
         """The prompt tokens an engine computed for this request (None: not known)."""
+        return None
+
+    def beyond_target(self) -> RequestFault | None:
+        """A 429 for a request that cannot meet its class's TTFT target even with nothing
+        queued ahead (contract 4.8), answered at once rather than after waiting; None: it
+        may queue."""
         return None
 
     def local_possible(self) -> bool:

@@ -31,6 +31,7 @@ from narwhal.core.fleet import Fleet
 from narwhal.core.fleet_view import fleet_view
 from narwhal.core.flow_class import Flow
 from narwhal.core.limits import check_workers, dispatch_by
+from narwhal.core.prediction import CostModel
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget
 from narwhal.core.served_models import model_cards
@@ -38,7 +39,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import Connect
 from narwhal.logs import count_drops as count_log_drops
 from narwhal.logs import log_context, log_event, log_request
-from narwhal.metrics import ENDPOINTS, Metrics
+from narwhal.metrics import Metrics
 from narwhal.router.admission import Admission
 from narwhal.router.auth import ApiKeys, warn_plain_http_keys
 from narwhal.router.background import Background
@@ -80,6 +81,7 @@ class Router:
         self.fleet.configure_models(config.model, dict(config.aliases))
         self.fleet.prefixes.ttl_s = config.placement.prefix_index_ttl_s
         self.fleet.precise.replay = config.kv_events.replay
+        self.fleet.costs = CostModel(config.prediction)
         self.metrics = Metrics((e.id for e in self.fleet.engines), model=config.model)
         self._bind_gauges()
         self.journal = journal or Journal()
@@ -188,6 +190,9 @@ class Router:
                 self.running.add(limit)
                 dispatched = False
                 try:
+                    refused = run.beyond_target()
+                    if refused is not None:
+                        raise refused
                     run.queued_s = await self.admission.dispatch(
                         run.flow.cls,
                         run.flow.tenant,
@@ -195,6 +200,7 @@ class Router:
                         self._dispatch_by(run),
                         local=run.local_possible(),
                         pool=run.req.model,
+                        due=run.due,
                     )
                     dispatched = True
                     await run.execute()
@@ -367,6 +373,8 @@ class Router:
         self.fleet.configure_models(new.model, dict(new.aliases))
         self.fleet.prefixes.ttl_s = new.placement.prefix_index_ttl_s
         self.fleet.precise.replay = new.kv_events.replay
+        if new.prediction != self.fleet.costs.config:  # new priors: learned from the start
+            self.fleet.costs = CostModel(new.prediction)
         self.discovery.state.configure(new.discover)
         change = self._set_engines()
         self.admission.configure(new)
@@ -452,24 +460,9 @@ class Router:
         log_request(line)
 
     def export(self, line: JournalLine) -> None:
-        m = self.metrics
-        endpoint = ENDPOINTS.get(line.endpoint, "other")
-        model = line.model or m.model  # a request refused before its name resolved: ours
-        m.requests_of(model, endpoint, line.outcome, str(line.status or 0)).inc()
-        m.duration.observe(line.duration_s)
-        if line.tokens:
-            m.generation_tokens_of(model).inc(line.tokens)
-        if line.prompt_tokens:
-            m.prompt_tokens_of(model).inc(line.prompt_tokens)
-        if line.prefill_s is not None:
-            m.prefill_completion_of(model).observe(line.prefill_s)
-        if line.first_byte_s is not None:
-            m.time_to_first_token_of(model).observe(line.first_byte_s)
-            if line.prefill_s is not None:
-                m.kv_transfer_of(model).observe(line.first_byte_s - line.prefill_s)
-        if line.outcome == "cancelled" and line.phase:
-            m.disconnects_of(line.phase).inc()
-        m.retry_credits.set(self.retry_budget.credits)
+        targets = self.config.admission.targets(line.cls or "")
+        self.metrics.record(line, targets.ttft_slo_s)
+        self.metrics.retry_credits.set(self.retry_budget.credits)
 
     async def wait_drained(self) -> None:
         """Return once no admitted request is left (reservations are released by then)."""

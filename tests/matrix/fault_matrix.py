@@ -35,6 +35,7 @@ from narwhal.core.config import (
     EngineConfig,
     KvEventsConfig,
     PlacementConfig,
+    PredictionConfig,
     RecoveryConfig,
     ServingConfig,
 )
@@ -137,6 +138,11 @@ class Scenario:
     # alone), and every ``adapter_every``th request asks for ``ADAPTER``
     models: dict[str, tuple[str, ...]] = field(default_factory=dict)
     adapter_every: int = 0
+    # policy "predicted": its cost model's priors, and the fraction of the run after which
+    # p0 computes prompts ``SLOWER`` times slower (None: never)
+    prediction: PredictionConfig = field(default_factory=PredictionConfig)
+    slow_at: float | None = None
+    engine_configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # by engine id
 
 
 # stream resume: d0 is never ejected, so that a third of the streams break on it, and
@@ -191,6 +197,15 @@ KV_PLACEMENT = msgspec.structs.replace(PLACEMENT, local_prefill_tokens=64)
 ADAPTER = "lora-a"
 WITH_ADAPTER = (MODEL, f"{ADAPTER}:{MODEL}")
 ADAPTER_ON_D0 = {"p0": WITH_ADAPTER, "p1": WITH_ADAPTER, "d0": WITH_ADAPTER}
+
+
+# policy "predicted" over engines whose prefill takes time (a prompt of ~15 tokens: 30 ms
+# on a producer, ten times that on a consumer, so plans are P/D), learning within a short run
+PREDICTED = msgspec.structs.replace(PLACEMENT, policy="predicted")
+LEARNING = PredictionConfig(min_samples=4, half_life_s=2.0)
+PREFILLING = {"prefill_ms_per_token": 2.0}
+SLOW_CONSUMERS = {c: {"prefill_ms_per_token": 20.0} for c in CONSUMERS}
+SLOWER = 5.0
 
 
 def _kv(name: str, knobs: dict[str, Any], every: int, expect: str) -> Scenario:
@@ -344,6 +359,23 @@ SCENARIOS: list[Scenario] = [
         placement=MIXED,
         long_every=3,
         expect="d0 ejected",
+    ),
+    Scenario(
+        "predicted: a producer turns 5x slower mid-run",
+        placement=PREDICTED,
+        prediction=LEARNING,
+        engine_config=PREFILLING,
+        engine_configs=SLOW_CONSUMERS,
+        slow_at=0.3,
+        expect="p0 slowed",
+    ),
+    Scenario(
+        "predicted: every engine's metrics stop",
+        placement=PREDICTED,
+        prediction=LEARNING,
+        engine_config=PREFILLING,
+        engine_configs=SLOW_CONSUMERS,
+        armed={e: (_always(kind="hang", leg="metrics"),) for e in ROLES},
     ),
     Scenario(
         "health 200 while inference hangs",
@@ -603,13 +635,17 @@ async def run_scenario(sc: Scenario, requests: int, concurrency: int) -> Report:
             nursery,
             ROLES,
             engine_config={"log_size": requests * 8 + 100, **sc.engine_config},
-            engine_configs={eid: {"models": names} for eid, names in sc.models.items()},
+            engine_configs={
+                eid: {**sc.engine_configs.get(eid, {}), **({"models": names} if names else {})}
+                for eid, names in ((eid, sc.models.get(eid)) for eid in ROLES)
+            },
             journal=journal,
             serving=sc.serving,
             engine=ENGINE,
             recovery=sc.recovery,
             admission=sc.admission,
             placement=sc.placement,
+            prediction=sc.prediction,
             kv_events=KvEventsConfig(mode="subscribe" if sc.kv_knobs else "off"),
         )
         if sc.kv_knobs:
@@ -680,6 +716,9 @@ async def _load(
             next_index += 1
             if sc.recover_at is not None and i == int(requests * sc.recover_at):
                 arm(False)
+            if sc.slow_at is not None and i == int(requests * sc.slow_at):
+                slow = h.engines["p0"]
+                slow.config = msgspec.structs.replace(slow.config, slowdown=SLOWER)
             if sc.flap_every and i and i % sc.flap_every == 0:
                 arm((i // sc.flap_every) % 2 == 0)
             if sc.kv_knobs and i and i % min(sc.kv_every, max(2, requests // 4)) == 0:
@@ -1048,6 +1087,8 @@ async def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
         return _resumes_kept(h, sc, problems)
     if sc.expect == "adapter kept apart":
         return _adapter_kept_apart(h, sc, problems)
+    if sc.expect == "p0 slowed":
+        return _slowed(h, sc, problems)
     mixed = _mixed(h, sc, problems)
     if not sc.expect.endswith("ejected"):
         return mixed
@@ -1060,6 +1101,24 @@ async def _expectation(h: Harness, sc: Scenario, problems: list[str]) -> str:
         f"{sc.expect}: {'yes' if ok else 'NO'} ({breaker}, {state.breaker.ejections} ejections)"
     )
     return f"{ejected}; {mixed}" if mixed else ejected
+
+
+def _slowed(h: Harness, sc: Scenario, problems: list[str]) -> str:
+    """p0 turned 5x slower at ``slow_at`` of the run: once the model has relearned it (the
+    last half of the run), it takes a smaller share of the prefills than before. Judged
+    at 100 requests or more (the short run of ``make test`` only reports it)."""
+    lines = [line for line in h.router.journal.lines if line.attempts]
+    cut = int(len(lines) * (sc.slow_at or 0.0))
+    before, after = lines[:cut], lines[len(lines) // 2 :]
+
+    def share(part: list[Any]) -> float:
+        prefills = [line.attempts[-1].producer for line in part if line.attempts[-1].producer]
+        return prefills.count("p0") / len(prefills) if prefills else 0.0
+
+    was, now = share(before), share(after)
+    if len(lines) >= 100 and not now < was:
+        problems.append(f"p0 turned {SLOWER:g}x slower and kept its share ({was:.0%} -> {now:.0%})")
+    return f"p0's share of prefills: {was:.0%} before it slowed, {now:.0%} after"
 
 
 def _adapter_kept_apart(h: Harness, sc: Scenario, problems: list[str]) -> str:

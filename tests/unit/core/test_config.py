@@ -116,7 +116,7 @@ def test_wrong_type_names_the_path_and_the_rule() -> None:
         ),
         (
             '[placement]\npolicy = "random"',
-            "placement.policy: must be one of 'least_loaded', 'round_robin'",
+            "placement.policy: must be one of 'least_loaded', 'predicted', 'round_robin'",
         ),
         (
             "[placement]\naffinity_load_factor = 0.5",

@@ -604,3 +604,47 @@ def test_a_request_the_queue_let_go_unsent_is_answered_429_or_503_on_sigterm() -
     assert type(drained) is QueueDrained
     assert (drained.status, drained.message) == (503, "the router is shutting down")
     assert {f.phase for f in (waited, full, drained)} == {Phase.ADMISSION}
+
+
+# ---- earliest deadline first within a key (contract 4.8) ------------------------------------
+
+
+def test_a_request_that_needs_its_time_goes_before_one_that_arrived_just_before() -> None:
+    """Interactive requests must start within 2 s: a long prompt predicted at 1.5 s has to
+    start by 0.6 s, a short one that came at 0.0 s by 1.9 s; the long one goes first."""
+    queue = FlowQueue(max_queued=10, max_queue_wait_s=30.0)
+    short = Entry("short", HI, "t", arrival=0.0, deadline=600.0, due=1.9)
+    long = Entry("long", HI, "t", arrival=0.1, deadline=600.0, due=0.6)
+    for item in (short, long):
+        queue.offer(item, now=0.1)
+    assert [e.id for e in dispatch_all(queue, now=0.1)] == ["long", "short"]
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b"]), st.floats(0, 100), st.floats(0, 100)),
+        max_size=40,
+    )
+)
+def test_each_keys_requests_leave_by_due_and_keys_still_take_turns(
+    items: list[tuple[str, float, float]],
+) -> None:
+    queue = FlowQueue(max_queued=100, max_queue_wait_s=1e6)
+    for n, (key, at, slack) in enumerate(items):
+        queue.offer(Entry(n, D, key, arrival=at, deadline=1e6, due=at + slack), now=0.0)
+    out = dispatch_all(queue)
+    assert sorted(e.id for e in out) == list(range(len(items)))
+    for key in ("a", "b"):
+        dues = [e.due for e in out if e.key == key]
+        assert dues == sorted(dues)
+    # round-robin between keys holds: while both have requests, they alternate
+    keys = [e.key for e in out]
+    both = min(keys.count("a"), keys.count("b"))
+    assert all(keys[i] != keys[i + 1] for i in range(2 * both - 1))
+
+
+def test_without_a_due_arrival_order_is_kept() -> None:
+    queue = FlowQueue(max_queued=10, max_queue_wait_s=30.0)
+    for n in range(5):
+        queue.offer(entry(n, at=float(5 - n)), now=0.0)  # arrival as offered, not by time
+    assert [e.id for e in dispatch_all(queue)] == [0, 1, 2, 3, 4]

@@ -1,0 +1,191 @@
+"""Policy "predicted" on real vLLM (contract 4.8): the cost model learns each engine from
+the router's own legs, and places by predicted time to first token.
+
+Runs after test_saturated_consumer and before test_stream_resume (file order), as its
+consumers come and go. Two consumers of this module's own (``--max-num-seqs 2``: two
+sequences at once, vLLM queues the rest) paired with the session's producer, and a router
+with the policy:
+
+* **Learning.** Prompts of 60 to 400 words: with ``echo`` (its answer needs the producer's
+  prompt side, so the plan is P/D) the producer computes them; without, each goes where
+  the model predicts it fastest (a consumer alone, when it is idle). Each engine that
+  computed prompts then has a learned prefill rate; against the engine's own account of
+  the same requests (the deltas of ``vllm:request_prefill_time_seconds`` and
+  ``vllm:prompt_tokens_total``, in the engine's tokens, the router's in its estimate:
+  the ids of ``/tokenize`` against the text's bytes / 4) it is within 30%. Printed, with
+  the model's view, either way.
+* **A held prefix.** A 300-word prompt, then its next turn (the prompt, the reply, a new
+  question): the turn goes to the consumer that served the first (it holds the prompt
+  and the reply), over the idle other one.
+* **The holder deeply queued.** Six long generations straight to the holder (two run,
+  four wait, as its scrape shows the router): the next turn goes elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .conftest import (
+    HANDOFF_S,
+    KV_LEASE_S,
+    MODEL,
+    Engine,
+    Fleet,
+    Process,
+    fleet_toml,
+    http,
+    journal_line,
+    serve_router,
+    start_engines,
+    warm_pair,
+)
+
+pytestmark = pytest.mark.vllm
+
+WORDS = ("river", "stone", "lantern", "meadow", "copper", "harbor", "violet", "thunder")
+LEARN = 12  # prompts per phase: more than min_samples (8)
+FLOOD = 6  # long generations that fill the holder (two at once) and queue four
+
+
+def words(seed: int, n: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] + str(i % 13) for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def consumers(fleet: Fleet) -> Iterator[dict[str, Engine]]:
+    small = ("--max-num-seqs", "2")
+    started = start_engines(
+        fleet, [("consumer-p1", "kv_consumer", small), ("consumer-p2", "kv_consumer", small)]
+    )
+    try:
+        for engine in started:
+            warm_pair(fleet.producer, engine)
+        yield {"c1": started[0], "c2": started[1]}
+    finally:
+        for engine in started:
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def router(fleet: Fleet, consumers: dict[str, Engine]) -> Iterator[tuple[str, Any]]:
+    journal = fleet.logs / "router-predicted.jsonl"
+    text = fleet_toml(
+        [("p0", fleet.producer.url, "prefill")]
+        + [(cid, engine.url, "decode") for cid, engine in consumers.items()],
+        serving={"request_timeout_s": 300.0, "prefill_timeout_s": 120.0, "max_attempts": 1},
+        engine={"kv_lease_s": KV_LEASE_S, "first_token_timeout_s": 120.0},
+        placement={"policy": "predicted", "metrics_interval_s": 0.5},
+        prediction={"min_samples": 8},
+    )
+    proc: Process = serve_router(fleet, "router-predicted", text, ("--journal", str(journal)))
+    try:
+        yield proc.url, journal  # type: ignore[attr-defined]
+    finally:
+        proc.stop()
+
+
+def complete(url: str, prompt: str, rid: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+    status, raw = http(
+        "POST", url + "/v1/completions", body, timeout=HANDOFF_S, headers={"x-request-id": rid}
+    )
+    assert status == 200, raw[:300]
+    answer: dict[str, Any] = json.loads(raw)
+    return answer
+
+
+def view(url: str) -> dict[str, dict[str, Any]]:
+    status, body = http("GET", url + "/narwhal/engines", timeout=30)
+    assert status == 200
+    return {e["id"]: e for e in json.loads(body)["engines"]}
+
+
+def prefill_account(engine: Engine) -> tuple[float, float]:
+    """(seconds of prefill, prompt tokens) the engine has counted so far."""
+    return engine.metric("vllm:request_prefill_time_seconds_sum"), engine.metric(
+        "vllm:prompt_tokens_total"
+    )
+
+
+def estimate_ratio(engine: Engine, prompts: list[str]) -> float:
+    """The router's token estimate (text bytes / 4) over the engine's tokens, for these."""
+    real = 0
+    for prompt in prompts:
+        status, raw = http("POST", engine.url + "/tokenize", {"model": MODEL, "prompt": prompt})
+        assert status == 200, raw[:200]
+        real += int(json.loads(raw)["count"])
+    return sum(len(p.encode()) / 4 for p in prompts) / real
+
+
+def test_each_engine_is_learned_within_30_percent_of_its_own_account(
+    fleet: Fleet, consumers: dict[str, Engine], router: tuple[str, Any]
+) -> None:
+    url, _ = router
+    engines = {"p0": fleet.producer, **consumers}
+    before = {eid: prefill_account(e) for eid, e in engines.items()}
+    prompts = [words(n, 60 + (n * 37) % 340) for n in range(2 * LEARN)]
+    for n, prompt in enumerate(prompts):
+        echo = {"echo": True} if n < LEARN else {}  # the first phase needs the producer
+        complete(url, prompt, f"learn-{n}", **echo)
+    after = {eid: prefill_account(e) for eid, e in engines.items()}
+    models = {eid: v["prediction"] for eid, v in view(url).items()}
+    print(f"\nthe model after {2 * LEARN} prompts: {json.dumps(models)}")
+    ratio = estimate_ratio(fleet.producer, prompts)
+    checked = []
+    for eid in engines:
+        learned = models[eid]["prefill"]
+        seconds = after[eid][0] - before[eid][0]
+        tokens = after[eid][1] - before[eid][1]
+        if not learned["learned"] or seconds <= 0:
+            continue
+        own = tokens / seconds  # the engine's tokens a second of prefill
+        ours = learned["tokens_per_s"] / ratio  # the router's, in the engine's tokens
+        print(f"{eid}: learned {ours:.0f} tokens/s, its own account {own:.0f} tokens/s")
+        checked.append((eid, ours, own))
+    assert any(eid == "p0" for eid, _, _ in checked), models
+    for eid, ours, own in checked:
+        assert 0.7 * own <= ours <= 1.3 * own, (eid, ours, own)
+
+
+def test_a_held_prefix_wins_until_its_holder_is_queued(
+    fleet: Fleet, consumers: dict[str, Engine], router: tuple[str, Any]
+) -> None:
+    url, journal = router
+    first = words(99, 300)
+    reply = complete(url, first, "held-0")["choices"][0]["text"]
+    holder = journal_line(journal, "held-0")["attempts"][-1]["consumer"]
+    turn = f"{first}{reply} and then what happened"
+    complete(url, turn, "held-1")
+    line = journal_line(journal, "held-1")
+    assert line["attempts"][-1]["consumer"] == holder, line
+    # the holder busy: two generations run, four wait (its scrape shows the router)
+    engine = consumers[holder]
+
+    def flood(i: int) -> None:
+        body = {"model": MODEL, "prompt": words(200 + i, 50), "max_tokens": 300}
+        body["min_tokens"] = 300
+        http("POST", engine.url + "/v1/completions", body, timeout=HANDOFF_S * 4)
+
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(FLOOD)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # bounded: the flood queues within seconds
+            report = view(url)[holder]["report"]
+            if report is not None and report["waiting"] >= FLOOD - 2 - 1:
+                break
+            time.sleep(0.2)
+        complete(url, f"{turn} later still", "held-2")
+        line = journal_line(journal, "held-2")
+        print(f"\nheld prefix on {holder}; queued, the next turn went to {line['attempts']}")
+        assert line["attempts"][-1]["consumer"] != holder, line
+    finally:
+        for t in threads:
+            t.join(timeout=HANDOFF_S * 4)

@@ -131,7 +131,13 @@ class EngineState:
             waiting_limit=waiting_limit,
             kv_limit=kv_limit,
             consumer=leg == "decode",
+            free=self._free(report) if fresh and report is not None else 0.0,
         )
+
+    def _free(self, report: EngineReport) -> float:
+        """The room it had free at the report: its learned capacity less what it ran (0
+        while it never showed a queue, so its capacity is unknown)."""
+        return 0.0 if self.capacity is None else max(0.0, self.capacity - report.running)
 
     def queued(self, now: float, interval_s: float) -> float:
         """The waiting queue it is predicted to have (contract 4.5): the report's, less our
@@ -140,9 +146,8 @@ class EngineState:
         report = self.report
         if report is None or not report.fresh(now, interval_s):
             return float(self._ours(False))
-        free = 0.0 if self.capacity is None else max(0.0, self.capacity - report.running)
         waiting = math.ceil(self._others_waiting(report)) + self._ours(True)
-        return max(0.0, waiting - free)
+        return max(0.0, waiting - self._free(report))
 
     def running(self, now: float, interval_s: float) -> float:
         """The requests it runs: its fresh report's count, else this router's started legs."""
@@ -187,6 +192,8 @@ class EngineState:
             "saturated": self.saturation(now, interval_s, waiting_limit, kv_limit),
             "waiting_scraped": report.waiting if fresh and report is not None else None,
             "ours_not_started": self._ours(fresh),
+            # the requests it runs at once, as its reports showed (None: never queued yet)
+            "capacity": self.capacity,
             "waiting_limit": waiting_limit,
         }
 

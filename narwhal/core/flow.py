@@ -395,6 +395,7 @@ def room_left(
     waiting_limit: int,
     kv_limit: float,
     consumer: bool,
+    free: float = 0.0,
 ) -> tuple[int, Saturation | None]:
     """How many more legs an engine takes before it is saturated, and why it is when that
     is 0 (contract 4.5).
@@ -402,9 +403,12 @@ def room_left(
     ``waiting_scraped``: its ``vllm:num_requests_waiting`` as last scraped, None without a
     usable scrape; ``sent_since_scrape``: this router's legs sent to it since that scrape
     and not yet started (without scrapes, the router's own legs are all that counts);
-    ``kv_usage``: its ``vllm:kv_cache_usage_perc`` (0..1), which only saturates a consumer.
+    ``kv_usage``: its ``vllm:kv_cache_usage_perc`` (0..1), which only saturates a consumer;
+    ``free``: the room it had free at that scrape (the requests it runs at once, learned from
+    its reports, less those it ran): legs sent since start there rather than wait.
     """
-    waiting = math.ceil(waiting_scraped or 0) + sent_since_scrape
+    # below 0 while it has free room: the room counts its free slots too
+    waiting = math.ceil(waiting_scraped or 0) + sent_since_scrape - math.floor(free)
     if waiting >= waiting_limit:
         return 0, "waiting"
     if consumer and kv_usage is not None and kv_usage >= kv_limit:

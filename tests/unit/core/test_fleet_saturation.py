@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
+from narwhal.core.engine_state import EngineState
 from narwhal.core.fleet import Fleet
 
 INTERVAL = 1.0
@@ -147,3 +148,16 @@ def test_a_request_between_its_prefill_and_its_decode_holds_a_consumer_s_room() 
     # one claim went to its decode, one ended without: that one told the queue
     assert fleet.decodes_coming == 0
     assert changes[-1] == 0
+
+
+def test_an_engine_with_free_room_takes_a_burst_once_its_reports_showed_its_capacity() -> None:
+    """Its reports showed it running 8 while some waited: 8 at once is its capacity. At a
+    report of 3 running and none waiting, 5 legs sent since start there at once: the queue
+    meters only what it would queue, so it has room for 5 + the waiting limit."""
+    state = EngineState(EngineSpec("d0", "http://h:1", "decode"), RecoveryConfig())
+    state.note_report(EngineReport(at=0.0, running=8, waiting=3, kv_usage=0.1))
+    assert state.capacity == 8
+    state.note_report(EngineReport(at=1.0, running=3, waiting=0, kv_usage=0.1))
+    room, why = state.room(1.0, 1.0, 2, 0.95, "decode")
+    assert (room, why) == (5 + 2, None)
+    assert state.queued(1.0, 1.0) == 0

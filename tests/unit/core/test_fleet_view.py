@@ -57,6 +57,7 @@ async def test_each_engine_shows_its_state_saturation_and_whether_it_is_held_in(
         "saturated": "waiting",
         "waiting_scraped": None,
         "ours_not_started": 2,
+        "capacity": None,
         "waiting_limit": 2,
     }
     assert rows["d0"]["saturation"]["saturated"] is None

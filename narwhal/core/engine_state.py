@@ -60,8 +60,10 @@ class EngineState:
         self.checked_at: float | None = None
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
-        # the requests it runs at once, learned from its reports: the most it ran while
-        # some waited (None: it never had a queue to show it)
+        # the requests it runs at once, learned from its reports: the most it has run at
+        # once (a lower bound: a leg sent within it starts at once; None: no report yet).
+        # Not only while some waited: a consumer that never queues would never show it,
+        # and its room would be its waiting limit alone, however many streams it runs
         self.capacity: float | None = None
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
         # the LoRA adapters placed on it or seen running there: what its idle adapter slots
@@ -96,7 +98,7 @@ class EngineState:
         """A new account of its load, from a scrape sent at ``mark`` (``scrape_mark``);
         None: scraping stopped, and every leg not started counts again."""
         self.report = report
-        if report is not None and report.waiting > 0:
+        if report is not None:
             self.capacity = max(self.capacity or 0.0, report.running)
         sent, decoding, placed = mark
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
@@ -135,8 +137,7 @@ class EngineState:
         )
 
     def _free(self, report: EngineReport) -> float:
-        """The room it had free at the report: its learned capacity less what it ran (0
-        while it never showed a queue, so its capacity is unknown)."""
+        """The room it had free at the report: its learned capacity less what it ran."""
         return 0.0 if self.capacity is None else max(0.0, self.capacity - report.running)
 
     def queued(self, now: float, interval_s: float) -> float:
@@ -192,7 +193,7 @@ class EngineState:
             "saturated": self.saturation(now, interval_s, waiting_limit, kv_limit),
             "waiting_scraped": report.waiting if fresh and report is not None else None,
             "ours_not_started": self._ours(fresh),
-            # the requests it runs at once, as its reports showed (None: never queued yet)
+            # the requests it runs at once, as its reports showed (None: no report yet)
             "capacity": self.capacity,
             "waiting_limit": waiting_limit,
         }

@@ -151,9 +151,9 @@ def test_a_request_between_its_prefill_and_its_decode_holds_a_consumer_s_room() 
 
 
 def test_an_engine_with_free_room_takes_a_burst_once_its_reports_showed_its_capacity() -> None:
-    """Its reports showed it running 8 while some waited: 8 at once is its capacity. At a
-    report of 3 running and none waiting, 5 legs sent since start there at once: the queue
-    meters only what it would queue, so it has room for 5 + the waiting limit."""
+    """Its reports showed it running 8 at once: it runs at least 8. At a report of 3
+    running and none waiting, 5 legs sent since start there at once: the queue meters only
+    what it would queue, so it has room for 5 + the waiting limit."""
     state = EngineState(EngineSpec("d0", "http://h:1", "decode"), RecoveryConfig())
     state.note_report(EngineReport(at=0.0, running=8, waiting=3, kv_usage=0.1))
     assert state.capacity == 8

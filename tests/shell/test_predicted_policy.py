@@ -98,6 +98,19 @@ async def test_the_faster_producer_is_learned_and_takes_more_of_the_work(
     slower = costs.prefill_s("p1", tokens, 0) / costs.prefill_s("p0", tokens, 0)
     assert slower >= 3.0, (slower, costs.view("p0"), costs.view("p1"))
     assert all(line.attempts[-1].predicted_ttft_s is not None for line in lines)
+    # observed over predicted, on /metrics: the median near 1 once the model has learned
+    observed = [(line.first_byte_s or 0.0) - (line.queued_s or 0.0) for line in lines[80:]]
+    ratios = sorted(
+        o / (line.attempts[-1].predicted_ttft_s or 1.0)
+        for o, line in zip(observed, lines[80:], strict=True)
+    )
+    assert 0.7 <= ratios[len(ratios) // 2] <= 1.3, ratios
+    registry = router.metrics.registry
+    counted = registry.get_sample_value(
+        "narwhal_prediction_error_ratio_count", {"engine": "p0", "figure": "ttft"}
+    )
+    assert counted is not None
+    assert counted > 0
 
 
 async def test_a_held_long_prefix_wins_over_an_idle_engine_until_its_holder_is_queued(
@@ -160,3 +173,7 @@ async def test_a_class_target_no_plan_can_meet_is_refused_at_once(
     assert [line.status for line in lines] == [429, 200]
     await ask(router, 2, text(2, 16_000), Priority.BATCH)
     assert router.journal.lines[-1].status == 200
+    slo = router.metrics.registry.get_sample_value
+    assert slo("narwhal_slo_total", {"class": "interactive", "target": "ttft", "met": "no"}) == 1
+    assert slo("narwhal_slo_total", {"class": "interactive", "target": "ttft", "met": "yes"}) == 1
+    assert slo("narwhal_slo_total", {"class": "batch", "target": "ttft", "met": "yes"}) == 0

@@ -4,7 +4,6 @@ placement and the admission queue read of it), and the operator's view of it."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 from narwhal.core.breaker import Breaker
@@ -36,6 +35,7 @@ class EngineState:
         "mark",
         "models_refused",
         "prefilling",
+        "prefilling_at_mark",
         "report",
         "scrape_failures",
         "sent",
@@ -86,22 +86,26 @@ class EngineState:
         self.sent = 0
         self.prefilling: set[int] = set()
         self.mark = 0
+        # our prefills not ended when the scrape went out: those that end after it are
+        # still in its running count, and leave the engine room it does not show
+        self.prefilling_at_mark = 0
 
-    def scrape_mark(self) -> tuple[int, int, int]:
+    def scrape_mark(self) -> tuple[int, int, int, int]:
         """What the scrape going out now may count of ours, and the adapters placed before
         it (for ``note_report``)."""
-        return self.sent, self.decoding, self.adapters.clock
+        return self.sent, self.decoding, self.adapters.clock, len(self.prefilling)
 
     def note_report(
-        self, report: EngineReport | None, mark: tuple[int, int, int] = (0, 0, 0)
+        self, report: EngineReport | None, mark: tuple[int, int, int, int] = (0, 0, 0, 0)
     ) -> None:
         """A new account of its load, from a scrape sent at ``mark`` (``scrape_mark``);
         None: scraping stopped, and every leg not started counts again."""
         self.report = report
         if report is not None:
             self.capacity = max(self.capacity or 0.0, report.running)
-        sent, decoding, placed = mark
+        sent, decoding, placed, prefilling = mark
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
+        self.prefilling_at_mark = prefilling if report is not None else 0
         if report is not None and report.lora is not None:
             self.adapters.seen_running(report.lora.running, placed)
 
@@ -137,18 +141,27 @@ class EngineState:
         )
 
     def _free(self, report: EngineReport) -> float:
-        """The room it had free at the report: its learned capacity less what it ran."""
-        return 0.0 if self.capacity is None else max(0.0, self.capacity - report.running)
+        """The room it has free by its report: its learned capacity less what it ran then,
+        less our prefills it ran then that have ended since (a scrape is up to an interval
+        old, and a short prefill ends well within it)."""
+        if self.capacity is None:
+            return 0.0
+        mark = self.mark
+        still = sum(1 for number in self.prefilling if number <= mark)
+        ended = max(0, self.prefilling_at_mark - still)
+        return max(0.0, self.capacity - max(0.0, report.running - ended))
 
     def queued(self, now: float, interval_s: float) -> float:
-        """The waiting queue it is predicted to have (contract 4.5): the report's, less our
-        decodes it may count already, plus our legs it has not started and may not show,
-        less the room it had free then (its learned capacity less what it ran)."""
+        """How many of the requests there must end before one more starts (the cost
+        model's queue ahead): what its fresh report ran and held that was not ours, plus
+        our legs there now (ours as we know them now, not as the scrape saw them: a
+        scrape is up to an interval old), beyond its learned capacity. Without a fresh
+        report, our legs it has not started."""
         report = self.report
-        if report is None or not report.fresh(now, interval_s):
+        if report is None or not report.fresh(now, interval_s) or self.capacity is None:
             return float(self._ours(False))
-        waiting = math.ceil(self._others_waiting(report)) + self._ours(True)
-        return max(0.0, waiting - self._free(report))
+        others = max(0.0, report.running + report.waiting - report.ours)
+        return max(0.0, others + self.load + 1 - max(self.capacity, 1.0))
 
     def running(self, now: float, interval_s: float) -> float:
         """The requests it runs: its fresh report's count, else this router's started legs."""

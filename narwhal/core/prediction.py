@@ -12,7 +12,9 @@ Per engine, two fits (``narwhal.core.linear_fit``):
 
 Per pair (producer, consumer), one fit: **transfer**, the time from the decode leg's send
 to its first token (the KV pull and the consumer's first step) against the prompt's tokens
-the consumer did not hold.
+the consumer did not hold. Every pair's samples also go to one fit of the whole fleet's
+transfers, which answers for a pair with too few of its own (pairs share the fabric; with
+P producers and C consumers a pair sees a P x C-th of the handoffs).
 
 Until a fit has ``min_samples`` samples it answers from the priors of ``[prediction]``;
 every fit fades old samples with ``half_life_s``. The priors' transfer in MiB/s needs a KV
@@ -52,12 +54,17 @@ class CostModel:
     """Every engine's and pair's fits, made on first use; bounded by the fleet (``retain``
     drops those of engines that left it)."""
 
-    __slots__ = ("_engines", "_pairs", "config")
+    __slots__ = ("_engines", "_pairs", "_transfers", "config")
 
     def __init__(self, config: PredictionConfig) -> None:
         self.config = config
         self._engines: dict[str, EngineModel] = {}
         self._pairs: dict[tuple[str, str], LinearFit] = {}
+        self._transfers = self._transfer_fit()  # every pair's samples
+
+    def _transfer_fit(self) -> LinearFit:
+        per_token = KV_BYTES_PER_TOKEN / (self.config.transfer_mib_per_s * MIB)
+        return LinearFit((TRANSFER_FIXED_S, per_token), self.config.half_life_s)
 
     def _engine(self, engine_id: str) -> EngineModel:
         model = self._engines.get(engine_id)
@@ -68,9 +75,7 @@ class CostModel:
     def _pair(self, producer: str, consumer: str) -> LinearFit:
         fit = self._pairs.get((producer, consumer))
         if fit is None:
-            per_token = KV_BYTES_PER_TOKEN / (self.config.transfer_mib_per_s * MIB)
-            prior = (TRANSFER_FIXED_S, per_token)
-            fit = self._pairs[(producer, consumer)] = LinearFit(prior, self.config.half_life_s)
+            fit = self._pairs[(producer, consumer)] = self._transfer_fit()
         return fit
 
     def _coef(self, fit: LinearFit) -> list[float]:
@@ -98,8 +103,12 @@ class CostModel:
         return step + per_running * max(0.0, running)
 
     def transfer_s(self, producer: str, consumer: str, tokens: int) -> float:
-        fixed, per_token = self._coef(self._pair(producer, consumer))
+        fixed, per_token = self._coef(self._in_use(self._pair(producer, consumer)))
         return fixed + per_token * tokens
+
+    def _in_use(self, pair: LinearFit) -> LinearFit:
+        """A pair's own fit once it has enough samples, else the fleet's transfers'."""
+        return pair if pair.count >= self.config.min_samples else self._transfers
 
     # ---- learning ------------------------------------------------------------------------
 
@@ -116,8 +125,9 @@ class CostModel:
     def saw_transfer(
         self, producer: str, consumer: str, tokens: int, seconds: float, now: float
     ) -> None:
-        fit = self._pair(producer, consumer)
-        fit.add((1.0, float(tokens)), seconds, now, self.config.min_samples)
+        sample = (1.0, float(tokens))
+        self._pair(producer, consumer).add(sample, seconds, now, self.config.min_samples)
+        self._transfers.add(sample, seconds, now, self.config.min_samples)
 
     def retain(self, engine_ids: Iterable[str]) -> None:
         """Forget the engines (and pairs) not among ``engine_ids``: they left the fleet."""
@@ -135,7 +145,7 @@ class CostModel:
         fixed, per_token, per_queued = self._coef(model.prefill)
         step, per_running = self._coef(model.step)
         pairs = {
-            consumer: _pair_view(self._coef(fit), fit.count)
+            consumer: _pair_view(self._coef(self._in_use(fit)), fit.count)
             for (producer, consumer), fit in sorted(self._pairs.items())
             if producer == engine_id
         }

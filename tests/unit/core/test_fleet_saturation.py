@@ -160,4 +160,6 @@ def test_an_engine_with_free_room_takes_a_burst_once_its_reports_showed_its_capa
     state.note_report(EngineReport(at=1.0, running=3, waiting=0, kv_usage=0.1))
     room, why = state.room(1.0, 1.0, 2, 0.95, "decode")
     assert (room, why) == (5 + 2, None)
-    assert state.queued(1.0, 1.0) == 0
+    assert state.queued(1.0, 1.0) == 0  # one more starts at once
+    state.note_report(EngineReport(at=2.0, running=8, waiting=0, kv_usage=0.1))
+    assert state.queued(2.0, 1.0) == 1  # full: the next starts when one of the 8 ends

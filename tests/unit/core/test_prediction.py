@@ -91,7 +91,11 @@ def test_steps_grow_with_the_batch_and_pairs_learn_their_transfer() -> None:
         model.saw_transfer("p0", "d0", tokens, 0.005 + tokens / 100_000, now=float(i))
     assert close(model.step_s("d0", 20), 0.05, 0.05)
     assert close(model.transfer_s("p0", "d0", 10_000), 0.105, 0.05)
-    assert model.transfer_s("p1", "d0", 10_000) != model.transfer_s("p0", "d0", 10_000)
+    # a pair with no samples of its own answers from the fleet's transfers, not the prior
+    assert close(model.transfer_s("p1", "d1", 10_000), 0.105, 0.05)
+    for i in range(30):  # p1 -> d0 over a slower link: its own fit once it has enough
+        model.saw_transfer("p1", "d0", 1000 + 500 * (i % 8), 0.05, now=30.0 + i)
+    assert close(model.transfer_s("p0", "d0", 10_000), 0.105, 0.05)
     pairs = model.view("p0")["transfer_to"]
     assert isinstance(pairs, dict)
     assert pairs["d0"]["samples"] == 30

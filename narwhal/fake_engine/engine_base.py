@@ -83,6 +83,7 @@ class EngineBase:
         self.prefix_cache = cost.PrefixCache(blocks)
         self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
         self.computing = 0  # prompts being computed now (prefill interference)
+        self.decoding = 0  # streams between their first token and their last (the batch)
         self._idle = trio.Event()
         self._idle.set()
         self.catalog = lora.Catalog(cfg.models or (cfg.model,))
@@ -132,6 +133,7 @@ class EngineBase:
             # of which handed out intact: KV pending a decode or a reclaim
             "kv_leases_pending": len(self.store.pending()),
             "running": self.running - self.waiting,
+            "decoding": self.decoding,
             "waiting": self.waiting,
             "prefix_cache": {
                 "capacity_blocks": self.prefix_cache.capacity,

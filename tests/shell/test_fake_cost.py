@@ -330,8 +330,9 @@ def test_the_options_default_to_off() -> None:
 def test_the_options_reach_the_config() -> None:
     argv = ["fake-engine", "--port", "0", "--slots", "4", "--prefill-ms-per-token", "0.5"]
     argv += ["--prefix-cache-blocks", "1024", "--slowdown", "2", "--kv-ms-per-block", "0.25"]
-    argv += ["--prefill-interference", "0.5", "--kv-pull-ms", "5"]
+    argv += ["--prefill-interference", "0.5", "--kv-pull-ms", "5", "--decode-batch-growth", "0.1"]
     config = FakeEngineConfig(**cost.config_fields(build_parser().parse_args(argv)))
+    assert config.decode_batch_growth == 0.1
     assert config.transfer_delay_s == 0.005
     assert (config.slots, config.prefill_ms_per_token) == (4, 0.5)
     assert (config.prefix_cache_blocks, config.slowdown) == (1024, 2.0)
@@ -339,7 +340,9 @@ def test_the_options_reach_the_config() -> None:
     assert config.cost_model
 
 
-@pytest.mark.parametrize("option", ["--kv-ms-per-block", "--prefill-interference"])
+@pytest.mark.parametrize(
+    "option", ["--kv-ms-per-block", "--prefill-interference", "--decode-batch-growth"]
+)
 def test_either_consumer_cost_alone_turns_the_cost_model_on(option: str) -> None:
     argv = ["fake-engine", "--port", "0", option, "1"]
     assert FakeEngineConfig(**cost.config_fields(build_parser().parse_args(argv))).cost_model
@@ -353,6 +356,7 @@ def test_either_consumer_cost_alone_turns_the_cost_model_on(option: str) -> None
         ["--prefill-ms-per-token", "-2"],
         ["--kv-ms-per-block", "-1"],
         ["--prefill-interference", "nan"],
+        ["--decode-batch-growth", "-0.5"],
     ],
 )
 def test_negative_costs_are_refused(option: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,6 +37,7 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_size: int = 512
     # the cost model (narwhal.fake_engine.cost), off by default
     slots: int = 0  # requests computed at once, the rest queue (0: unlimited)
+    prefill_slots: int = 0  # of which computing their prompt at once (0: as many as slots)
     prefill_ms_per_token: float = 0.0  # per uncached prompt token, added to the delay above
     prefix_cache_blocks: int = 0  # LRU of 16-token prompt blocks (0: no prefix cache)
     kv_ms_per_block: float = 0.0  # per pulled block not cached, added to transfer_delay_s
@@ -61,7 +62,8 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             self.prefill_interference,
             self.decode_batch_growth,
         )
-        return bool(self.slots or self.prefix_cache_blocks or any(costs)) or self.slowdown != 1.0
+        slots = self.slots or self.prefill_slots
+        return bool(slots or self.prefix_cache_blocks or any(costs)) or self.slowdown != 1.0
 
     @property
     def lora_swap_s(self) -> float:

@@ -256,6 +256,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -277,6 +284,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count,
         default=0,
         help="requests computed at once, the rest wait in a FIFO queue (0: unlimited)",
+    )
+    parser.add_argument(
+        "--prefill-slots",
+        type=_count,
+        default=0,
+        help="of the requests computed at once, how many compute their prompt at once; the "
+        "rest wait for one (FIFO, counted as waiting) while the others decode (0: no limit "
+        "of its own)",
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=_positive_count,
+        default=4096,
+        help="the KV cache in 16-token blocks, the denominator of vllm:kv_cache_usage_perc",
     )
     parser.add_argument(
         "--prefill-ms-per-token",
@@ -331,6 +352,8 @@ def config_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The ``FakeEngineConfig`` fields the options above set."""
     return {
         "slots": args.slots,
+        "prefill_slots": args.prefill_slots,
+        "kv_blocks": args.kv_blocks,
         "prefill_ms_per_token": args.prefill_ms_per_token,
         "prefix_cache_blocks": args.prefix_cache_blocks,
         "kv_ms_per_block": args.kv_ms_per_block,

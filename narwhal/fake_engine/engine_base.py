@@ -66,6 +66,8 @@ class EngineBase:
         self._streamed: trio.Event | None = None
         self._streamed_goal = 0
         self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
+        # prompts computed at once, within the slots (a decode batch can be wider than that)
+        self._prefill_slots = trio.Semaphore(cfg.prefill_slots) if cfg.prefill_slots else None
         if cfg.kv_events_replay_endpoint and not cfg.kv_events_endpoint:
             raise ValueError("a KV-event replay endpoint needs a KV-event endpoint")
         self.kv_events: KvEventPublisher | None = None

@@ -82,7 +82,7 @@ bench-overload: venv $(BENCH_VENV)/.installed   ## flow control at 2x capacity v
 	$(PY) bench/overload.py --peers-venv $(BENCH_VENV)
 
 REPLAY ?=   # more options: `make bench-replay REPLAY='--variant "queue_off:admission.queue=false"'`
-bench-replay: venv $(BENCH_VENV)/.installed   ## 3 min of Mooncake's conversation trace at 4x, loads 0.6 and 0.9, every router (~12 min)
+bench-replay: venv $(BENCH_VENV)/.installed   ## 3 min of Mooncake's conversation trace at 4x, loads 0.6 and 0.9, every router (~10 min)
 	$(PY) bench/replay_trace.py --peers-venv $(BENCH_VENV) $(REPLAY)
 
 IMAGE ?= localhost/narwhal:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)

@@ -197,6 +197,14 @@ def table(rows: list[dict[str, Any]], ideal: int, peers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+BOTH_NOTE = (
+    "Every engine computes prompts here, so the work split and the hit rate cover all four; "
+    "the hit rate counts every lookup, a decode leg's before its KV pull included (a router "
+    "that sends both legs to different engines looks a prompt up twice, one that sends the "
+    "request whole once): compare work / ideal across routers."
+)
+
+
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], peers: Sequence[str]) -> str:
     work = meta["work"]
     parts = [
@@ -222,6 +230,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], peers: Sequence[s
             f"per block + 5 ms, {1000 * setup['itl_s']:.0f} ms between streamed tokens alone "
             f"x (1 + {setup['batch_growth']:g} x other streams), KV cache "
             f"{setup['kv_blocks']:,} blocks.",
+            *([BOTH_NOTE] if setup["fleet"] == "both" else []),
             "",
             table(mine, work["ideal_computed"], peers),
         ]

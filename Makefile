@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BENCH_VENV ?= .bench-venv
 VLLM_DIR ?= $(HOME)/.cache/narwhal-vllm   # the real-engine environment, outside the tree
 
-.PHONY: venv compiled demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement bench-overload e2e-vllm e2e-lb image image-test faults soak fuzz clean
+.PHONY: venv compiled demo fleet test test-lowest lint typecheck unit rough-bench bench bench-quick bench-placement bench-overload bench-replay e2e-vllm e2e-lb image image-test faults soak fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,10 @@ bench-placement: venv $(BENCH_VENV)/.installed   ## placement policies and condi
 
 bench-overload: venv $(BENCH_VENV)/.installed   ## flow control at 2x capacity vs no queue and the peers (~10 min)
 	$(PY) bench/overload.py --peers-venv $(BENCH_VENV)
+
+REPLAY ?=   # more options: `make bench-replay REPLAY='--variant "queue_off:admission.queue=false"'`
+bench-replay: venv $(BENCH_VENV)/.installed   ## 3 min of Mooncake's conversation trace at 4x, loads 0.6 and 0.9, every router (~10 min)
+	$(PY) bench/replay_trace.py --peers-venv $(BENCH_VENV) $(REPLAY)
 
 IMAGE ?= localhost/narwhal:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 # the router's image (deploy/Containerfile) with buildah on a Debian base that mmdebstrap

@@ -37,11 +37,14 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_size: int = 512
     # the cost model (narwhal.fake_engine.cost), off by default
     slots: int = 0  # requests computed at once, the rest queue (0: unlimited)
+    prefill_slots: int = 0  # of which computing their prompt at once (0: as many as slots)
     prefill_ms_per_token: float = 0.0  # per uncached prompt token, added to the delay above
     prefix_cache_blocks: int = 0  # LRU of 16-token prompt blocks (0: no prefix cache)
     kv_ms_per_block: float = 0.0  # per pulled block not cached, added to transfer_delay_s
     # while prompts are computed here, streams' itl x (1 + this x the prompts computing)
     prefill_interference: float = 0.0
+    # each stream's itl x (1 + this x the other streams decoding at once)
+    decode_batch_growth: float = 0.0
     slowdown: float = 1.0  # multiplier on prefill time and itl_s
     # KV events (narwhal.fake_engine.kv_events), off without an endpoint
     kv_events_endpoint: str = ""  # the PUB: "*" or port 0 binds, any other connects
@@ -53,8 +56,14 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def cost_model(self) -> bool:
         """Whether any of the cost model's options is on."""
-        costs = (self.prefill_ms_per_token, self.kv_ms_per_block, self.prefill_interference)
-        return bool(self.slots or self.prefix_cache_blocks or any(costs)) or self.slowdown != 1.0
+        costs = (
+            self.prefill_ms_per_token,
+            self.kv_ms_per_block,
+            self.prefill_interference,
+            self.decode_batch_growth,
+        )
+        slots = self.slots or self.prefill_slots
+        return bool(slots or self.prefix_cache_blocks or any(costs)) or self.slowdown != 1.0
 
     @property
     def lora_swap_s(self) -> float:

@@ -5,9 +5,10 @@ concurrent slots with a FIFO queue behind them (``vllm:num_requests_running`` an
 ``vllm:num_requests_waiting``), prefill time proportional to the prompt tokens the prefix
 cache does not hold, a KV pull's time per prompt block the consumer's prefix cache does not
 hold, decode streams slowed while the same engine computes prompts (prefill interference:
-why one disaggregates at all), and a per-engine ``slowdown`` on every modelled compute time
-(prefill and the delay between generated tokens; a KV transfer is the link's speed and is
-not scaled). The engine does the waiting; this module only decides how long.
+why one disaggregates at all), decode steps that lengthen with the streams decoding at once
+(a bigger batch reads more KV per step), and a per-engine ``slowdown`` on every modelled
+compute time (prefill and the delay between generated tokens; a KV transfer is the link's
+speed and is not scaled). The engine does the waiting; this module only decides how long.
 
 Tokenisation is the fake engine's usual one (``generation.prompt_of``, and the ids
 ``/tokenize`` answers): a token per whitespace-separated word of the prompt (a word's id is
@@ -237,6 +238,14 @@ def interfered_itl(itl_s: float, interference: float, computing: int) -> float:
     return itl_s * (1 + interference * computing)
 
 
+def batched_itl(itl_s: float, growth: float, decoding: int) -> float:
+    """The delay before a decode stream's next token while ``decoding`` streams (this one
+    among them) are decoding on the same engine: a decode step reads every running
+    stream's KV, so it lengthens with the batch (``--decode-batch-growth``); a stream alone
+    keeps ``itl_s``."""
+    return itl_s * (1 + growth * max(0, decoding - 1))
+
+
 # ---- the command line (``narwhal fake-engine``) ----------------------------------------------
 
 
@@ -244,6 +253,13 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
 
 
@@ -268,6 +284,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count,
         default=0,
         help="requests computed at once, the rest wait in a FIFO queue (0: unlimited)",
+    )
+    parser.add_argument(
+        "--prefill-slots",
+        type=_count,
+        default=0,
+        help="of the requests computed at once, how many compute their prompt at once; the "
+        "rest wait for one (FIFO, counted as waiting) while the others decode (0: no limit "
+        "of its own)",
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=_positive_count,
+        default=4096,
+        help="the KV cache in 16-token blocks, the denominator of vllm:kv_cache_usage_perc",
     )
     parser.add_argument(
         "--prefill-ms-per-token",
@@ -304,6 +334,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is multiplied by 1 + this x the prompts being computed (0: no interference)",
     )
     parser.add_argument(
+        "--decode-batch-growth",
+        type=non_negative,
+        default=0.0,
+        help="each stream's delay between tokens is multiplied by 1 + this x the other "
+        "streams decoding on the engine at once (0: the batch does not matter)",
+    )
+    parser.add_argument(
         "--slowdown",
         type=_positive,
         default=1.0,
@@ -315,10 +352,13 @@ def config_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The ``FakeEngineConfig`` fields the options above set."""
     return {
         "slots": args.slots,
+        "prefill_slots": args.prefill_slots,
+        "kv_blocks": args.kv_blocks,
         "prefill_ms_per_token": args.prefill_ms_per_token,
         "prefix_cache_blocks": args.prefix_cache_blocks,
         "kv_ms_per_block": args.kv_ms_per_block,
         "transfer_delay_s": args.kv_pull_ms / 1000,
         "prefill_interference": args.prefill_interference,
+        "decode_batch_growth": args.decode_batch_growth,
         "slowdown": args.slowdown,
     }

@@ -66,6 +66,8 @@ class EngineBase:
         self._streamed: trio.Event | None = None
         self._streamed_goal = 0
         self._slots = trio.Semaphore(cfg.slots) if cfg.slots > 0 else None  # FIFO
+        # prompts computed at once, within the slots (a decode batch can be wider than that)
+        self._prefill_slots = trio.Semaphore(cfg.prefill_slots) if cfg.prefill_slots else None
         if cfg.kv_events_replay_endpoint and not cfg.kv_events_endpoint:
             raise ValueError("a KV-event replay endpoint needs a KV-event endpoint")
         self.kv_events: KvEventPublisher | None = None
@@ -83,6 +85,7 @@ class EngineBase:
         self.prefix_cache = cost.PrefixCache(blocks)
         self.blocks_running = 0  # KV blocks of admitted requests (with the cost model)
         self.computing = 0  # prompts being computed now (prefill interference)
+        self.decoding = 0  # streams between their first token and their last (the batch)
         self._idle = trio.Event()
         self._idle.set()
         self.catalog = lora.Catalog(cfg.models or (cfg.model,))
@@ -132,6 +135,7 @@ class EngineBase:
             # of which handed out intact: KV pending a decode or a reclaim
             "kv_leases_pending": len(self.store.pending()),
             "running": self.running - self.waiting,
+            "decoding": self.decoding,
             "waiting": self.waiting,
             "prefix_cache": {
                 "capacity_blocks": self.prefix_cache.capacity,

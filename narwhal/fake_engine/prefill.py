@@ -6,7 +6,9 @@ consumer sends, and what vLLM answers when a KV load fails.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
@@ -53,16 +55,43 @@ class Prefill(EngineBase):
         return True
 
     async def _compute_prompt(self, uncached_tokens: int) -> None:
+        """Compute ``uncached_tokens`` (counted in ``prompt_tokens_computed``: the work a
+        router's placement left to this engine); with ``prefill_slots``, only that many
+        prompts at once, the rest waiting (in ``waiting``, as vLLM's queue of requests not
+        yet scheduled)."""
         cfg = self.config
+        self.counters["prompt_tokens_computed"] += uncached_tokens
         delay = cost.prefill_seconds(
             uncached_tokens, cfg.prefill_ms_per_token, cfg.prefill_delay_per_token_s, cfg.slowdown
         )
-        if delay > 0:
+        if delay <= 0:
+            return
+        async with self._prefill_slot():
             self.computing += 1  # running streams slow down meanwhile (prefill interference)
             try:
                 await trio.sleep(delay)
             finally:
                 self.computing -= 1
+
+    @contextlib.asynccontextmanager
+    async def _prefill_slot(self) -> AsyncIterator[None]:
+        """One of ``prefill_slots`` while a prompt is computed (FIFO, like the slots); no
+        limit of its own without them."""
+        slots = self._prefill_slots
+        if slots is None:
+            yield
+            return
+        self.waiting += 1
+        self._queued.set()  # wake wait_queued, then arm for the next arrival
+        self._queued = trio.Event()
+        try:
+            await slots.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            slots.release()
 
     def _produce(
         self, resp_id: str, prompt_tokens: int, chat: bool, origin: str, model: str

@@ -1,6 +1,7 @@
 """A streamed completion written out: its frames at the engine's pace (``itl_s``, the
-slowdown, prefill interference), ``[DONE]``, and every scripted fault that breaks a stream
-(silence, a close, an error event, a malformed or oversized chunk, a script of its own).
+slowdown, prefill interference, the decode batch), ``[DONE]``, and every scripted fault that
+breaks a stream (silence, a close, an error event, a malformed or oversized chunk, a script of
+its own).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class Streaming(EngineBase):
             await _play(fault.value, ex)
             return False
         interference = self.config.prefill_interference
+        growth = self.config.decode_batch_growth
         if fault is not None and kind == "slow_drip":
-            itl, interference = fault.interval_s, 0.0  # a scripted pace is kept
+            # a scripted pace is kept
+            itl, interference, growth = fault.interval_s, 0.0, 0.0
         else:
             itl = self.config.itl_s * self.config.slowdown
         await ex.start_stream()
@@ -55,20 +58,19 @@ class Streaming(EngineBase):
         frames = plan.tokens
         if fault is not None and kind != "slow_drip":
             frames = itertools.islice(frames, fault.tokens)
-        for n, chunk in enumerate(frames):
-            if itl > 0 and n:
-                # each gap as the engine is now: a prompt that starts computing slows the
-                # next tokens, not the gap already waited
-                gap = (
-                    cost.interfered_itl(itl, interference, self.computing) if interference else itl
-                )
-                await trio.sleep(gap)
-            if chunk is not None:  # a token that sends no chunk (a tool call's tail)
-                await ex.write(b"data: " + chunk + b"\n\n")
-            self.counters["generation_tokens"] += 1
-            entry["tokens"] += 1
-            if entry["tokens"] == self._streamed_goal and self._streamed is not None:
-                self._streamed.set()
+        self.decoding += 1  # in the batch from its first token to its last
+        try:
+            for n, chunk in enumerate(frames):
+                if itl > 0 and n:
+                    await trio.sleep(self._gap(itl, interference, growth))
+                if chunk is not None:  # a token that sends no chunk (a tool call's tail)
+                    await ex.write(b"data: " + chunk + b"\n\n")
+                self.counters["generation_tokens"] += 1
+                entry["tokens"] += 1
+                if entry["tokens"] == self._streamed_goal and self._streamed is not None:
+                    self._streamed.set()
+        finally:
+            self.decoding -= 1
         if fault is not None and kind != "slow_drip":
             await self._break_stream(fault, ex)
             return False
@@ -77,6 +79,16 @@ class Streaming(EngineBase):
         await ex.write(b"data: [DONE]\n\n")
         await ex.end_stream()
         return True
+
+    def _gap(self, itl: float, interference: float, growth: float) -> float:
+        """The delay before the next token, as the engine is now: a prompt that starts
+        computing, or a stream that joins the batch, slows the next tokens, not the gap
+        already waited."""
+        if growth:
+            itl = cost.batched_itl(itl, growth, self.decoding)
+        if interference:
+            itl = cost.interfered_itl(itl, interference, self.computing)
+        return itl
 
     async def _break_stream(self, fault: Fault, ex: Exchange) -> None:
         if fault.kind == "tokens_then_silence":

@@ -201,6 +201,47 @@ async def test_a_pull_does_not_interfere(nursery: trio.Nursery, autojump_clock: 
     assert trio.current_time() == 3 + 1 / 16
 
 
+# ---- the decode batch ----------------------------------------------------------------------
+
+
+async def _two_streams(net: MemoryNetwork, second: dict[str, Any]) -> dict[str, float]:
+    """A stream of 5 tokens a second apart alone; at 1.5 s ``second`` arrives. When each
+    ended, from the first one's start."""
+    done: dict[str, float] = {}
+    start = trio.current_time()
+
+    async def client(name: str, body: dict[str, Any]) -> None:
+        await timed(net, "e0", body)
+        done[name] = trio.current_time() - start
+
+    async with trio.open_nursery() as clients:
+        clients.start_soon(client, "first", stream_body("a", 5))
+        await trio.sleep(1.5)
+        clients.start_soon(client, "second", second)
+    return done
+
+
+async def test_a_stream_that_joins_the_batch_slows_every_stream_from_the_next_gap(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """First alone: tokens at 0, 1, 2 s. Its gap that begins at 2 s, with the second stream
+    decoding since 1.5 s, is 2 s, and so is the next; the second's own gaps are 2 s from its
+    first token (1.5, 3.5, 5.5)."""
+    _, net = alone(nursery, itl_s=1.0, decode_batch_growth=1.0)
+    assert await _two_streams(net, stream_body("b", 3)) == {"second": 5.5, "first": 6.0}
+
+
+async def test_a_prompt_being_computed_is_not_in_the_decode_batch(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """The second request's 2 s prompt (1.5 s to 3.5 s) leaves the first stream's pace
+    alone (its own one-token prompt takes 1/16 s, then a token a second): the second joins
+    the batch with its first token, after the first stream's last gap began."""
+    _, net = alone(nursery, itl_s=1.0, prefill_ms_per_token=MS, decode_batch_growth=1.0)
+    done = await _two_streams(net, stream_body(words("p", 32), 1))
+    assert done == {"first": 4 + 1 / 16, "second": 3.5}
+
+
 # ---- off by default ------------------------------------------------------------------------
 
 

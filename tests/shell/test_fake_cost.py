@@ -99,6 +99,31 @@ async def test_an_admitted_prompt_holds_kv_blocks_while_it_runs(
     assert (await scrape(net, "e0"))[metric("kv_cache_usage_perc")] == 0.0
 
 
+async def test_prompts_beyond_the_prefill_slots_wait_while_streams_decode(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """One prompt computed at a time (1 s each), in arrival order, the next waiting in the
+    queue; a stream whose prompt is done decodes beside the next prompt."""
+    engine, net = alone(nursery, prefill_slots=1, prefill_ms_per_token=MS, itl_s=1.0)
+    done: dict[str, float] = {}
+
+    async def client(name: str, tokens: int) -> None:
+        await timed(net, "e0", stream_body(words(name, 16), tokens))
+        done[name] = trio.current_time()
+
+    async with trio.open_nursery() as clients:
+        for name, tokens in (("a", 3), ("b", 1), ("c", 1)):
+            clients.start_soon(client, name, tokens)
+            await trio.sleep(0.25)
+        metrics = await scrape(net, "e0")
+        assert metrics[metric("num_requests_running")] == 1
+        assert metrics[metric("num_requests_waiting")] == 2
+    # a: its prompt 0-1 s, then tokens at 1, 2, 3 s; b and c computed after it in turn
+    assert done == {"a": 3.0, "b": 2.0, "c": 3.0}
+    assert engine.counters["prompt_tokens_computed"] == 48
+    assert engine.config.cost_model
+
+
 # ---- prefill time and the prefix cache -----------------------------------------------------
 
 
@@ -330,8 +355,10 @@ def test_the_options_default_to_off() -> None:
 def test_the_options_reach_the_config() -> None:
     argv = ["fake-engine", "--port", "0", "--slots", "4", "--prefill-ms-per-token", "0.5"]
     argv += ["--prefix-cache-blocks", "1024", "--slowdown", "2", "--kv-ms-per-block", "0.25"]
-    argv += ["--prefill-interference", "0.5", "--kv-pull-ms", "5"]
+    argv += ["--prefill-interference", "0.5", "--kv-pull-ms", "5", "--decode-batch-growth", "0.1"]
+    argv += ["--prefill-slots", "2", "--kv-blocks", "8192"]
     config = FakeEngineConfig(**cost.config_fields(build_parser().parse_args(argv)))
+    assert (config.decode_batch_growth, config.prefill_slots, config.kv_blocks) == (0.1, 2, 8192)
     assert config.transfer_delay_s == 0.005
     assert (config.slots, config.prefill_ms_per_token) == (4, 0.5)
     assert (config.prefix_cache_blocks, config.slowdown) == (1024, 2.0)
@@ -339,7 +366,9 @@ def test_the_options_reach_the_config() -> None:
     assert config.cost_model
 
 
-@pytest.mark.parametrize("option", ["--kv-ms-per-block", "--prefill-interference"])
+@pytest.mark.parametrize(
+    "option", ["--kv-ms-per-block", "--prefill-interference", "--decode-batch-growth"]
+)
 def test_either_consumer_cost_alone_turns_the_cost_model_on(option: str) -> None:
     argv = ["fake-engine", "--port", "0", option, "1"]
     assert FakeEngineConfig(**cost.config_fields(build_parser().parse_args(argv))).cost_model
@@ -353,6 +382,9 @@ def test_either_consumer_cost_alone_turns_the_cost_model_on(option: str) -> None
         ["--prefill-ms-per-token", "-2"],
         ["--kv-ms-per-block", "-1"],
         ["--prefill-interference", "nan"],
+        ["--decode-batch-growth", "-0.5"],
+        ["--prefill-slots", "-1"],
+        ["--kv-blocks", "0"],
     ],
 )
 def test_negative_costs_are_refused(option: list[str], capsys: pytest.CaptureFixture[str]) -> None:

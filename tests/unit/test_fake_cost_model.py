@@ -1,9 +1,10 @@
 """The fake engine's cost model on the consumer side, sans I/O: the tokens a finished reply
-leaves in the prefix cache, the blocks a pull moves, and what a pull and prefill
-interference cost."""
+leaves in the prefix cache, the blocks a pull moves, and what a pull, prefill interference
+and a bigger decode batch cost."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import assume, given
@@ -79,6 +80,29 @@ def test_interference_grows_with_the_prompts_computing() -> None:
     assert cost.interfered_itl(0.5, 1.0, 0) == 0.5
     assert cost.interfered_itl(0.5, 1.0, 2) == 1.5
     assert cost.interfered_itl(0.5, 0.25, 2) == 0.75
+
+
+def test_a_decode_step_grows_with_the_other_streams_in_the_batch() -> None:
+    assert cost.batched_itl(0.02, 0.5, 1) == 0.02  # alone: the engine's own pace
+    assert cost.batched_itl(0.02, 0.5, 3) == 0.04
+    assert cost.batched_itl(0.02, 0.0, 100) == 0.02  # off: the batch does not matter
+    assert cost.batched_itl(0.02, 0.5, 0) == 0.02  # never faster than alone
+
+
+_ITL = st.floats(0, 10, allow_nan=False)
+_GROWTH = st.floats(0, 4, allow_nan=False)
+
+
+@given(_ITL, _GROWTH, st.integers(0, 500), st.integers(0, 500))
+def test_a_bigger_batch_is_never_faster(itl: float, growth: float, a: int, b: int) -> None:
+    small, big = sorted((a, b))
+    assert itl <= cost.batched_itl(itl, growth, small) <= cost.batched_itl(itl, growth, big)
+
+
+@given(_ITL, _GROWTH, st.integers(1, 500))
+def test_the_step_is_linear_in_the_batch(itl: float, growth: float, decoding: int) -> None:
+    expected = itl + itl * growth * (decoding - 1)
+    assert math.isclose(cost.batched_itl(itl, growth, decoding), expected, abs_tol=1e-12)
 
 
 def test_a_block_is_two_mebibytes_of_nominal_kv() -> None:

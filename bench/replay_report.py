@@ -4,6 +4,7 @@ best peer of the same (fleet, load)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,24 @@ class Run:
     router_cpu_s: float | None = None
     wall_s: float = 0.0
     note: str = ""
+    # ours: the median of observed / predicted TTFT over the run (policy "predicted")
+    prediction: float | None = None
+    slo: tuple[float, float] | None = None  # (TTFT s, TPOT s) a request must meet
+
+    def attained(self) -> float | None:
+        """The share of sent requests that met both targets (a failure met neither)."""
+        if self.slo is None or not self.outcomes:
+            return None
+        ttft_s, tpot_s = self.slo
+        met = sum(
+            1
+            for o in self.outcomes
+            if o.status == "ok"
+            and o.ttft_s is not None
+            and o.ttft_s <= ttft_s
+            and (o.tpot_s is None or o.tpot_s <= tpot_s)
+        )
+        return met / len(self.outcomes)
 
     def failures(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -111,8 +130,34 @@ class Run:
                 3,
             ),
             "wall_s": round(self.wall_s, 1),
+            "slo_attained": _round(self.attained(), 3),
+            "prediction_median": _round(self.prediction, 3),
             "note": self.note,
         }
+
+
+def histogram_median(metrics_text: str, name: str, labels: str) -> float | None:
+    """The median of a Prometheus histogram's samples whose label text holds ``labels``,
+    summed over the other labels, interpolated within its bucket (None: no samples)."""
+    cumulative: dict[float, float] = {}
+    for line in metrics_text.splitlines():
+        if not line.startswith(name + "_bucket{") or labels not in line:
+            continue
+        le = line.split('le="', 1)[1].split('"', 1)[0]
+        bound = math.inf if le == "+Inf" else float(le)
+        cumulative[bound] = cumulative.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    total = cumulative.get(math.inf, 0.0)
+    if not total:
+        return None
+    lower, below = 0.0, 0.0
+    for bound in sorted(cumulative):
+        count = cumulative[bound]
+        if count >= total / 2:
+            if bound == math.inf or count == below:
+                return lower
+            return lower + (bound - lower) * (total / 2 - below) / (count - below)
+        lower, below = bound, count
+    return None
 
 
 def progress(row: dict[str, Any]) -> str:
@@ -121,7 +166,8 @@ def progress(row: dict[str, Any]) -> str:
         f"{row['fleet']:4} load={row['load']} {row['target']:26} sent={row['sent']} "
         f"failed={row['failed']} ttft p50/p90/p99={row['ttft_p50_s']}/{row['ttft_p90_s']}/"
         f"{row['ttft_p99_s']} s tpot={row['tpot_p50_ms']} ms split={row['work_split']} "
-        f"hit={row['hit_rate']} cpu/req={row['cpu_ms_per_request']} ms {row['note']}"
+        f"hit={row['hit_rate']} cpu/req={row['cpu_ms_per_request']} ms "
+        f"slo={row['slo_attained']} obs/pred={row['prediction_median']} {row['note']}"
     )
 
 
@@ -150,6 +196,10 @@ def best_peer(rows: list[dict[str, Any]], key: str, peers: Sequence[str]) -> flo
     return min(values) if values else None
 
 
+def _share(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1%}"
+
+
 def _split(row: dict[str, Any]) -> str:
     return " / ".join(f"{v:.2f}" for v in row["work_split"].values()) or "—"
 
@@ -165,8 +215,9 @@ def table(rows: list[dict[str, Any]], ideal: int, peers: Sequence[str]) -> str:
     """One (fleet, load)'s rows: the figures, then the ratios to the best peer."""
     head = (
         "| router | sent | failed | TTFT p50 s | p90 s | p99 s | TPOT p50 ms | prefill split "
-        "| work / ideal | cache hit rate | router CPU ms/req | note |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| work / ideal | cache hit rate | router CPU ms/req | SLO met | TTFT obs/pred p50 "
+        "| note |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -176,7 +227,7 @@ def table(rows: list[dict[str, Any]], ideal: int, peers: Sequence[str]) -> str:
             f"| {r['target']} | {r['sent']} | {_failures(r)} | {_f(r['ttft_p50_s'])} "
             f"| {_f(r['ttft_p90_s'])} | {_f(r['ttft_p99_s'])} | {_f(r['tpot_p50_ms'], 1)} "
             f"| {_split(r)} | {_f(work, 2)} | {hit or '—'} | {_f(r['cpu_ms_per_request'], 2)} "
-            f"| {r['note']} |"
+            f"| {_share(r['slo_attained'])} | {_f(r['prediction_median'], 2)} | {r['note']} |"
         )
     best = {key: best_peer(rows, key, peers) for _, key in RATIOED}
     lines += [

@@ -233,15 +233,31 @@ async def replay(sends: list[Send], url: str, outcomes: list[Outcome]) -> None:
                 nursery.start_soon(send, item)
 
 
+def predicted_median(url: str) -> float | None:
+    """Ours with policy "predicted": the median of observed over predicted TTFT, from its
+    ``/metrics`` (None for a router that exports none)."""
+    try:
+        text = get(url, "/metrics")
+    except (OSError, RuntimeError):
+        return None
+    name = "narwhal_prediction_error_ratio"
+    return report.histogram_median(text, name, 'figure="ttft"')
+
+
 def engine_stats(urls: dict[str, str]) -> dict[str, dict[str, Any]]:
     return {name: json.loads(get(url, "/fake/stats")) for name, url in urls.items()}
 
 
 def measure(
-    target: tuple[str, Start], fleet: Fleet, costs: Costs, sends: list[Send], tmp: Path
+    target: tuple[str, Start],
+    fleet: Fleet,
+    costs: Costs,
+    sends: list[Send],
+    tmp: Path,
+    slo: tuple[float, float] | None = None,
 ) -> report.Run:
     name, start = target
-    run = report.Run(target=name)
+    run = report.Run(target=name, slo=slo)
     engines, urls = start_fleet(fleet, costs, tmp)
     try:
         try:
@@ -256,6 +272,7 @@ def measure(
             run.router_cpu_s = tree_cpu(proc.proc.pid) - cpu0
             run.wall_s = time.monotonic() - t0
             run.engines = report.engine_delta(before, engine_stats(urls))
+            run.prediction = predicted_median(url)
         finally:
             proc.stop()
     finally:
@@ -293,11 +310,25 @@ def parse_args() -> argparse.Namespace:
         help="our router with fleet-file overrides, e.g. queue_off:admission.queue=false",
     )
     add("--targets", help="comma-separated target names (default: all)")
+    add(
+        "--slo",
+        default="",
+        metavar="TTFT_S,TPOT_MS",
+        help="targets every request is held to, client-side: the share that met both",
+    )
     add("--peers-venv", default=os.environ.get("PEERS_VENV", ".bench-venv"))
     add("--out", default="bench/results/replay")
     add("--name", default="", help="a suffix for the results' file name")
     add("--logs", help="keep the processes' logs in this folder")
     return parser.parse_args()
+
+
+def slo_of(text: str) -> tuple[float, float] | None:
+    """``--slo 2.0,150`` -> (2.0 s, 0.15 s)."""
+    if not text:
+        return None
+    ttft, tpot = (float(x) for x in text.split(","))
+    return ttft, tpot / 1000
 
 
 def slice_of(args: argparse.Namespace) -> list[tw.TraceRequest]:
@@ -319,6 +350,7 @@ def main() -> int:
     loads = [float(x) for x in args.load.split(",") if x.strip()]
     fleets = [FLEETS[f.strip()] for f in args.fleet.split(",") if f.strip()]
     work = tw.work(requests, scale)
+    slo = slo_of(args.slo)
     began = time.monotonic()
     runs: list[dict[str, Any]] = []
     setups: list[dict[str, Any]] = []
@@ -330,7 +362,7 @@ def main() -> int:
                 costs = calibrate(requests, scale, fleet, load, args)
                 setups.append({"fleet": fleet.name, "load": load, **costs.__dict__})
                 for target in chosen:
-                    run = measure(target, fleet, costs, sends, tmp)
+                    run = measure(target, fleet, costs, sends, tmp, slo)
                     row = run.summary(fleet.named("prefill", "both"), fleet.name, load)
                     runs.append(row)
                     print(report.progress(row), file=sys.stderr, flush=True)

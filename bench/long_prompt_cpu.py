@@ -1,9 +1,9 @@
 """Router CPU per request on long prompts that share a first block (a Mooncake-like shape).
 
     python bench/long_prompt_cpu.py [--requests 400] [--concurrency 8] [--tokens 16]
-        [--prompt-kb 48] [--shared-kb 2] [--rounds 3] [--producers 2] [--consumers 2]
-        [--engines fast|fake] [--baseline PATH] [--pure] [--profile FILE]
-        [--targets a,b] [--out DIR] [--peers-venv .bench-venv]
+        [--prompt-kb 48] [--shared-kb 2] [--sessions 0] [--rounds 3] [--producers 2]
+        [--consumers 2] [--engines fast|fake] [--baseline PATH] [--pure] [--profile FILE]
+        [--spy FILE] [--targets a,b] [--out FILE] [--peers-venv .bench-venv]
 
 The production trace this copies (Mooncake's conversation trace) has prompts of about 12k
 tokens, 48 KB of text on average, and every prompt starts with the same block. Here each
@@ -11,7 +11,9 @@ request's prompt is ``--prompt-kb`` KB of words: its first ``--shared-kb`` KB ar
 for every request, the rest its own. Requests alternate between ``/v1/completions`` (one
 prompt string) and ``/v1/chat/completions`` (the shared part as the system message, the
 rest as the user's), streamed, ``--tokens`` tokens each, ``--concurrency`` at once, over
-``--producers`` + ``--consumers`` fake engines on 127.0.0.1 in P/D mode.
+``--producers`` + ``--consumers`` fake engines on 127.0.0.1 in P/D mode. With
+``--sessions S`` the requests are S conversations instead, each turn's prompt the last
+turn's and 1 KB more.
 
 Targets, measured in turn over the same engines (the order reverses every other round):
   narwhal                    this tree, ``narwhal serve`` with its defaults
@@ -26,8 +28,10 @@ Router CPU is user+system time of the router's process tree from /proc, read bef
 after the measured requests only (a warm-up of ``--warmup`` requests with other prompts
 comes first), divided by the requests sent. Ratios are taken within a round, then the
 median over the rounds (min-max). ``--profile FILE``: after the rounds, one more run of
-narwhal's pure build under cProfile, the stats written to FILE (``python -m pstats FILE``).
-Nothing is asserted: the machine is shared and noisy; compare within one run.
+narwhal's pure build under cProfile on the CPU clock, the stats written to FILE (``python
+-m pstats FILE``); ``--spy FILE``: the same sampled by py-spy (``$PY_SPY``, else ``py-spy``
+on the PATH; a throwaway venv's will do), collapsed stacks. ``--out FILE``: the report
+written there too. Nothing is asserted: the machine is shared and noisy; compare within one run.
 """
 
 from __future__ import annotations
@@ -96,13 +100,20 @@ def text(rng: random.Random, size: int) -> str:
 
 
 def bodies(count: int, salt: int, args: argparse.Namespace) -> list[tuple[bytes, bytes]]:
-    """(path, body) per request: even ones completions, odd ones chat; one shared head."""
+    """(path, body) per request: even ones completions, odd ones chat; one shared head.
+    With ``--sessions S``, request i is turn i // S of conversation i % S: its prompt is
+    the turn before's and 1 KB more (a conversation is all chat or all completions)."""
     shared = text(random.Random(0), args.shared_kb * 1024)
     rest = args.prompt_kb * 1024 - len(shared)
+    sessions = args.sessions
+    turns = -(-count // sessions) if sessions else 1
+    texts = [text(random.Random(f"{salt}-s{k}"), rest + turns * 1024) for k in range(sessions)]
     out = []
     for i in range(count):
-        own = text(random.Random(f"{salt}-{i}"), rest)
-        chat = i % 2 == 1
+        if sessions:
+            own, chat = texts[i % sessions][: rest + i // sessions * 1024], i % sessions % 2 == 1
+        else:
+            own, chat = text(random.Random(f"{salt}-{i}"), rest), i % 2 == 1
         body: dict[str, object] = {"model": MODEL, "max_tokens": args.tokens, "stream": True}
         if chat:
             body["messages"] = [
@@ -330,6 +341,9 @@ def main() -> int:
     parser.add_argument("--prompt-kb", type=int, default=48)
     parser.add_argument("--shared-kb", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--sessions", type=int, default=0, help="conversations: each turn's prompt extends the last"
+    )
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--consumers", type=int, default=2)
     parser.add_argument("--engines", choices=("fast", "fake"), default="fast")
@@ -400,8 +414,9 @@ def main() -> int:
     text_out = (
         f"Machine: {host}. {args.requests} requests ({args.warmup} warm-up) per target and "
         f"round, {args.rounds} round(s), c={args.concurrency}, {args.tokens} tokens, "
-        f"{args.prompt_kb} KB prompts sharing their first {args.shared_kb} KB, half "
-        f"completions and half chat, {args.producers}P+{args.consumers}D {args.engines} "
+        f"{args.prompt_kb} KB prompts sharing their first {args.shared_kb} KB"
+        + (f" in {args.sessions} conversations (+1 KB a turn)" if args.sessions else "")
+        + f", half completions and half chat, {args.producers}P+{args.consumers}D {args.engines} "
         f"engines. Builds: {'; '.join(builds)}.\n\n" + report(rows, names)
     )
     print(text_out)

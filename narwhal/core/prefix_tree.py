@@ -123,8 +123,9 @@ class PrefixIndex:
         if pos < len(data):  # what is new: one run, under the last one it shares
             parent = path[-1] if path else None
             key = data[pos : pos + unit]
-            leaf = _Run(data[pos:], unit, now, parent, key if parent else (blocks.root, key))
-            (parent.children if parent else engine.top)[leaf.key] = leaf
+            at_top = parent is None
+            leaf = _Run(data[pos:], unit, now, parent, (blocks.root, key) if at_top else key)
+            (engine.top if parent is None else parent.children)[leaf.key] = leaf
             engine.lru[leaf] = None
             engine.size += (len(data) - pos) // unit
         for run in reversed(path):  # deepest first: a parent stays newer than its children
@@ -213,7 +214,7 @@ def _split(engine: _Engine, run: _Run, part: int) -> _Run:
     the tree, run keeps the rest (and its children, and its place in the LRU: the head
     goes to the end until the record stamps it)."""
     head = _Run(run.data[:part], run.unit, run.at, run.parent, run.key)
-    (run.parent.children if run.parent else engine.top)[run.key] = head
+    (engine.top if run.parent is None else run.parent.children)[run.key] = head
     run.data = run.data[part:]
     run.key = run.data[: run.unit]
     run.parent = head
@@ -225,7 +226,7 @@ def _split(engine: _Engine, run: _Run, part: int) -> _Run:
 def _drop(engine: _Engine, run: _Run) -> None:
     """The oldest run goes (a leaf: its children, older still, went before it)."""
     del engine.lru[run]
-    siblings = run.parent.children if run.parent else engine.top
+    siblings = engine.top if run.parent is None else run.parent.children
     if siblings.get(run.key) is run:
         del siblings[run.key]
     engine.size -= len(run.data) // run.unit

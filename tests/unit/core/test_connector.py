@@ -6,8 +6,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from narwhal.core.connector import NixlConnector, PrefillResult
+from narwhal.core.connector import NixlConnector, PrefillResult, block_ids_rule, valid_block_ids
 from narwhal.core.faults import DescriptorInvalid
 from tests.support.paths import CAPTURES
 
@@ -93,6 +95,23 @@ def test_block_id_rules(block_ids: Any, ok: bool) -> None:
     else:
         with pytest.raises(DescriptorInvalid, match=r"^malformed block ids: remote_block_ids"):
             _extract(raw)
+
+
+# what a producer's JSON may hold where block ids go: ids, their near misses, groups of them
+ids_or_not = st.one_of(
+    st.integers(min_value=-2, max_value=3),
+    st.integers(min_value=2**62, max_value=2**70),
+    st.booleans(),
+    st.sampled_from([1.0, -0.0, 2.5, None, "1"]),
+)
+block_id_lists = st.lists(
+    st.one_of(ids_or_not, st.lists(ids_or_not, max_size=4)), min_size=1, max_size=8
+) | st.lists(st.lists(st.integers(min_value=0), max_size=4), min_size=1, max_size=8)
+
+
+@given(block_id_lists)
+def test_the_fast_check_of_block_ids_agrees_with_the_rules_one_by_one(ids: list[Any]) -> None:
+    assert valid_block_ids(ids) == (block_ids_rule(ids) is None)
 
 
 def test_absent_block_ids() -> None:

@@ -7,11 +7,13 @@ from hypothesis import strategies as st
 
 from narwhal.core.kv_events import Message
 from narwhal.core.precise_index import (
+    EngineBlocks,
     EventStream,
     PreciseIndex,
     Replay,
     StreamState,
     TokenPrompt,
+    chain_keys,
 )
 from tests.support.kv_wire import batch, cleared, removed, stored
 
@@ -248,3 +250,27 @@ def test_the_index_never_holds_more_than_the_engine(plan: list[tuple[str, object
                 while truly < len(prefix) and prefix[: truly + BS] in by_prefix:
                     truly += BS
                 assert got <= truly
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=60),
+    st.lists(st.integers(0, 3), max_size=60),
+    st.sampled_from([1, 2, 4, 16]),
+    st.sampled_from([None, "lora-a"]),
+)
+def test_keys_worked_out_as_a_match_goes_are_the_chained_keys_of_the_whole_prompt(
+    stored_ids: list[int], asked: list[int], size: int, lora: str | None
+) -> None:
+    blocks = EngineBlocks()
+    blocks.block_size = size
+    blocks.held.update(dict.fromkeys(chain_keys(stored_ids, size, lora), 1))
+    prompt = TokenPrompt(asked, lora)
+    whole = chain_keys(asked, size, lora)
+    expected = 0
+    while expected < len(whole) and whole[expected] in blocks.held:
+        expected += 1
+    stream = EventStream()
+    stream.blocks = blocks
+    assert prompt.held(stream) == expected * size
+    assert prompt._keys[size] == whole[: min(expected + 1, len(whole))]  # no further
+    assert prompt.keys(size) == whole

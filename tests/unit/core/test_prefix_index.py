@@ -86,7 +86,11 @@ def test_token_prompts_count_exactly_and_never_match_text() -> None:
     assert len(prompt.blocks) == 100 // BLOCK_TOKENS
     text = prompt_of({"prompt": "a" * 400}, chat=False)
     assert text.tokens == 100  # 400 bytes / 4
-    assert not set(text.blocks) & set(prompt.blocks)
+    index = PrefixIndex(ttl_s=60.0)
+    index.record("e", prompt.blocks, 0.0)
+    assert index.match("e", text.blocks, 0.0) == 0
+    index.record("e", text.blocks, 0.0)
+    assert index.match("e", prompt.blocks, 0.0) == len(prompt.blocks)
 
 
 def test_an_engine_forgotten_or_removed_holds_nothing() -> None:

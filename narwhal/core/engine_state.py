@@ -17,6 +17,7 @@ from narwhal.core.served_models import Served
 Leg = Literal["prefill", "decode"]
 LEGS: tuple[Leg, ...] = ("prefill", "decode")
 HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engine is gone
+WAITING_SHARE = 0.25  # an engine may queue this share of what it runs at once (waiting_limit)
 
 
 class EngineState:
@@ -134,11 +135,21 @@ class EngineState:
             self._others_waiting(report) if fresh and report is not None else None,
             self._ours(fresh),
             report.kv_usage if fresh and report is not None else None,
-            waiting_limit=waiting_limit,
+            waiting_limit=self.waiting_limit(waiting_limit),
             kv_limit=kv_limit,
             consumer=leg == "decode",
             free=self._free(report) if fresh and report is not None else 0.0,
         )
+
+    def waiting_limit(self, configured: int) -> int:
+        """The queue it may be predicted to have before it is saturated: ``configured``
+        (``engine_waiting_limit``), or a share of what it runs at once when that is more.
+        Legs not started count as waiting, and a consumer that runs a hundred streams has
+        a pipeline of KV pulls and of requests in prefill (each holds its room) far longer
+        than two: a fixed limit held requests in the router while the engines had room,
+        and what they ran never grew past what the queue let through."""
+        capacity = self.capacity or 0.0
+        return max(configured, int(capacity * WAITING_SHARE))
 
     def _free(self, report: EngineReport) -> float:
         """The room it has free by its report: its learned capacity less what it ran then,
@@ -208,7 +219,7 @@ class EngineState:
             "ours_not_started": self._ours(fresh),
             # the requests it runs at once, as its reports showed (None: no report yet)
             "capacity": self.capacity,
-            "waiting_limit": waiting_limit,
+            "waiting_limit": self.waiting_limit(waiting_limit),
         }
 
     def _serves(self) -> tuple[bool, bool]:

@@ -2,7 +2,8 @@
 engine or prefill on P and decode on C, with the least predicted TTFT whose predicted TPOT
 meets the class's target.
 
-* a local plan on C: C's queue ahead and its compute of the prompt tokens it does not hold;
+* a local plan on C: C's queue ahead and its compute of the prompt tokens it does not hold
+  (only where C may compute prompts, ``Side.alone``);
 * a P/D plan: P's queue ahead and its compute of the tokens P does not hold, the transfer
   of the tokens C does not hold (a consumer pulls only what it lacks), and C's wait for
   room (its own queue ahead at its time per queued request);
@@ -35,6 +36,7 @@ class Side:
     running: float  # the requests it runs now
     uncached: int  # the request's prompt tokens it does not hold
     load: float  # placement's load (ties)
+    alone: bool = True  # it may compute a prompt itself (a local plan)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +67,9 @@ def split_plan(producer: Side, consumer: Side, model: CostModel) -> Plan:
 def plans(
     producers: Sequence[Side], consumers: Sequence[Side], model: CostModel, *, local: bool
 ) -> list[Plan]:
-    """Every plan: local on each consumer (``local``: the request may go local), and each
-    producer with each consumer other than itself."""
-    found = [local_plan(c, model) for c in consumers] if local else []
+    """Every plan: local on each consumer that may compute prompts (``local``: the request
+    may go local), and each producer with each consumer other than itself."""
+    found = [local_plan(c, model) for c in consumers if c.alone] if local else []
     found += [split_plan(p, c, model) for p in producers for c in consumers if p.id != c.id]
     return found
 

@@ -35,7 +35,9 @@ class Forecast:
     at: float  # when it was planned: its TTFT counts from here
 
 
-def side(engine: EngineState, holdings: Holdings, now: float, interval_s: float) -> Side:
+def side(
+    engine: EngineState, holdings: Holdings, now: float, interval_s: float, alone: bool = True
+) -> Side:
     report = engine.report
     fresh = report is not None and report.fresh(now, interval_s)
     others = report.others if fresh and report is not None else 0.0
@@ -45,7 +47,19 @@ def side(engine: EngineState, holdings: Holdings, now: float, interval_s: float)
         running=engine.running(now, interval_s),
         uncached=holdings.uncached(engine.id),
         load=EngineLoad(engine.id, engine.load, others).cost(consumer=False),
+        alone=alone or engine.spec.can_prefill,
     )
+
+
+def consumers_compute(fleet: Fleet, config: FleetConfig, now: float, model: str | None) -> bool:
+    """Whether an engine that only decodes may compute a prompt itself: when every producer
+    is saturated. A consumer's prefill stalls every stream it decodes, a cost to the others
+    that one request's predicted TTFT and TPOT do not weigh: on the Mooncake replay, local
+    plans on idle consumers doubled the TTFT p50 and raised TPOT from 241 to 427 ms
+    (bench/results/replay). An engine of role ``both`` always may."""
+    flow = config.admission
+    limits = (config.placement.metrics_interval_s, flow.engine_waiting_limit, flow.kv_usage_limit)
+    return fleet.saturated("prefill", now, *limits, model=model)
 
 
 def candidates(
@@ -89,6 +103,7 @@ def plan_attempt(
         now,
         config.placement.metrics_interval_s,
         local=not wants_prompt_side(body),
+        alone=consumers_compute(fleet, config, now, model),
         tpot_slo_s=config.admission.targets(cls).tpot_slo_s,
         turn=fleet.turn,
     )
@@ -115,8 +130,9 @@ def unqueued_ttft(
     """The least predicted TTFT of any plan with no queue ahead at any engine (None: no
     plan): what a request would take at best, whatever the queues do."""
     interval_s = config.placement.metrics_interval_s
+    alone = consumers_compute(fleet, config, now, model)
     sides = [
-        [replace(side(e, holdings, now, interval_s), queued=0.0) for e in pool]
+        [replace(side(e, holdings, now, interval_s, alone), queued=0.0) for e in pool]
         for pool in (fleet.placeable(leg, now, model)[0] for leg in ("prefill", "decode"))
     ]
     found = plans(sides[0], sides[1], fleet.costs, local=not wants_prompt_side(body))
@@ -133,11 +149,13 @@ def forecast(
     *,
     local: bool,
     tpot_slo_s: float | None,
+    alone: bool = True,
     turn: int = 0,
 ) -> Forecast | None:
-    """The attempt's plan (None: there is none, such as no consumer)."""
+    """The attempt's plan (None: there is none, such as no consumer); ``alone``: engines
+    that only decode may compute a prompt too."""
     p_sides = {e.id: side(e, holdings, now, interval_s) for e in producers}
-    c_sides = {e.id: side(e, holdings, now, interval_s) for e in consumers}
+    c_sides = {e.id: side(e, holdings, now, interval_s, alone) for e in consumers}
     found = plans(list(p_sides.values()), list(c_sides.values()), costs, local=local)
     chosen = best(found, tpot_slo_s, turn)
     if chosen is None:

@@ -112,3 +112,12 @@ def test_the_choice_is_within_a_tie_of_the_fastest_that_meets_the_target(
     assert chosen.ttft_s <= least + max(TIE_S, TIE_SHARE * least)
     tied: list[Plan] = [p for p in meets if p.ttft_s <= least + max(TIE_S, TIE_SHARE * least)]
     assert chosen.load == min(p.load for p in tied)
+
+
+def test_an_engine_that_only_decodes_computes_no_prompt_unless_it_may() -> None:
+    """While a producer has room, a consumer's prefill would stall every stream it decodes:
+    its local plan is not offered (``Side.alone`` False), however fast it looks."""
+    busy, idle_consumer = idle("p0", queued=8), idle("d0", uncached=16, alone=False)
+    chosen = best(plans([busy], [idle_consumer], model(), local=True))
+    assert chosen is not None
+    assert chosen.producer == "p0"

@@ -87,7 +87,7 @@ import msgspec
 import replay_report as report
 import trace_workload as tw
 import trio
-from peers import BENCH_KV_LEASE_S, MODEL, Proc, one_request, start_fake_engine, tree_cpu
+from peers import BENCH_KV_LEASE_S, MODEL, Proc, one_request, start_fake_fleet, tree_cpu
 from placement import get, not_measured, warm_up
 from replay_report import Outcome
 from replay_targets import FLEETS, Fleet, Start, targets
@@ -169,18 +169,7 @@ def calibrate(
 
 def start_fleet(fleet: Fleet, costs: Costs, tmp: Path) -> tuple[list[Proc], dict[str, str]]:
     """The fleet's engines, fresh; every one started is stopped again if a later one fails."""
-    procs, urls = [], {}
-    try:
-        for name, role in fleet.engines:
-            argv = [*costs.args(role), "--engine-id", name]
-            proc, url = start_fake_engine(role, argv, tmp / f"engine-{name}.log")
-            procs.append(proc)
-            urls[name] = url
-    except BaseException:
-        for proc in procs:
-            proc.stop()
-        raise
-    return procs, urls
+    return start_fake_fleet([(name, role, costs.args(role)) for name, role in fleet.engines], tmp)
 
 
 # ---- the replay ------------------------------------------------------------------------

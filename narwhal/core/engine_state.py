@@ -26,6 +26,8 @@ class EngineState:
         "breaker",
         "capacity",
         "checked_at",
+        "decodes_started",
+        "decodes_started_at_mark",
         "decoding",
         "decoding_at_mark",
         "failed_as",
@@ -90,23 +92,31 @@ class EngineState:
         # our prefills not ended when the scrape went out: those that end after it are
         # still in its running count, and leave the engine room it does not show
         self.prefilling_at_mark = 0
+        # our decodes that reached their first token, ever and when the scrape went out:
+        # those since run in slots its report still shows free
+        self.decodes_started = 0
+        self.decodes_started_at_mark = 0
 
-    def scrape_mark(self) -> tuple[int, int, int, int]:
+    def scrape_mark(self) -> tuple[int, int, int, int, int]:
         """What the scrape going out now may count of ours, and the adapters placed before
         it (for ``note_report``)."""
-        return self.sent, self.decoding, self.adapters.clock, len(self.prefilling)
+        prefilling = len(self.prefilling)
+        return self.sent, self.decoding, self.adapters.clock, prefilling, self.decodes_started
 
     def note_report(
-        self, report: EngineReport | None, mark: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self,
+        report: EngineReport | None,
+        mark: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0),
     ) -> None:
         """A new account of its load, from a scrape sent at ``mark`` (``scrape_mark``);
         None: scraping stopped, and every leg not started counts again."""
         self.report = report
         if report is not None:
             self.capacity = max(self.capacity or 0.0, report.running)
-        sent, decoding, placed, prefilling = mark
+        sent, decoding, placed, prefilling, started = mark
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
         self.prefilling_at_mark = prefilling if report is not None else 0
+        self.decodes_started_at_mark = started if report is not None else self.decodes_started
         if report is not None and report.lora is not None:
             self.adapters.seen_running(report.lora.running, placed)
 
@@ -154,13 +164,17 @@ class EngineState:
     def _free(self, report: EngineReport) -> float:
         """The room it has free by its report: its learned capacity less what it ran then,
         less our prefills it ran then that have ended since (a scrape is up to an interval
-        old, and a short prefill ends well within it)."""
+        old, and a short prefill ends well within it), less our decodes that started since
+        (they run in slots the report shows free; those that ended since are not known
+        apart, so they still count: the room is never overstated)."""
         if self.capacity is None:
             return 0.0
         mark = self.mark
         still = sum(1 for number in self.prefilling if number <= mark)
         ended = max(0, self.prefilling_at_mark - still)
-        return max(0.0, self.capacity - max(0.0, report.running - ended))
+        started = self.decodes_started - self.decodes_started_at_mark
+        running = max(0.0, report.running - ended) + started
+        return max(0.0, self.capacity - running)
 
     def queued(self, now: float, interval_s: float) -> float:
         """How many of the requests there must end before one more starts (the cost

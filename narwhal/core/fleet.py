@@ -63,6 +63,7 @@ class Reservation:
             self.waiting = False
             if self.leg == "decode":
                 self.engine.decoding -= 1
+                self.engine.decodes_started += 1
             else:
                 self.engine.prefilling.discard(self.number)
             self.on_change()

@@ -163,3 +163,26 @@ def test_an_engine_with_free_room_takes_a_burst_once_its_reports_showed_its_capa
     assert state.queued(1.0, 1.0) == 0  # one more starts at once
     state.note_report(EngineReport(at=2.0, running=8, waiting=0, kv_usage=0.1))
     assert state.queued(2.0, 1.0) == 1  # full: the next starts when one of the 8 ends
+
+
+async def test_a_decode_that_started_since_the_scrape_takes_the_slot_it_showed_free() -> None:
+    """Two slots (it ran 2 at once), its last scrape ran 1: one slot free, and the waiting
+    limit (1) beyond it. A decode sent since takes the free slot; once it runs (its first
+    token), the stale scrape still shows the slot free, and it must not be counted twice:
+    a real consumer with --max-num-seqs 2 otherwise queued 2 under a limit of 1."""
+    specs = (EngineSpec("p0", "http://h:1", "prefill"), EngineSpec("d0", "http://h:2", "decode"))
+    fleet = Fleet(specs, RecoveryConfig())
+    d0 = fleet.by_id["d0"]
+    d0.note_report(EngineReport(at=0.0, running=2, waiting=0, kv_usage=0.0), d0.scrape_mark())
+    d0.note_report(EngineReport(at=1.0, running=1, waiting=0, kv_usage=0.0), d0.scrape_mark())
+
+    def room() -> int:
+        return d0.room(1.0, 1.0, 1, 0.95, "decode")[0]
+
+    assert room() == 2
+    decode = fleet.reserve(d0, "decode")
+    await decode.__aenter__()
+    assert room() == 1  # sent, not started: it waits for the free slot, or in the queue
+    decode.started()
+    assert room() == 1  # running in the slot the scrape showed free
+    await decode.__aexit__(None, None, None)

@@ -4,7 +4,7 @@ A second consumer joins the session's pair for this module only, so that a decod
 resumed elsewhere: a router of its own (``resume_streams = 1``, a journal) places prefill on
 p0 (the session's producer) and decode on d0 (the session's consumer) or d1 (started here).
 
-For a greedy 256-token completion, a greedy 256-token chat and a greedy chat with no limit
+For a greedy 448-token completion, a greedy 448-token chat and a greedy chat with no limit
 (bounded by the context's end, as its continuation is), each:
 
 * the reference: the request once, streamed and uninterrupted, through the same router;
@@ -25,7 +25,7 @@ ended before the test, looking at its first token, found the consumer). What kee
 decode going that long: every consumer's server has streamed each shape before
 (``warm_paths``: a cold server lets its engine run ahead and merge outputs into a few
 chunks), and with one id a chunk, as a warm server streams them (``resume_probe.json``),
-256 tokens leave over 200 to decode after the ``KILL_AT``-th chunk, which the kill follows
+448 tokens leave over 400 to decode after the ``KILL_AT``-th chunk, which the kill follows
 by one request to the router. If the router has no single decode leg in flight then, the
 test fails saying so and kills nothing.
 
@@ -44,10 +44,12 @@ Runs last (file order): it kills consumers.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import secrets
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,7 +80,9 @@ pytestmark = pytest.mark.vllm
 
 # greedy output here never ends early (resume_probe.json, same prompts: the completion
 # repeats two ids, the chat one), so each case runs to its limit
-TOKENS = 256
+# near the context's end (512): a restarted engine once streamed 256 tokens of chat in
+# 0.6 s, over before the router's view was read at the kill's chunk
+TOKENS = 420  # the completion's prompt is 77 tokens
 # text chunks the client has read when the serving consumer is killed. Few: a busy engine
 # merges outputs (a CI run once saw 165 tokens in the first 30 chunks, and a 256-token
 # chat ended before its 30th), so the kill comes early in tokens whatever the merging
@@ -180,6 +184,39 @@ def decoding_consumers(router_url: str, consumers: dict[str, Engine]) -> list[st
     return [i for i in consumers if view[i]["inflight"]["decode"] > 0]
 
 
+class DecodeWatch(threading.Thread):
+    """The router's consumers with a decode leg, read every 50 ms while a stream runs
+    (bounded by ``stop`` and 300 s): at the kill's chunk a single read of the view can come
+    back after a fast stream's leg ended, or before its count moved."""
+
+    def __init__(self, url: str, consumers: dict[str, Engine]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.consumers = url, consumers
+        self.seen: list[tuple[float, list[str]]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        while not self.done.is_set() and time.monotonic() - start < 300:
+            with contextlib.suppress(OSError, AssertionError):
+                self.seen.append((time.monotonic(), decoding_consumers(self.url, self.consumers)))
+            self.done.wait(0.05)
+
+    def last_single(self) -> list[str]:
+        """The consumer of the last read that found exactly one, within the last second."""
+        now = time.monotonic()
+        for at, serving in reversed(self.seen):
+            if now - at > 1.0:
+                break
+            if len(serving) == 1:
+                return serving
+        return []
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=5)
+
+
 def text_of(chunk: dict[str, Any]) -> str:
     if not chunk.get("choices"):
         return ""
@@ -232,6 +269,8 @@ def test_a_stream_whose_consumer_is_killed_goes_on_elsewhere(
     path, body = body_of(case)
     slug = "-".join(case.replace(",", "").split())  # an x-request-id takes no spaces
     rid = f"resume-{slug}-{secrets.token_hex(4)}"
+    watch = DecodeWatch(url, consumers)
+    watch.start()
     stream = SSE(url, path, body, {"x-request-id": rid}, timeout=HANDOFF_S * 2)
     events: list[Event] = []
     killed: str | None = None
@@ -247,12 +286,16 @@ def test_a_stream_whose_consumer_is_killed_goes_on_elsewhere(
                 texts += 1
                 if texts == KILL_AT:
                     serving = decoding_consumers(url, consumers)
+                    if len(serving) != 1:  # the router's view, read a moment ago
+                        print(f"at chunk {KILL_AT}: {serving}; watched: {watch.seen[-5:]}")
+                        serving = watch.last_single()
                     if len(serving) != 1:
                         break  # no decode to cut: the stream outran the test (below)
                     consumers[serving[0]].signal(signal.SIGKILL)  # its group, by its id
                     killed, killed_after = serving[0], len(events)
     finally:
         stream.close()
+        watch.stop()
     ended = f"the stream ended after {texts} text chunks, before the kill at {KILL_AT}"
     assert texts >= KILL_AT, ended
     decoding = f"at text chunk {KILL_AT} the router's decode legs were on {serving}, not one"

@@ -13,8 +13,8 @@ with the policy:
   the engine's tokens, the router's in its estimate: the ids of ``/tokenize`` against the
   text's bytes / 4), not asserted: on this CPU engine a leg's time is mostly its fixed
   cost and warm-up stalls of seconds (a first handoff's NIXL registration), and a rate
-  fitted from two dozen legs misses the engine's by far (one run: 669 against 363 tokens/s
-  on one producer, no rate at all on the other).
+  fitted from two dozen legs may miss the engine's by far (two runs: 907 against 827 and
+  669 against 363 tokens/s on one producer, no rate at all on the other).
 * **A held prefix.** A 70-word prompt, then its next turn (the prompt, the reply, a new
   question): the turn's prefill goes to the producer that computed the first (it holds
   the prompt), over the idle other one.

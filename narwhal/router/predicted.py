@@ -38,6 +38,8 @@ class Forecast:
 def side(
     engine: EngineState, holdings: Holdings, now: float, interval_s: float, alone: bool = True
 ) -> Side:
+    """One candidate as the cost model reads it for this request; ``alone``: an engine
+    that only decodes may compute the prompt itself (one that may prefill always may)."""
     report = engine.report
     fresh = report is not None and report.fresh(now, interval_s)
     others = report.others if fresh and report is not None else 0.0

@@ -4,7 +4,9 @@ A second consumer is started with ``--max-num-seqs 2`` (two sequences at once; v
 the rest in ``vllm:num_requests_waiting``) and paired with the session's producer. A router
 of its own runs with ``engine_waiting_limit = 1``: eight concurrent long requests are more
 than the consumer's room, so the router holds them (``narwhal_queue_depth`` on its
-``/metrics``), the consumer's own waiting queue stays at or below the limit, and every
+``/metrics``), the consumer's own waiting queue stays at or below the limit (above it for
+one sample at most: the router counts the slots the engine's last report showed free, and a
+burst into them shows as waiting until the engine's next step schedules it), and every
 request completes with all its tokens.
 
 Runs last but for test_stream_resume (file order): its second consumer pairs with the
@@ -13,6 +15,7 @@ session's producer, and the suites before it never meet a consumer that has come
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -127,5 +130,8 @@ def test_what_the_consumer_has_no_room_for_waits_in_the_router(
     assert all(status == 200 for status, _ in answers), answers
     assert all(a["usage"]["completion_tokens"] == TOKENS for _, a in answers)
     assert peaks["router_queued"] >= 1  # the router held what the consumer had no room for
-    assert peaks["engine_waiting"] <= 1  # the engine's own queue stayed within the limit
+    # the engine's own queue stayed within the limit: a burst into its free slots shows as
+    # waiting until its next step schedules it (one sample), a queue persists (two or more)
+    over = [waiting > 1 for _, _, waiting, _ in timeline]
+    assert not any(a and b for a, b in itertools.pairwise(over)), timeline
     assert peaks["engine_running"] <= 2

@@ -181,7 +181,13 @@ def _go_live(fleet: EventFleet, engine_id: str) -> None:
             break
         time.sleep(1.0)  # the publisher's connection to the router, bounded by the loop
     else:
-        pytest.fail(f"{engine_id}: the router never read its events: {fleet.view(engine_id)}")
+        others = {e: fleet.view(e)["state"] for e in fleet.engines if e != engine_id}
+        said = [line for line in engine.tail(400).splitlines() if "kv_events" in line.lower()]
+        pytest.fail(
+            f"{engine_id}: the router never read its events: {fleet.view(engine_id)}; "
+            f"the others: {others}; the engine's log on its events: {said[-5:]}; the "
+            f"router's log: {fleet.router.log}"
+        )
     status, body = http("POST", engine.url + "/reset_prefix_cache")
     assert status == 200, body
     _settle(fleet, engine_id)

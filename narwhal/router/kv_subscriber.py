@@ -55,6 +55,7 @@ MAX_REPLAYED = 20_000  # batches one replay may bring
 BATCHES_PER_S = 5_000
 EXPORT_S = 0.25  # a stream's metrics are brought up to date at most this often while it reads
 RESYNC_S = 1.0  # how often the engine set is compared with the streams followed
+MAX_STRAY_TOPICS = 16  # topics no engine publishes, named in the log once each
 
 
 class KvHost(Protocol):
@@ -95,6 +96,7 @@ class KvSubscriber:
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None  # while a mode is on
         self._followed: dict[str, _Followed] = {}
         self._topics: dict[bytes, str] = {}  # listen: a topic -> the engine publishing it
+        self._strays: set[bytes] = set()  # listen: topics no engine publishes, logged once
         # listen, under --workers N: the parent's relay of what it receives (narwhal.kv_relay)
         self.relay = ""
         self._applied = trio.lowlevel.ParkingLot()  # woken after each helping is applied
@@ -258,21 +260,36 @@ class KvSubscriber:
             async with trio.open_nursery() as nursery:
                 while True:
                     frames = await zmq_trio.recv_multipart(sock)
-                    touched: set[str] = set()
+                    touched: dict[str, int] = {}  # messages read per engine
                     for message in [frames, *zmq_trio.recv_ready(sock, HELPING - 1)]:
                         engine_id = self._topics.get(message[0]) if message else None
                         followed = self._followed.get(engine_id or "")
                         if followed is None:
-                            continue  # a topic no engine of the fleet publishes
+                            self._stray(message[0] if message else b"")
+                            continue
                         stream = self.router.fleet.precise.stream(followed.engine.id)
                         self._deliver(followed, stream, message, nursery)
-                        touched.add(followed.engine.id)
-                    for engine_id in touched:
+                        touched[followed.engine.id] = touched.get(followed.engine.id, 0) + 1
+                    for engine_id, count in touched.items():
                         self._export(self._followed[engine_id], lazily=True)
-                        await self._followed[engine_id].pace(HELPING // max(1, len(touched)))
+                        await self._followed[engine_id].pace(count)
                     await trio.lowlevel.checkpoint()
         finally:
             zmq_trio.close(sock)
+
+    def _stray(self, topic: bytes) -> None:
+        """A message under a topic no engine of the fleet publishes is dropped; the log says
+        so once per topic (a publisher's topic that differs from what its engine's
+        ``/kv_event_sources`` or the fleet file says would otherwise go unseen)."""
+        if topic in self._strays or len(self._strays) >= MAX_STRAY_TOPICS:
+            return
+        self._strays.add(topic)
+        known = sorted(t.decode(errors="replace") for t in self._topics)
+        log.warning(
+            "KV events under topic %r, which no engine of the fleet publishes (known: %s): dropped",
+            topic.decode(errors="replace"),
+            ", ".join(known) or "none",
+        )
 
     def _deliver(
         self, followed: _Followed, stream: EventStream, frames: list[bytes], nursery: trio.Nursery

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+import zmq
 
 from narwhal.core.config import AdmissionConfig, ConfigError, KvEventsConfig, PlacementConfig
 from narwhal.fake_engine.config import FakeEngineConfig
@@ -223,7 +224,7 @@ async def test_garbage_and_floods_are_counted_and_serving_goes_on(kv_fleet: Harn
 
 
 async def test_listen_mode_reads_every_engine_through_one_bound_socket(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The engines' publishers connect to the router (vLLM's endpoint without ``*``), each
     under its own topic; the router binds one SUB socket and tells them apart by topic."""
@@ -254,6 +255,21 @@ async def test_listen_mode_reads_every_engine_through_one_bound_socket(
     assert await settle(harness, agrees(harness, "p0")), seen(harness)
     assert await settle(harness, agrees(harness, "d0")), seen(harness)
     assert view(harness, "p0")["blocks"] > 0
+    # a publisher under a topic no engine of the fleet has: dropped, and named in the log
+    stray = zmq.Context.instance().socket(zmq.PUB)
+    stray.setsockopt(zmq.LINGER, 0)
+    stray.connect(listen)
+    try:
+        with trio.fail_after(WAIT_S):
+            for seq in range(1000):  # bounded: until the SUB's subscription has reached it
+                stray.send_multipart([b"kv-nobody", seq.to_bytes(8, "big"), b"\x90"])
+                if "kv-nobody" in caplog.text:
+                    break
+                await trio.sleep(0.01)  # the publisher's pace
+    finally:
+        stray.close()
+    assert caplog.text.count("'kv-nobody', which no engine of the fleet publishes") == 1
+    assert view(harness, "p0")["state"] == "live"
     await finish(harness)
 
 

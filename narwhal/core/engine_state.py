@@ -11,6 +11,7 @@ from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
 from narwhal.core.flow import Saturation, room_left
 from narwhal.core.lora_slots import RecentAdapters
+from narwhal.core.recent_max import RecentMax
 from narwhal.core.served_models import Served
 
 # the two legs of an attempt; an engine serves either, as its role allows
@@ -18,6 +19,10 @@ Leg = Literal["prefill", "decode"]
 LEGS: tuple[Leg, ...] = ("prefill", "decode")
 HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engine is gone
 WAITING_SHARE = 0.25  # an engine may queue this share of what it runs at once (waiting_limit)
+# its capacity is the most it ran at once over its last reports (5 minutes at the default
+# metrics_interval_s): a report that lied, or a load it no longer takes, drops out
+CAPACITY_REPORTS = 300
+MAX_CAPACITY = 4096.0  # a report of more running at once is clamped (vLLM's default is 1024)
 
 
 class EngineState:
@@ -25,6 +30,7 @@ class EngineState:
         "adapters",
         "breaker",
         "capacity",
+        "capacity_seen",
         "checked_at",
         "decodes_started",
         "decodes_started_at_mark",
@@ -64,10 +70,12 @@ class EngineState:
         # its own account of its load, from its /metrics (placement.metrics_interval_s)
         self.report: EngineReport | None = None
         # the requests it runs at once, learned from its reports: the most it has run at
-        # once (a lower bound: a leg sent within it starts at once; None: no report yet).
+        # once over its last reports (a lower bound: a leg sent within it starts at once;
+        # None: no report yet).
         # Not only while some waited: a consumer that never queues would never show it,
         # and its room would be its waiting limit alone, however many streams it runs
         self.capacity: float | None = None
+        self.capacity_seen = RecentMax(CAPACITY_REPORTS, MAX_CAPACITY)
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
         # the LoRA adapters placed on it or seen running there: what its idle adapter slots
         # hold, which its report does not list (placement's adapter affinity)
@@ -112,7 +120,7 @@ class EngineState:
         None: scraping stopped, and every leg not started counts again."""
         self.report = report
         if report is not None:
-            self.capacity = max(self.capacity or 0.0, report.running)
+            self.capacity = self.capacity_seen.add(report.running)
         sent, decoding, placed, prefilling, started = mark
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
         self.prefilling_at_mark = prefilling if report is not None else 0

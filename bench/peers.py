@@ -398,10 +398,12 @@ def start_narwhal(
     root: str | None = None,
     pure: bool = False,
     launcher: tuple[str, ...] = ("-m", "narwhal"),
+    extra: tuple[str, ...] = (),
 ) -> tuple[Proc, str]:
     """This tree's narwhal, or with ``root`` the narwhal of that checkout (``--baseline``);
     ``pure``: its pure-Python build (NARWHAL_PURE=1, docs/build.md); ``launcher``: what
-    the interpreter runs, the command line's arguments after it."""
+    the interpreter runs, the command line's arguments after it; ``extra``: fleet-file
+    lines beyond ``--set``'s (``--variant``)."""
     return serve_narwhal(
         f'model = "{MODEL}"\n'
         + engines_toml([p_url], [d_url])
@@ -409,7 +411,7 @@ def start_narwhal(
         # the peers have no first-token timeout: measure routing, not our 2.5 s default;
         # the engines' 480 s KV lease (start_engines), stated on this side too
         "[engine]\nmax_connections = 20000\nfirst_token_timeout_s = 120.0\n"
-        f"kv_lease_s = {BENCH_KV_LEASE_S}\n" + sections_toml(SETTINGS),
+        f"kv_lease_s = {BENCH_KV_LEASE_S}\n" + sections_toml([*SETTINGS, *extra]),
         tmp,
         name=name,
         root=root,
@@ -836,6 +838,14 @@ def main() -> int:
         "--logs",
         help="keep the logs in this folder (the last scenario's; our journal has every one)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:SECTION.KEY=VALUE[;...]: one more target of ours, this tree with these "
+        'fleet-file lines, interleaved (e.g. "queue_off:admission.queue=false"); an A/B '
+        "table puts narwhal against it",
+    )
     args = parser.parse_args()
     os.environ["PEERS_VENV"] = args.peers_venv
     SETTINGS.extend(args.set)
@@ -866,9 +876,13 @@ def main() -> int:
     if args.baseline:
         start = partial(start_narwhal, name="narwhal-main", root=args.baseline)
         targets.insert(2, Target("narwhal-main", start))
+    variants = [v.split(":", 1) for v in args.variant]
+    for name, lines in variants:
+        start = partial(start_narwhal, name=name, extra=tuple(lines.split(";")))
+        targets.append(Target(name, start))
     if args.targets:
         targets = [t for t in targets if t.name in args.targets.split(",")]
-    rounds = args.rounds or (5 if args.baseline else 1)
+    rounds = args.rounds or (5 if args.baseline or variants else 1)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="narwhal-bench-") as tmpdir:
         tmp = Path(args.logs or tmpdir)
@@ -909,11 +923,13 @@ def main() -> int:
             if args.baseline and any(r.target == "narwhal-pure" for r in results)
             else ""
         )
+        + "".join(ab_table(results, old=name) for name, _ in variants)
     )
     print(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{stamp}-{'quick' if args.quick else 'full'}{'-ab' if args.baseline else ''}"
+    ab = "-ab" if args.baseline else "".join(f"-{name}" for name, _ in variants)
+    name = f"{stamp}-{'quick' if args.quick else 'full'}{ab}"
     (out / f"{name}.md").write_text(report + "\n")
     rows = [{**r.__dict__, "streaming": r.streaming.peak} for r in results]
     (out / f"{name}.json").write_text(json.dumps(rows))

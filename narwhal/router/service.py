@@ -1,9 +1,10 @@
-"""The router's shared state, and the per-request nursery that owns a request's life.
+"""The router's shared state, and ``Router.handle``, which serves one client request.
 
-``Router.handle`` opens one nursery per client request. The nursery holds a watcher that
-cancels everything the moment the client disconnects, and the request deadline is one
-outer cancel scope around the attempt; cleanup (reservations, engine connections) runs in
-the ``finally``/``async with`` blocks below it on every exit path.
+``handle`` runs each request inside one cancel scope of its own: its deadline (brought
+forward by a drain), cancelled at once when the client disconnects. A server that tells
+of a disconnect by callback costs the request no task; without one a nursery holds a
+watcher task that calls it (``_watched``). Cleanup (reservations, engine connections)
+runs in the ``finally``/``async with`` blocks below it on every exit path.
 """
 
 from __future__ import annotations

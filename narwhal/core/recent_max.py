@@ -5,13 +5,12 @@ engine's capacity for good. A monotonic queue: each sample enters and leaves onc
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 
 class RecentMax:
     """The maximum of the last ``window`` samples, each clamped to ``[0, ceiling]`` (a
-    sample that is not a number counts as 0)."""
+    finite ceiling; a sample that is not a number counts as 0)."""
 
     __slots__ = ("ceiling", "count", "kept", "window")
 
@@ -25,9 +24,7 @@ class RecentMax:
 
     def add(self, value: float) -> float:
         """Take ``value``; the maximum of the window it ends."""
-        value = min(value, self.ceiling) if value > 0 else 0.0  # NaN is not > 0
-        if math.isinf(value):  # only a ceiling of inf lets one through
-            value = 0.0
+        value = min(value, self.ceiling) if value > 0 else 0.0  # NaN is not > 0; inf clamps
         kept = self.kept
         while kept and kept[-1][1] <= value:
             kept.pop()

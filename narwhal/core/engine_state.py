@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from narwhal.core.breaker import Breaker
+from narwhal.core.capacity import Capacity
 from narwhal.core.config import EngineSpec, RecoveryConfig
 from narwhal.core.engine_report import EngineReport
 from narwhal.core.flow import Saturation, room_left
 from narwhal.core.lora_slots import RecentAdapters
-from narwhal.core.recent_max import RecentMax
 from narwhal.core.served_models import Served
 
 # the two legs of an attempt; an engine serves either, as its role allows
@@ -36,6 +36,8 @@ class EngineState:
         "decodes_started_at_mark",
         "decoding",
         "decoding_at_mark",
+        "ended_since_mark",
+        "ended_since_scrape",
         "failed_as",
         "failed_with",
         "health_failures",
@@ -47,6 +49,7 @@ class EngineState:
         "prefilling_at_mark",
         "report",
         "scrape_failures",
+        "scrape_started",
         "sent",
         "served",
         "spec",
@@ -75,7 +78,7 @@ class EngineState:
         # Not only while some waited: a consumer that never queues would never show it,
         # and its room would be its waiting limit alone, however many streams it runs
         self.capacity: float | None = None
-        self.capacity_seen = RecentMax(CAPACITY_REPORTS, MAX_CAPACITY)
+        self.capacity_seen = Capacity(CAPACITY_REPORTS, MAX_CAPACITY, WAITING_SHARE)
         self.scrape_failures = 0  # in a row; a scrape never moves the breaker
         # the LoRA adapters placed on it or seen running there: what its idle adapter slots
         # hold, which its report does not list (placement's adapter affinity)
@@ -104,12 +107,27 @@ class EngineState:
         # those since run in slots its report still shows free
         self.decodes_started = 0
         self.decodes_started_at_mark = 0
+        # of those started since the scrape, the ones that ended since: they ran in a slot
+        # its report showed free, and left it free again. The same count for the scrape in
+        # flight (started since it went out: ``scrape_started``), which its report takes up
+        self.ended_since_mark = 0
+        self.scrape_started = 0
+        self.ended_since_scrape = 0
 
     def scrape_mark(self) -> tuple[int, int, int, int, int]:
         """What the scrape going out now may count of ours, and the adapters placed before
         it (for ``note_report``)."""
         prefilling = len(self.prefilling)
+        self.scrape_started, self.ended_since_scrape = self.decodes_started, 0
         return self.sent, self.decoding, self.adapters.clock, prefilling, self.decodes_started
+
+    def decode_ended(self, number: int) -> None:
+        """Our decode that started as the ``number``-th here has ended: the slot it took
+        since a scrape is free again."""
+        if number > self.decodes_started_at_mark:
+            self.ended_since_mark += 1
+        if number > self.scrape_started:
+            self.ended_since_scrape += 1
 
     def note_report(
         self,
@@ -119,12 +137,15 @@ class EngineState:
         """A new account of its load, from a scrape sent at ``mark`` (``scrape_mark``);
         None: scraping stopped, and every leg not started counts again."""
         self.report = report
-        if report is not None:
-            self.capacity = self.capacity_seen.add(report.running)
         sent, decoding, placed, prefilling, started = mark
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
+        if report is not None:
+            others = self._others_waiting(report)
+            self.capacity = self.capacity_seen.note(report.running, others)
         self.prefilling_at_mark = prefilling if report is not None else 0
         self.decodes_started_at_mark = started if report is not None else self.decodes_started
+        # the ends counted since this scrape went out (none known for an older mark)
+        self.ended_since_mark = self.ended_since_scrape if started == self.scrape_started else 0
         if report is not None and report.lora is not None:
             self.adapters.seen_running(report.lora.running, placed)
 
@@ -173,14 +194,15 @@ class EngineState:
         """The room it has free by its report: its learned capacity less what it ran then,
         less our prefills it ran then that have ended since (a scrape is up to an interval
         old, and a short prefill ends well within it), less our decodes that started since
-        (they run in slots the report shows free; those that ended since are not known
-        apart, so they still count: the room is never overstated)."""
+        and still run (they run in slots the report shows free; ours it showed running that
+        ended since are not known apart from its others, so they still count: the room is
+        never overstated)."""
         if self.capacity is None:
             return 0.0
         mark = self.mark
         still = sum(1 for number in self.prefilling if number <= mark)
         ended = max(0, self.prefilling_at_mark - still)
-        started = self.decodes_started - self.decodes_started_at_mark
+        started = self.decodes_started - self.decodes_started_at_mark - self.ended_since_mark
         running = max(0.0, report.running - ended) + started
         return max(0.0, self.capacity - running)
 

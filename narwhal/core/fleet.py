@@ -24,7 +24,7 @@ class Reservation:
     """One in-flight leg on one engine, held for the leg's whole life."""
 
     __slots__ = ("claim", "engine", "leg", "number", "on_change", "waiting")
-    # number: a prefill's, as sent (``EngineState.prefilling``)
+    # number: a prefill's, as sent (``EngineState.prefilling``); a decode's, as started
 
     def __init__(
         self,
@@ -64,6 +64,7 @@ class Reservation:
             if self.leg == "decode":
                 self.engine.decoding -= 1
                 self.engine.decodes_started += 1
+                self.number = self.engine.decodes_started
             else:
                 self.engine.prefilling.discard(self.number)
             self.on_change()
@@ -78,10 +79,15 @@ class Reservation:
         gauge = self.engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.dec()
-        if self.waiting:
+        if self.leg == "decode" and self.waiting:  # it never ran there: no start to count
+            self.waiting = False
+            self.engine.decoding -= 1
+        elif self.leg == "decode":
+            self.engine.decode_ended(self.number)
+        elif self.waiting:
             self.started()
-        else:
-            self.on_change()
+            return
+        self.on_change()
 
 
 class DecodeClaim:

@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 # the per-token path as C extensions beside their source, rebuilt when one of them changes;
 # without a C compiler the tree stays pure Python. `narwhal --version` says which.
 COMPILED_SOURCES := setup.py narwhal/router/token_path.py narwhal/router/stream_reactor.py \
-	narwhal/fast_io.py $(wildcard narwhal/core/*.py narwhal/stream/*.py)
+	narwhal/lowlevel/fast_io.py $(wildcard narwhal/core/*.py narwhal/stream/*.py)
 $(VENV)/.compiled: $(VENV)/.installed $(COMPILED_SOURCES)
 	$(PY) setup.py -q build_ext --inplace --build-lib build/inplace
 	$(PY) -m narwhal --version

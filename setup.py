@@ -32,7 +32,7 @@ COMPILED = (
     "narwhal/router/token_path.py",
     # what the profile names on the per-token path around it (bench/results/relay-compiled)
     "narwhal/router/stream_reactor.py",
-    "narwhal/fast_io.py",
+    "narwhal/lowlevel/fast_io.py",
 )
 # modules kept pure for a reason of their own (docs/build.md)
 PURE = {
@@ -137,7 +137,7 @@ class BuildOrFallBack(build_ext):
             super().run()
             if self.inplace:
                 # a rebuild copies only what changed; the group's library is marked built
-                # from today's source (narwhal.build.stale_modules reads this time)
+                # from today's source (narwhal.process.build.stale_modules reads this time)
                 for library in HERE.glob("narwhal/compiled__mypyc.*"):
                     library.touch()
         except (CCompilerError, CompileError, ExecError, PlatformError) as exc:

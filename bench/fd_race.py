@@ -4,7 +4,7 @@
                             [--tree PATH] [--pure] [--timeout-s 10] [--logs DIR]
 
 The defect: a client connection's read loop (``narwhal/frontdoor/connection.py``
-``_read_socket`` -> ``narwhal/fast_io.py`` ``read_when_ready(fd, ...)``) holds the socket's
+``_read_socket`` -> ``narwhal/lowlevel/fast_io.py`` ``read_when_ready(fd, ...)``) holds the socket's
 descriptor NUMBER across its wait. When the client's FIN wakes the loop and, in the same
 scheduler batch, the app closes the socket (after a ``Connection: close`` answer: every
 urllib client), the kernel hands the freed number to the next socket the process opens (an
@@ -288,7 +288,9 @@ def one_round(
 def tree_build(python: str, tree: Path, pure: bool) -> str:
     """Which narwhal the router will import, asked of the same interpreter, working
     directory and environment (peers.serve_narwhal's); it must be the tree's."""
-    probe = "import narwhal, narwhal.build as b; print(narwhal.__file__); print(b.describe())"
+    probe = (
+        "import narwhal, narwhal.process.build as b; print(narwhal.__file__); print(b.describe())"
+    )
     env = {**os.environ, "PYTHONPATH": str(tree), "NARWHAL_PURE": "1" if pure else ""}
     out = subprocess.run(
         [python, "-c", probe], cwd=tree, env=env, capture_output=True, text=True, timeout=60

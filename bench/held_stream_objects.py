@@ -51,7 +51,7 @@ def serve_traced() -> None:
     tracemalloc.start(frames)
     signal.signal(signal.SIGUSR1, snapshot)
     sys.argv = ["narwhal", *sys.argv[3:]]
-    from narwhal.cli import main
+    from narwhal.process.cli import main
 
     main()
 

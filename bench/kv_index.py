@@ -24,10 +24,10 @@ from pathlib import Path
 
 import msgspec
 
-from narwhal.build import describe
 from narwhal.core.kv_events import Message
 from narwhal.core.precise_index import EventStream, TokenPrompt
 from narwhal.core.prefix_index import PrefixIndex, token_blocks
+from narwhal.process.build import describe
 
 BLOCKS_PER_BATCH = 32  # one prompt of 32 blocks a batch (4k tokens at 128 a block)
 _encode = msgspec.msgpack.encode

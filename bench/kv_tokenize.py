@@ -34,7 +34,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).parent))
 from rough import cpu_seconds, start
 
-from narwhal.build import describe
+from narwhal.process.build import describe
 
 WORDS = 600
 TOKENS = 16

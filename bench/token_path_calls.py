@@ -53,7 +53,7 @@ def serve_profiled() -> None:
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
     sys.argv = ["narwhal", *sys.argv[3:]]
-    from narwhal.cli import main as narwhal_main
+    from narwhal.process.cli import main as narwhal_main
 
     narwhal_main()
 
@@ -163,7 +163,15 @@ def main() -> None:
         found,
         key=lambda m: (
             not m.startswith(
-                ("router", "stream", "engines", "frontdoor", "fast_io", "metrics", "core")
+                (
+                    "router",
+                    "stream",
+                    "engines",
+                    "frontdoor",
+                    "lowlevel/fast_io",
+                    "observe/metrics",
+                    "core",
+                )
             ),
             m,
         ),

@@ -2,7 +2,7 @@
 
 __version__ = "0.8.0.dev0"
 
-from narwhal import build as _build  # stdlib only: loads before any compiled module
+from narwhal.process import build as _build  # stdlib only: loads before any compiled module
 
 if _build.pure_requested():  # the pure-Python build of a compiled tree
     _build.prefer_sources()

@@ -1,3 +1,3 @@
-from narwhal.cli import main
+from narwhal.process.cli import main
 
 raise SystemExit(main())

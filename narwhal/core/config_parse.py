@@ -7,7 +7,7 @@ the structs once nothing is wrong. The rules an annotation cannot say live in
 ``narwhal.core.config_rules``.
 
 Pure: the file's bytes come in, and the rules that need the file system (a CA bundle that
-loads) come in as a function; ``narwhal.config_files`` reads the file and supplies them.
+loads) come in as a function; ``narwhal.process.config_files`` reads the file and supplies them.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ _SECTIONS: dict[str, type[Struct]] = {
 }
 
 
-# the rules over a valid fleet that need the file system (``narwhal.config_files``: the
+# the rules over a valid fleet that need the file system (``narwhal.process.config_files``: the
 # CA bundle loads); their problems come last, after the cross-field ones
 FileRules: TypeAlias = Callable[[FleetConfig], list[str]]
 

@@ -31,8 +31,8 @@ from narwhal.engines.transport import (
     tls_connect,
     tls_context,
 )
-from narwhal.fast_io import Parkable
-from narwhal.tracing import NO_HEADERS, Headers
+from narwhal.lowlevel.fast_io import Parkable
+from narwhal.observe.tracing import NO_HEADERS, Headers
 
 MAX_PREFILL_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024

@@ -1,6 +1,6 @@
 """One kept-alive HTTP/1.1 connection to an engine, as the transport's pools hold it
 (``narwhal.engines.transport``): its stream, its h11 state, and its sockets, held as
-objects, never as descriptor numbers (``narwhal.fast_io``, docs/architecture.md
+objects, never as descriptor numbers (``narwhal.lowlevel.fast_io``, docs/architecture.md
 "Descriptors")."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import h11
 import trio
 
-from narwhal.fast_io import read_when_ready, write_nowait
+from narwhal.lowlevel.fast_io import read_when_ready, write_nowait
 
 IDLE_EXPIRY_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive timeout: never race its close
 READ_SIZE = 65536
@@ -19,7 +19,7 @@ READ_SIZE = 65536
 
 class EngineConnection:
     """One connection to an engine. Its sockets are held as objects, never as descriptor
-    numbers (``narwhal.fast_io``): the number is read afresh at each system call."""
+    numbers (``narwhal.lowlevel.fast_io``): the number is read afresh at each system call."""
 
     __slots__ = ("before_close", "h11", "idle_since", "poll_socket", "socket", "stream")
 

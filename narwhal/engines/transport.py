@@ -38,7 +38,7 @@ from narwhal.engines.engine_connection import (
     EngineConnection,
     close,
 )
-from narwhal.fast_io import read_nowait, read_when_ready
+from narwhal.lowlevel.fast_io import read_nowait, read_when_ready
 from narwhal.stream.chunked import ChunkedDecoder, ChunkedError
 
 # (host, port) -> an open stream; OSError when the engine cannot be reached

@@ -6,7 +6,7 @@ subscriptions, so a test can wait until a subscriber is attached (``wait_subscri
 instead of losing the first batches to ZMQ's slow joiner. Sends are plain non-blocking
 calls from the engine's trio code, within the request whose cache change they publish;
 after each one the subscriptions that arrived are read at once, since a send can consume
-the edge of ``zmq.FD`` that the reading task waits for (``narwhal.zmq_trio``). The replay
+the edge of ``zmq.FD`` that the reading task waits for (``narwhal.lowlevel.zmq_trio``). The replay
 ROUTER socket has its own task; both live in the engine's nursery and are closed with it.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 import trio
 import zmq
 
-from narwhal import zmq_trio
 from narwhal.fake_engine import kv_events
 from narwhal.fake_engine.cost import BLOCK_TOKENS, Inserted
 from narwhal.fake_engine.kv_events import Encoding, Event, Knobs
+from narwhal.lowlevel import zmq_trio
 
 log = logging.getLogger(__name__)
 

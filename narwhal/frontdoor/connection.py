@@ -63,12 +63,12 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
-from narwhal.fast_io import STREAM_GONE, read_when_ready, unsent, write_nowait
 from narwhal.frontdoor.app_queue import AppTaskGroup
 from narwhal.frontdoor.http11 import AppHooks, ClientGone, Http11Only, Http11Protocol
 from narwhal.frontdoor.linger import discard, drop_a_read, half_close, unread_input
 from narwhal.frontdoor.send_lock import Rest, SendLock
 from narwhal.frontdoor.server_end import ServerEnd
+from narwhal.lowlevel.fast_io import STREAM_GONE, read_when_ready, unsent, write_nowait
 
 log = logging.getLogger("narwhal.connection")
 

@@ -31,7 +31,7 @@ from typing import Any
 import h11
 import trio
 
-from narwhal.fast_io import STREAM_GONE, unread
+from narwhal.lowlevel.fast_io import STREAM_GONE, unread
 
 LINGER_TIME_S = 10.0  # the most time spent reading and dropping (nginx's lingering_time)
 LINGER_READ_TIMEOUT_S = 2.0  # the most silence waited for in one read (lingering_timeout)

@@ -13,7 +13,7 @@ Admitted requests then get the router's own answers (``max_inflight`` -> 429). F
 It is a ``trio.abc.Listener`` of its own around a ``trio.SocketListener``: only the
 router's listeners take bursts; trio's class is untouched (a fake engine or any other
 server in the same process sees stock trio). With ``--workers N`` each worker has a
-listener of its own (``narwhal.workers``, ``SO_REUSEPORT``): a burst takes only
+listener of its own (``narwhal.process.workers``, ``SO_REUSEPORT``): a burst takes only
 connections the kernel already gave that worker.
 """
 

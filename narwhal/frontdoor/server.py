@@ -1,5 +1,5 @@
 """The serve loop: hypercorn's connection handling for an ASGI app over our own loop (each
-process of ``--workers N`` runs ``serve`` too: ``narwhal.worker_process``). The app, its
+process of ``--workers N`` runs ``serve`` too: ``narwhal.process.worker_process``). The app, its
 hooks and the settings come from the caller: the front door knows nothing of the router.
 
 ``serve_connections`` is hypercorn's ``worker_serve`` (its lifespan, its ``Config``, its

@@ -66,7 +66,7 @@ _LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 class WorkerGroup(Protocol):
     """This process is worker ``index`` of ``count`` (``serve --workers N``): what it knows
-    of the others (``narwhal.worker_process.ParentLink``)."""
+    of the others (``narwhal.process.worker_process.ParentLink``)."""
 
     index: int
     count: int

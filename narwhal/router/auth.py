@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.flow import Priority
 from narwhal.core.flow_class import split_key
-from narwhal.logs import log_event
+from narwhal.observe.logs import log_event
 
 log = logging.getLogger("narwhal.router")  # the warning is the router's, as it starts
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})

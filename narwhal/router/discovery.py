@@ -29,7 +29,7 @@ import trio
 
 from narwhal.core.config import DiscoverBlock, DiscoveryConfig, EngineSpec, FleetConfig
 from narwhal.core.config_rules import nameserver_address as parse_nameserver
-from narwhal.metrics import Metrics
+from narwhal.observe.metrics import Metrics
 from narwhal.router.engine_events import EngineEvents
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from narwhal.logs import log_event
+from narwhal.observe.logs import log_event
 from narwhal.router.journal import Journal
 
 log = logging.getLogger("narwhal.health")

@@ -52,7 +52,7 @@ from narwhal.core.served_models import (
 )
 from narwhal.engines.client import EngineClient
 from narwhal.engines.probe import HandoffResult, crossed_handoff, identity_problem, probe_prompt
-from narwhal.metrics import Metrics
+from narwhal.observe.metrics import Metrics
 from narwhal.router.background import Background
 from narwhal.router.engine_events import EngineEvents
 from narwhal.router.journal import Journal

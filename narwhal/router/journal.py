@@ -30,8 +30,8 @@ from typing import Any
 import msgspec
 
 from narwhal.core.records import AttemptLine, Caller, JournalLine, Outcome
-from narwhal.line_writer import LineWriter
-from narwhal.logs import json_line
+from narwhal.lowlevel.line_writer import LineWriter
+from narwhal.observe.logs import json_line
 
 __all__ = ["AttemptLine", "Caller", "Journal", "JournalLine", "Outcome"]
 

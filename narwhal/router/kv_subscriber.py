@@ -27,7 +27,6 @@ import trio
 import zmq
 from prometheus_client import Counter
 
-from narwhal import zmq_trio
 from narwhal.core.config import FleetConfig
 from narwhal.core.engine_state import EngineState
 from narwhal.core.faults import RequestFault
@@ -41,7 +40,8 @@ from narwhal.core.kv_events import (
     replay_request,
 )
 from narwhal.core.precise_index import EventStream, StreamState
-from narwhal.metrics import Metrics
+from narwhal.lowlevel import zmq_trio
+from narwhal.observe.metrics import Metrics
 from narwhal.router.background import Background
 
 log = logging.getLogger("narwhal.kv_events")
@@ -97,7 +97,8 @@ class KvSubscriber:
         self._followed: dict[str, _Followed] = {}
         self._topics: dict[bytes, str] = {}  # listen: a topic -> the engine publishing it
         self._strays: set[bytes] = set()  # listen: topics no engine publishes, logged once
-        # listen, under --workers N: the parent's relay of what it receives (narwhal.kv_relay)
+        # listen, under --workers N: the parent's relay of what it receives
+        # (narwhal.process.kv_relay)
         self.relay = ""
         self._applied = trio.lowlevel.ParkingLot()  # woken after each helping is applied
 

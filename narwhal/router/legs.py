@@ -19,8 +19,6 @@ from typing import Any
 import trio
 from opentelemetry.trace import Span, SpanKind
 
-from narwhal import tracing
-from narwhal.batched_histogram import RequestBuckets
 from narwhal.core import resume
 from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import FleetConfig
@@ -31,6 +29,8 @@ from narwhal.core.fleet import DecodeClaim
 from narwhal.core.request import RequestMachine
 from narwhal.core.request_actions import Decode
 from narwhal.core.requests import ClientRequest
+from narwhal.observe import tracing
+from narwhal.observe.batched_histogram import RequestBuckets
 from narwhal.router.run_record import ClientSink, RouterState, RunRecord
 from narwhal.router.token_path import ClientStream, TokenPath
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo

@@ -12,7 +12,6 @@ from typing import Protocol
 
 import trio
 
-from narwhal import tracing
 from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import FleetConfig
 from narwhal.core.engine_state import EngineState
@@ -20,7 +19,8 @@ from narwhal.core.faults import AtEngine, DeadlineExpired, Phase, RequestFault
 from narwhal.core.fleet import Fleet
 from narwhal.core.pass_through import pass_engine, pass_model
 from narwhal.engines.client import EngineClient
-from narwhal.logs import log_request
+from narwhal.observe import tracing
+from narwhal.observe.logs import log_request
 from narwhal.router.admission import Admission
 from narwhal.router.journal import AttemptLine, Caller, Journal, JournalLine, Outcome
 

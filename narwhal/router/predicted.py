@@ -22,7 +22,7 @@ from narwhal.core.placement import Holdings, with_room
 from narwhal.core.plans import Plan, Side, best, plans
 from narwhal.core.policies import EngineLoad
 from narwhal.core.prediction import CostModel
-from narwhal.metrics import Metrics
+from narwhal.observe.metrics import Metrics
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,8 @@ from narwhal.core.faults import ConnectTimeout, EngineFault, EngineUnreachable, 
 from narwhal.core.fleet import Fleet
 from narwhal.core.handoff import Fate, Handoff, reclaim_plan
 from narwhal.engines.client import EngineClient
-from narwhal.logs import log_event
-from narwhal.metrics import Metrics
+from narwhal.observe.logs import log_event
+from narwhal.observe.metrics import Metrics
 
 log = logging.getLogger("narwhal.reclaim")
 QUEUE_SIZE = 4096  # orphans waiting; past it they are dropped (and counted), never awaited

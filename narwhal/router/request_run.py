@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import trio
 
-from narwhal import tracing
 from narwhal.core import resume
 from narwhal.core.config import FleetConfig
 from narwhal.core.disaggregation import Decision, decode_first, local_or_remote, wants_prompt_side
@@ -31,6 +30,7 @@ from narwhal.core.request import RequestMachine
 from narwhal.core.request_actions import Continue, End, GoLocal, Prefill, Resume, Retry
 from narwhal.core.requests import ClientRequest
 from narwhal.core.token_ids import given_ids
+from narwhal.observe import tracing
 from narwhal.router import predicted
 from narwhal.router.legs import RequestLegs
 from narwhal.router.predicted import Forecast

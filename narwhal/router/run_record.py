@@ -14,7 +14,6 @@ from typing import Protocol
 import trio
 from opentelemetry.trace import Span
 
-from narwhal import tracing
 from narwhal.core.config import FleetConfig
 from narwhal.core.faults import DeadlineExpired, Phase, RequestFault, ShuttingDown
 from narwhal.core.fleet import Fleet
@@ -25,7 +24,8 @@ from narwhal.core.request import PHASE_OF, outcome_of
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget
 from narwhal.engines.client import EngineClient
-from narwhal.metrics import Metrics
+from narwhal.observe import tracing
+from narwhal.observe.metrics import Metrics
 from narwhal.router.health import Health
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.stream_reactor import StreamReactor

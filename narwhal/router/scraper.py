@@ -21,7 +21,7 @@ from narwhal.core.engine_report import ReportError, parse_report
 from narwhal.core.engine_state import EngineState
 from narwhal.core.faults import RequestFault
 from narwhal.core.fleet import Fleet
-from narwhal.metrics import Metrics
+from narwhal.observe.metrics import Metrics
 from narwhal.router.background import Background
 
 IDLE_RECHECK_S = 1.0  # scraping off: how often to look whether a reload turned it on

@@ -22,8 +22,6 @@ from functools import partial
 import msgspec
 import trio
 
-from narwhal import tracing
-from narwhal.config_files import load_config
 from narwhal.core.clocks import Clock, ran_out
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.engine_state import LEGS
@@ -38,9 +36,11 @@ from narwhal.core.retry import RetryBudget
 from narwhal.core.served_models import model_cards
 from narwhal.engines.client import EngineClient
 from narwhal.engines.transport import Connect
-from narwhal.logs import count_drops as count_log_drops
-from narwhal.logs import log_context, log_event, log_request
-from narwhal.metrics import Metrics
+from narwhal.observe import tracing
+from narwhal.observe.logs import count_drops as count_log_drops
+from narwhal.observe.logs import log_context, log_event, log_request
+from narwhal.observe.metrics import Metrics
+from narwhal.process.config_files import load_config
 from narwhal.router.admission import Admission
 from narwhal.router.auth import ApiKeys, warn_plain_http_keys
 from narwhal.router.background import Background

@@ -1,7 +1,7 @@
 """The router served: its ASGI app, with its hooks and its settings, handed to the front
 door's serve loop (``narwhal.frontdoor.server``), which knows nothing of the router. The
-command line, each worker of ``--workers N`` (``narwhal.worker_process``), the demo and the tests
-serve the router through ``serve`` here.
+command line, each worker of ``--workers N`` (``narwhal.process.worker_process``), the demo
+and the tests serve the router through ``serve`` here.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ async def serve(
     ``sockets``: already listening, from ``narwhal.frontdoor.server.bind_sockets`` on the
     same host, port and TLS files (the command line binds before trio starts); bound by the
     serve loop when None. ``workers``: this process is one worker of ``--workers N``
-    (``narwhal.worker_process.ParentLink``)."""
+    (``narwhal.process.worker_process.ParentLink``)."""
     router = router or Router(fleet)
     hc = hypercorn_config(fleet, host, port, certfile=certfile, keyfile=keyfile)
     app = RouterApp(router, workers)  # the connections' hooks too: AppHooks

@@ -17,7 +17,7 @@ request's task wakes with it and goes on in its own nursery, deadlines, reservat
 socket's registration, which ends before its task runs again (hand-back or abort).
 
 Registrations are by descriptor number (epoll knows no other key), so the reactor keeps the
-rule of ``narwhal.fast_io`` by never letting a number outlive its socket here: whoever
+rule of ``narwhal.lowlevel.fast_io`` by never letting a number outlive its socket here: whoever
 closes a parked socket calls its ``before_close`` first, which hands the request back with
 that error and ends the registration while the number is still the socket's; a socket
 closed without a word leaves no readiness (the kernel ends its registration), and the
@@ -36,7 +36,7 @@ from functools import partial
 import outcome
 import trio
 
-from narwhal.fast_io import Parkable
+from narwhal.lowlevel.fast_io import Parkable
 
 wait_readable = trio.lowlevel.wait_readable
 

@@ -33,11 +33,11 @@ from typing import Protocol
 
 import trio
 
-from narwhal.batched_histogram import RequestBuckets
 from narwhal.core.faults import StreamBroken
 from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import DecodeStream
-from narwhal.fast_io import Parkable
+from narwhal.lowlevel.fast_io import Parkable
+from narwhal.observe.batched_histogram import RequestBuckets
 from narwhal.router.stream_reactor import HAND_BACK, HandBack, StreamReactor
 from narwhal.stream.assemble import Echo
 from narwhal.stream.rules import Fault, Finish, FirstOutput, Send, StreamRelay

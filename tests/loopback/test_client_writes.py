@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import trio
 
-from narwhal import fast_io
 from narwhal.core.config import EngineConfig
+from narwhal.lowlevel import fast_io
 from narwhal.stream.sse import SSEParser
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 

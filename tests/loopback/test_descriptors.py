@@ -23,12 +23,12 @@ import zmq
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.worker_context import WorkerContext
 
-from narwhal import zmq_trio
 from narwhal.core.faults import StreamBroken
 from narwhal.engines.client import DecodeStream, EngineClient
-from narwhal.fast_io import read_when_ready
 from narwhal.frontdoor.connection import ClientConnection
 from narwhal.frontdoor.server_end import ServerEnd
+from narwhal.lowlevel import zmq_trio
+from narwhal.lowlevel.fast_io import read_when_ready
 from narwhal.router.stream_reactor import StreamReactor
 from tests.support.fleet import MODEL
 from tests.support.wire import CHUNK, EVENT, HEAD, serve_once

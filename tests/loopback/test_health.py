@@ -6,11 +6,11 @@ from typing import Any
 
 import trio
 
-from narwhal.check import check_fleet
 from narwhal.core.breaker import BreakerState
 from narwhal.core.config import EngineConfig, EngineContract, RecoveryConfig, ServingConfig
 from narwhal.core.faults import BreakerClass
 from narwhal.fake_engine.faults import Fault
+from narwhal.process.check import check_fleet
 from tests.support.fleet import MODEL, Harness, finish, post_raw, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True}

@@ -249,6 +249,6 @@ def test_serve_names_a_journal_it_cannot_open(tmp_path: Path) -> None:
             timeout=30,
             check=False,
         )
-        assert done.returncode == 4  # narwhal.startup.EXIT_JOURNAL
+        assert done.returncode == 4  # narwhal.process.startup.EXIT_JOURNAL
         assert done.stderr.strip().splitlines()[-1].startswith("narwhal: cannot open the journal")
         assert "Traceback" not in done.stderr

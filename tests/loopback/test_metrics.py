@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import narwhal
-from narwhal.batched_histogram import BatchedHistogram, RequestBuckets
 from narwhal.core.config import EngineConfig, RecoveryConfig, ServingConfig
 from narwhal.fake_engine.faults import Fault
-from narwhal.metric_series import GAP_BUCKETS
+from narwhal.observe.batched_histogram import BatchedHistogram, RequestBuckets
+from narwhal.observe.metric_series import GAP_BUCKETS
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True}

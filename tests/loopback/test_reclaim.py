@@ -16,11 +16,11 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from narwhal.check import lease_warning
 from narwhal.core.config import EngineConfig, EngineContract, ServingConfig
 from narwhal.core.connector import RECLAIM_MODEL, NixlConnector, PrefillResult
 from narwhal.core.handoff import Fate, Handoff, reclaim_verdict, too_old
 from narwhal.fake_engine.faults import Fault
+from narwhal.process.check import lease_warning
 from tests.support.fleet import MODEL, Harness, finish, fleet_config, start_fleet
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 4}

@@ -30,7 +30,7 @@ from tests.support.wire import CHUNK, EVENT, HEAD, serve_once
 
 
 class Parked:
-    """A socket as the reactor parks it (``narwhal.fast_io.Parkable``): its number now, and
+    """A socket as the reactor parks it (``narwhal.lowlevel.fast_io.Parkable``): its number now, and
     the hook its closer calls first."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -317,8 +317,8 @@ def silence_ends(gaps: list[float]) -> float:
 
 
 async def _relay_until_silent(gaps: list[float]) -> float:
-    from narwhal.batched_histogram import RequestBuckets
-    from narwhal.metrics import Metrics
+    from narwhal.observe.batched_histogram import RequestBuckets
+    from narwhal.observe.metrics import Metrics
     from narwhal.router.token_path import ClientStream, TokenPath
     from narwhal.stream.rules import StreamRelay
 

@@ -17,8 +17,6 @@ import pytest
 import trio
 import trustme
 
-from narwhal.check import check_fleet
-from narwhal.config_files import load_config_bytes
 from narwhal.core.config import ConfigError, EngineConfig
 from narwhal.core.config_parse import parse_config
 from narwhal.core.faults import EngineStatusError, EngineUnreachable
@@ -27,6 +25,8 @@ from narwhal.engines.engine_connection import EngineConnection
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.http import Exchange, Request, serve_connection
+from narwhal.process.check import check_fleet
+from narwhal.process.config_files import load_config_bytes
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router
 from tests.support.fleet import MODEL, Harness, finish, fleet_config, serve_router

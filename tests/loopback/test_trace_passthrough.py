@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import trio
 
-from narwhal import tracing
+from narwhal.observe import tracing
 from tests.support.fleet import MODEL, Harness, finish, start_fleet
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

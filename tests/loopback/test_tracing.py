@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from narwhal import tracing
 from narwhal.core.config import EngineConfig, ServingConfig
 from narwhal.fake_engine.faults import Fault
-from narwhal.logs import JsonFormatter
+from narwhal.observe import tracing
+from narwhal.observe.logs import JsonFormatter
 from tests.support.fleet import MODEL, finish, start_fleet
 from tests.support.wire import open_stream_and_vanish
 

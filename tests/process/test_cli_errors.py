@@ -16,8 +16,8 @@ import pytest
 import trustme
 from cryptography.hazmat.primitives import serialization
 
-from narwhal import build, cli, startup
 from narwhal.frontdoor.internals_check import InternalsMismatch
+from narwhal.process import build, cli, startup
 from tests.support.processes import run_narwhal
 
 FLEET = 'model = "m"\n[[engines]]\nid = "e0"\nurl = "http://127.0.0.1:9"\n'

@@ -32,13 +32,13 @@ import trio
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal import cli, startup
-from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, EngineSpec, FleetConfig, ServingConfig
+from narwhal.process import cli, startup
+from narwhal.process.config_files import load_config
 from narwhal.router.serving import hypercorn_config
 
-try:  # the parent of --workers N (narwhal.workers) waits this long past hypercorn's bound
-    from narwhal.workers import STOP_MARGIN_S as WORKERS_STOP_MARGIN_S
+try:  # the parent of --workers N (narwhal.process.workers) waits this long past hypercorn's bound
+    from narwhal.process.workers import STOP_MARGIN_S as WORKERS_STOP_MARGIN_S
 except ImportError:
     WORKERS_STOP_MARGIN_S = 0.0
 from tests.support.deploy import (

@@ -28,7 +28,6 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from narwhal.check import check_fleet
 from narwhal.core.config import (
     ConfigError,
     DiscoverBlock,
@@ -42,6 +41,7 @@ from narwhal.core.config_parse import parse_config
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import Fault
+from narwhal.process.check import check_fleet
 from narwhal.router.discovery import (
     RECORD_TYPES,
     Discovered,
@@ -60,7 +60,8 @@ def test_a_router_without_discover_blocks_does_not_load_dnspython() -> None:
     """dnspython and the HTTP client it loads for DNS over HTTPS are about 6 MiB of a
     router's resident memory: only a fleet with ``[[discover]]`` pays for them."""
     code = (
-        "import sys, narwhal.cli, narwhal.frontdoor.server, narwhal.router.app, narwhal.check\n"
+        "import sys, narwhal.process.cli, narwhal.frontdoor.server, narwhal.router.app,"
+        " narwhal.process.check\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'dns', 'httpx2', 'anyio'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from narwhal import logs
+from narwhal.observe import logs
 from tests.support.fleet import MODEL
 from tests.support.processes import fake_fleet, running
 

@@ -1,5 +1,5 @@
 """The inter-token latency histogram, added to once per request through prometheus-client's
-public API (``narwhal.batched_histogram.BatchedHistogram``), is exported as the
+public API (``narwhal.observe.batched_histogram.BatchedHistogram``), is exported as the
 ``Histogram`` it stands for would be, byte for byte, when a scrape sums the workers of
 ``--workers N`` (prometheus-client's multiprocess mode, chosen when the interpreter starts:
 each side runs in a fresh one)."""
@@ -11,13 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from narwhal.metrics import Metrics
+from narwhal.observe.metrics import Metrics
 
 GAPS = "[0.0004, 0.003, 0.003, 0.07, 0.2, 1.5, 7.0, 0.0125]"  # one read each: one request
 
 OURS = f"""
-from narwhal.batched_histogram import RequestBuckets
-from narwhal.metrics import Metrics
+from narwhal.observe.batched_histogram import RequestBuckets
+from narwhal.observe.metrics import Metrics
 metrics = Metrics(["e0"], model="m")
 gaps = RequestBuckets(metrics.token_gap)
 for gap in {GAPS}:
@@ -29,7 +29,7 @@ print(metrics.render().decode(), end="")
 THEIRS = f"""
 import os
 from prometheus_client import CollectorRegistry, Histogram, generate_latest, multiprocess
-from narwhal.metric_series import GAP_BUCKETS
+from narwhal.observe.metric_series import GAP_BUCKETS
 histogram = Histogram(
     "narwhal_inter_token_latency_seconds",
     {Metrics([]).token_gap.documentation!r},

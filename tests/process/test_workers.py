@@ -24,9 +24,9 @@ import pytest
 import trio
 from prometheus_client import Gauge
 
-from narwhal.metrics import Metrics
+from narwhal.observe.metrics import Metrics
+from narwhal.process.workers import RESTART_WINDOW_S, RESTARTS, failure_status, restart_allowed
 from narwhal.stream.sse import SSEParser
-from narwhal.workers import RESTART_WINDOW_S, RESTARTS, failure_status, restart_allowed
 from tests.support.processes import running
 
 MODEL = "fake-model"

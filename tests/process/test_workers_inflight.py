@@ -135,6 +135,6 @@ def test_more_workers_than_max_inflight_is_refused_at_start(tmp_path: Path) -> N
         timeout=60,
         check=False,
     )
-    assert done.returncode == 2  # narwhal.startup.EXIT_INVALID_FLEET
+    assert done.returncode == 2  # narwhal.process.startup.EXIT_INVALID_FLEET
     assert "serving.max_inflight: 2 is fewer than the 3 workers" in done.stderr
     assert "Traceback" not in done.stderr

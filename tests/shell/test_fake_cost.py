@@ -13,11 +13,11 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.cli import build_parser
 from narwhal.fake_engine import cost
 from narwhal.fake_engine import generation as gen
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
+from narwhal.process.cli import build_parser
 from tests.support.memory_engine import (
     MODEL,
     MS,

@@ -12,10 +12,10 @@ import msgspec
 import trio
 import zmq
 
-from narwhal import zmq_trio
 from narwhal.fake_engine import kv_events
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
+from narwhal.lowlevel import zmq_trio
 
 MODEL = "tiny"
 WAIT_S = 10.0  # every wait on a socket is bounded by this

@@ -2,7 +2,10 @@
 counts, lazy and ``TYPE_CHECKING`` ones included: a cycle hidden from the interpreter is
 still one a newcomer must untangle); ``narwhal/core/`` and ``narwhal/stream/`` import
 nothing from the shells (``core`` not even from ``stream``); and no I/O (trio, hypercorn,
-h11, httpcore, sockets, asyncio, threads, subprocesses) is reachable from them."""
+h11, httpcore, sockets, asyncio, threads, subprocesses) is reachable from them. Above them,
+each directory imports only from the ones below it: ``lowlevel/`` nothing of the package,
+``observe/`` nothing of the shells that report through it, and nothing but the process
+shell (``process/``) imports the process shell."""
 
 from __future__ import annotations
 
@@ -19,6 +22,37 @@ PURE_DIRS = {
     "narwhal.core": ("narwhal.core",),
     "narwhal.stream": ("narwhal.core", "narwhal.stream"),
 }
+# the directories above them, lowest first, and what each may import from the package
+# besides itself: no arrow runs back up (the process shell, at the top, starts the router)
+CORE = ("narwhal.core", "narwhal.stream")
+SHELL_DIRS = {
+    "narwhal.lowlevel": (),
+    "narwhal.observe": ("narwhal.core", "narwhal.lowlevel"),
+    "narwhal.frontdoor": (*CORE, "narwhal.lowlevel", "narwhal.observe"),
+    "narwhal.engines": (*CORE, "narwhal.lowlevel", "narwhal.observe"),
+    "narwhal.fake_engine": (*CORE, "narwhal.lowlevel", "narwhal.observe"),
+    "narwhal.router": (
+        *CORE,
+        "narwhal.lowlevel",
+        "narwhal.observe",
+        "narwhal.engines",
+        "narwhal.frontdoor",
+        # the one arrow back: a reload reads the fleet file through the loader every start
+        # and ``narwhal check`` go through (``Router.reload`` in router/service.py)
+        "narwhal.process.config_files",
+    ),
+    "narwhal.process": (
+        *CORE,
+        "narwhal.lowlevel",
+        "narwhal.observe",
+        "narwhal.engines",
+        "narwhal.frontdoor",
+        "narwhal.fake_engine",
+        "narwhal.router",
+    ),
+}
+# the only modules at the top of the package: everything else lives in a directory above
+TOP = ("narwhal", "narwhal.__main__")
 IO = (
     "trio",
     "hypercorn",
@@ -122,12 +156,16 @@ def pure_modules() -> list[str]:
     )
 
 
-def upward_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """(importer, imported) pairs where a pure directory imports outside what it may."""
+def upward_imports(
+    edges: dict[str, set[str]], rules: dict[str, tuple[str, ...]] = PURE_DIRS
+) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a directory of ``rules`` (the pure ones unless
+    told) imports outside itself and what it may."""
     found = []
     for module, imported in edges.items():
-        for pure, allowed in PURE_DIRS.items():
-            if module == pure or module.startswith(pure + "."):
+        for directory, others in rules.items():
+            allowed = (directory, *others)
+            if module == directory or module.startswith(directory + "."):
                 found += [
                     (module, m)
                     for m in sorted(imported)
@@ -178,6 +216,37 @@ def test_the_upward_check_finds_one() -> None:
     ]
 
 
+def test_every_module_lives_in_a_directory_with_a_place() -> None:
+    """Nothing loose at the top: a module belongs to a pure directory or to one of
+    ``SHELL_DIRS``, so the rules above place every module."""
+    placed = (*PURE_DIRS, *SHELL_DIRS)
+    loose = [
+        m
+        for m in graph()
+        if m not in TOP and not any(m == d or m.startswith(d + ".") for d in placed)
+    ]
+    assert loose == []
+
+
+def test_no_back_arrow_between_the_shell_directories() -> None:
+    assert upward_imports(graph(), SHELL_DIRS) == []
+
+
+def test_the_back_arrow_check_finds_one() -> None:
+    edges = {
+        "narwhal.lowlevel.a": {"narwhal.router.b", "narwhal.core.c"},  # lowlevel: nothing
+        "narwhal.observe.d": {"narwhal.lowlevel.a", "narwhal.process.e"},  # nor the shell
+        "narwhal.router.b": {"narwhal.process.config_files", "narwhal.process.e"},
+        "narwhal.process.e": {"narwhal.router.b", "narwhal.observe.d"},  # the top: anything
+    }
+    assert upward_imports(edges, SHELL_DIRS) == [
+        ("narwhal.lowlevel.a", "narwhal.core.c"),
+        ("narwhal.lowlevel.a", "narwhal.router.b"),
+        ("narwhal.observe.d", "narwhal.process.e"),
+        ("narwhal.router.b", "narwhal.process.e"),
+    ]
+
+
 def test_the_front_door_imports_nothing_of_the_router() -> None:
     """The router hands the front door its app, hooks and settings
     (``narwhal.router.serving``): no import runs back up from the front door."""
@@ -201,7 +270,7 @@ def test_the_io_check_follows_imports() -> None:
     assert io_reached(edges, {"narwhal.core.b": {"trio"}}, "narwhal.core.a") == {"trio"}
 
 
-# what reads or writes files, or builds TLS contexts: the shell's (narwhal/config_files.py
+# what reads or writes files, or builds TLS contexts: the shell's (narwhal/process/config_files.py
 # reads the fleet file and loads its CA bundle), never the pure directories'
 FILE_IO = ("ssl", "pathlib", "os", "io", "shutil", "tempfile", "mmap")
 

@@ -11,10 +11,10 @@ import sys
 
 import msgspec
 
-from narwhal import build
+from narwhal.process import build
 
 SCRIPT = (
-    "import narwhal.stream.rules as rules, narwhal.build as build; "
+    "import narwhal.stream.rules as rules, narwhal.process.build as build; "
     "print(rules.__file__); print(build.describe())"
 )
 

@@ -1,4 +1,4 @@
-"""The fleet file on disk (``narwhal.config_files``): read by its extension, a file that
+"""The fleet file on disk (``narwhal.process.config_files``): read by its extension, a file that
 cannot be read or a CA bundle that does not load named like any other problem."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.config_files import FleetFileUnreadable, load_config, load_config_bytes
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.config_parse import parse_config
+from narwhal.process.config_files import FleetFileUnreadable, load_config, load_config_bytes
 from tests.support.paths import ROOT
 
 MINIMAL = b"""

@@ -11,12 +11,12 @@ import pytest
 import trio
 from prometheus_client.utils import floatToGoString
 
-from narwhal.cli import build_parser
 from narwhal.fake_engine import asks, cost, lora
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.kv_channel import KVStore, PullRequest
 from narwhal.fake_engine.kv_events import BlockStored, EventStream
 from narwhal.fake_engine.samples import samples
+from narwhal.process.cli import build_parser
 
 # ---- the served names --------------------------------------------------------------------
 

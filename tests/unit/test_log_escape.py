@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.logs import JsonFormatter, TextFormatter, log_request, requests_log
+from narwhal.observe.logs import JsonFormatter, TextFormatter, log_request, requests_log
 from narwhal.router.journal import AttemptLine, JournalLine
 
 FORGED = "\r\nFAKE 2026-01-01T00:00:00 info narwhal.requests: forged outcome=completed"

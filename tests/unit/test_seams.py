@@ -2,7 +2,7 @@
 private name of hypercorn or h11 it uses (an import from a private module, a private
 attribute read, a private method overridden or called, a private argument) is covered by
 the start-up check (``seams.DIGESTS`` or ``seams.PRESENT``); no other module of the front
-door, nor the metrics modules (``narwhal/metrics.py`` and its parts), uses a private name
+door, nor the metrics modules (``narwhal/observe/metrics.py`` and its parts), uses a private name
 of another library; and what the front door's subclasses of hypercorn's and h11's classes
 add takes the place of nothing of theirs by accident."""
 
@@ -170,7 +170,7 @@ def test_the_parse_finds_a_private_name_left_unchecked(tmp_path: Path) -> None:
 def test_only_the_adapter_touches_another_librarys_private_names() -> None:
     paths = [p for p in sorted(FRONTDOOR.glob("*.py")) if p != SEAMS]
     paths += [
-        ROOT / "narwhal" / name
+        ROOT / "narwhal" / "observe" / name
         for name in (
             "metrics.py",
             "metric_series.py",

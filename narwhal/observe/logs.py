@@ -33,7 +33,7 @@ from typing import Any, Literal, TextIO
 
 import msgspec
 
-from narwhal.line_writer import LineWriter
+from narwhal.lowlevel.line_writer import LineWriter
 
 LogFormat = Literal["text", "json"]
 QUEUE_RECORDS = 4096  # log lines waiting for the writer; past this they are dropped, counted

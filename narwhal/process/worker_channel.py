@@ -1,7 +1,8 @@
-"""The control channel between the parent of ``serve --workers N`` (``narwhal.workers``) and
-each worker (``narwhal.worker_process``): what a worker is started with (``WorkerSpec``), the
-messages both sides send (``Message``), one JSON line each, and the channel that carries
-them over one end of a socketpair, with its bounds.
+"""The control channel between the parent of ``serve --workers N``
+(``narwhal.process.workers``) and each worker (``narwhal.process.worker_process``): what a
+worker is started with (``WorkerSpec``), the messages both sides send (``Message``), one
+JSON line each, and the channel that carries them over one end of a socketpair, with its
+bounds.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``narwhal serve | check | fake-engine | demo``: the standalone binary's command line.
 
-The parser and ``main``, which runs the command asked for (``narwhal.commands``). Whatever
+The parser and ``main``, which runs the command asked for (``narwhal.process.commands``). Whatever
 keeps a command from starting is one line on stderr naming its cause, never a traceback
 (an invalid fleet file is its list of problems), with an exit status of its own
-(``narwhal.startup.EXIT_STATUS_HELP``, shown by ``--help`` too).
+(``narwhal.process.startup.EXIT_STATUS_HELP``, shown by ``--help`` too).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 
-from narwhal import build, commands
-from narwhal.startup import EXIT_STATUS_HELP, StartupError
+from narwhal.process import build, commands
+from narwhal.process.startup import EXIT_STATUS_HELP, StartupError
 
 DESCRIPTION = "Narwhal: a router for disaggregated (prefill/decode) LLM serving."
 
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return commands.demo_command(args)
     except StartupError as exc:
         if getattr(args, "log_format", "text") == "json":  # the mode stays all JSON
-            from narwhal.logs import announce
+            from narwhal.observe.logs import announce
 
             announce(exc.message, {"exit_status": exc.status}, "json", level="error")
         else:

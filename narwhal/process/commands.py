@@ -1,7 +1,7 @@
-"""The commands of the ``narwhal`` binary (``narwhal.cli`` parses the line and picks one):
+"""The commands of the ``narwhal`` binary (``narwhal.process.cli`` parses the line and picks one):
 ``serve`` in one process or as the parent of ``--workers N``, one worker of it
 (``worker_main``), ``check``, ``demo`` and ``fake-engine``. What each must hold before it
-starts is ``narwhal.startup``'s.
+starts is ``narwhal.process.startup``'s.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from narwhal.config_files import sets_key
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.limits import check_workers
-from narwhal.logs import LogFormat
-from narwhal.startup import (
+from narwhal.observe.logs import LogFormat
+from narwhal.process.config_files import sets_key
+from narwhal.process.startup import (
     EXIT_CHECK_FAILED,
     EXIT_INVALID_FLEET,
     EXIT_PORT,
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 def serve_command(args: argparse.Namespace) -> int:
     from narwhal.frontdoor.server import close_sockets
-    from narwhal.logs import announce, configure
+    from narwhal.observe.logs import announce, configure
     from narwhal.router.serving import hypercorn_config
 
     configure(args.log_format, args.log_level)
@@ -93,10 +93,10 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def _serve_workers(args: argparse.Namespace, fleet: FleetConfig, hc: HypercornConfig) -> int:
-    """``--workers N``: the parent (``narwhal.workers.Supervisor``) binds one listener per
+    """``--workers N``: the parent (``narwhal.process.workers.Supervisor``) binds one listener per
     worker and supervises them; the workers are ``worker_main``."""
-    from narwhal.worker_channel import WorkerSpec
-    from narwhal.workers import Supervisor, bind_worker_sockets
+    from narwhal.process.worker_channel import WorkerSpec
+    from narwhal.process.workers import Supervisor, bind_worker_sockets
 
     try:
         check_workers(fleet, args.workers, args.config)
@@ -125,13 +125,13 @@ def _serve_workers(args: argparse.Namespace, fleet: FleetConfig, hc: HypercornCo
 
 
 def worker_main() -> int:
-    """One worker of ``serve --workers N``: started by ``narwhal.workers.Supervisor`` with
-    its listener and control channel (``narwhal.workers.WORKER_COMMAND``), never by hand.
+    """One worker of ``serve --workers N``: started by ``narwhal.process.workers.Supervisor`` with
+    its listener and control channel (``narwhal.process.workers.WORKER_COMMAND``), never by hand.
     What keeps it from starting is the same one line and status as for ``serve``, and the
     parent then exits with that status."""
-    from narwhal.logs import configure
-    from narwhal.worker_channel import WorkerSpec
-    from narwhal.worker_process import run_worker
+    from narwhal.observe.logs import configure
+    from narwhal.process.worker_channel import WorkerSpec
+    from narwhal.process.worker_process import run_worker
 
     spec = WorkerSpec.from_environment()
     configure(spec.log_format, spec.log_level)
@@ -147,7 +147,7 @@ def worker_main() -> int:
 
 
 def check_command(args: argparse.Namespace) -> int:
-    from narwhal.check import check_fleet
+    from narwhal.process.check import check_fleet
 
     fleet = load_fleet(args.config)
     lease_from = args.config if sets_key(args.config, "engine", "kv_lease_s") else None
@@ -157,7 +157,7 @@ def check_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from narwhal import demo
+    from narwhal.process import demo
 
     try:
         sockets = demo.listen(args.port)
@@ -169,7 +169,7 @@ def demo_command(args: argparse.Namespace) -> int:
 async def _reload_on_sighup(router: Any, log_format: LogFormat = "text") -> None:
     """SIGHUP reopens the journal file (logrotate moved it) and re-reads the fleet file; an
     invalid fleet file is reported and the running fleet kept."""
-    from narwhal.logs import announce
+    from narwhal.observe.logs import announce
 
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:

@@ -9,8 +9,8 @@ a socketpair, JSON lines: ``Message``). Each worker is ``narwhal.router.serving.
 process, exactly as a single router: lifespan, active health, the drain.
 
 This module is the parent's side; the control channel both sides speak is
-``narwhal.worker_channel``, and a worker's side (its link to the parent, its serve loop)
-is ``narwhal.worker_process``.
+``narwhal.process.worker_channel``, and a worker's side (its link to the parent, its serve loop)
+is ``narwhal.process.worker_process``.
 
 * SIGTERM or SIGINT to the parent: every worker is told to stop and drains as one router
   does (new connections refused, ``/ready`` 503, streams finish within
@@ -52,12 +52,12 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.utils import repr_socket_addr
 from prometheus_client.multiprocess import mark_process_dead
 
-from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, FleetConfig
-from narwhal.kv_relay import start_relay
-from narwhal.logs import announce, log_event
+from narwhal.observe.logs import announce, log_event
+from narwhal.process.config_files import load_config
+from narwhal.process.kv_relay import start_relay
+from narwhal.process.worker_channel import RELOAD_BOUND_S, SPEC_ENV, Channel, Message, WorkerSpec
 from narwhal.router.serving import hypercorn_config
-from narwhal.worker_channel import RELOAD_BOUND_S, SPEC_ENV, Channel, Message, WorkerSpec
 
 log = logging.getLogger("narwhal.workers")
 _encode = msgspec.json.Encoder().encode
@@ -71,7 +71,7 @@ STOP_MARGIN_S = 10.0  # past hypercorn's graceful bound: lifespan shutdown, jour
 WORKER_COMMAND = (
     "import signal; "
     "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)]; "
-    "from narwhal.commands import worker_main; "
+    "from narwhal.process.commands import worker_main; "
     "raise SystemExit(worker_main())"
 )
 
@@ -127,7 +127,7 @@ def restart_allowed(exits: deque[float], now: float) -> bool:
 
 def failure_status(returncode: int) -> int:
     """The parent's exit status for a worker that failed: the worker's own (a startup
-    failure's, ``narwhal.startup.EXIT_STATUS_HELP``), or 1 when it exited 0 unasked or a
+    failure's, ``narwhal.process.startup.EXIT_STATUS_HELP``), or 1 when it exited 0 unasked or a
     signal ended it."""
     return returncode if 0 < returncode < 128 else 1
 
@@ -187,7 +187,7 @@ class Supervisor:
         self._nursery: trio.Nursery | None = None
         self._own_metrics_dir: str | None = None
         # [kv_events] mode = "listen": one process can bind the address, so the parent
-        # does, and hands every batch to every worker (narwhal.kv_relay)
+        # does, and hands every batch to every worker (narwhal.process.kv_relay)
         self._kv_relay = ""
         if fleet.kv_events.mode == "listen":
             self._kv_relay = start_relay(fleet.kv_events.listen)

@@ -29,7 +29,8 @@ class FleetFileUnreadable(ConfigError):
 def load_config(path: str | os.PathLike[str]) -> FleetConfig:
     """Read and load the fleet file at ``path`` (TOML or JSON, by its extension); a
     ConfigError listing every fault, the file named as pathlib spells it (as a reload's
-    answer always has; the command line names it as typed: ``narwhal.startup.load_fleet``)."""
+    answer always has; the command line names it as typed:
+    ``narwhal.process.startup.load_fleet``)."""
     path = Path(path)
     return load_config_bytes(read_fleet_file(path), fmt=fleet_format(path), source=str(path))
 

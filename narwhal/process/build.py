@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-PACKAGE = Path(__file__).parent
+PACKAGE = Path(__file__).parent.parent  # narwhal/, above this package
 EXTENSIONS = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 
 

@@ -13,13 +13,13 @@ import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from narwhal.config_files import (
+from narwhal.core.config import ConfigError, FleetConfig
+from narwhal.process.config_files import (
     FleetFileUnreadable,
     fleet_format,
     load_config_bytes,
     read_fleet_file,
 )
-from narwhal.core.config import ConfigError, FleetConfig
 
 if TYPE_CHECKING:
     from hypercorn.config import Config as HypercornConfig
@@ -86,7 +86,7 @@ def start_router(fleet: FleetConfig, config_path: str, journal_path: str | None)
     tracing as the ``OTEL_*`` environment asks, its journal open, its keys and engines set
     up. A journal that cannot be opened, or a key variable that is unset, is a
     StartupError."""
-    from narwhal import tracing
+    from narwhal.observe import tracing
     from narwhal.router.journal import Journal
     from narwhal.router.service import Router
 

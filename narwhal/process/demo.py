@@ -23,7 +23,7 @@ from narwhal.core.config import EngineSpec, FleetConfig
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
 from narwhal.frontdoor.server import bind_sockets
-from narwhal.logs import configure as configure_logs
+from narwhal.observe.logs import configure as configure_logs
 from narwhal.router.service import Router
 from narwhal.router.serving import hypercorn_config, serve
 from narwhal.stream.sse import DONE, SSEParser

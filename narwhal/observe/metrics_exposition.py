@@ -15,7 +15,7 @@ from prometheus_client import (
     multiprocess,
 )
 
-from narwhal.batched_histogram import BatchedHistogram
+from narwhal.observe.batched_histogram import BatchedHistogram
 
 
 def multiprocess_dir() -> str | None:

@@ -1,6 +1,6 @@
 """Every series the router exports (``GET /metrics``), defined once: its name, its help,
 its labels, its buckets and, for a gauge, how workers' values combine under
-``--workers N`` (prometheus-client's multiprocess mode). ``narwhal.metrics.Metrics`` is
+``--workers N`` (prometheus-client's multiprocess mode). ``narwhal.observe.metrics.Metrics`` is
 these with the label sets it keeps and its rendering.
 """
 
@@ -13,7 +13,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from narwhal.batched_histogram import BatchedHistogram
+from narwhal.observe.batched_histogram import BatchedHistogram
 
 # Buckets for LLM serving: handoffs are milliseconds to tens of seconds (KV stalls of
 # 15-30 s are real), inter-token gaps milliseconds to seconds, requests up to minutes.

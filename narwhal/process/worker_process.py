@@ -1,7 +1,7 @@
 """One worker of ``serve --workers N``: ``narwhal.router.serving.serve`` in its own process,
 exactly as a single router, with its link to the parent (``ParentLink``: the parent's
 orders, reloads that reach every worker) over the control channel
-(``narwhal.worker_channel``). The parent's side is ``narwhal.workers``.
+(``narwhal.process.worker_channel``). The parent's side is ``narwhal.process.workers``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ import msgspec
 import trio
 from hypercorn.config import Sockets
 
-from narwhal.config_files import load_config
 from narwhal.core.config import ConfigError, FleetConfig
 from narwhal.core.faults import InvalidFleetFile, ReloadNotApplied, ReloadUnanswered
 from narwhal.core.limits import check_workers
+from narwhal.process.config_files import load_config
+from narwhal.process.worker_channel import (
+    RELOAD_BOUND_S,
+    SEND_BOUND_S,
+    Channel,
+    Message,
+    WorkerSpec,
+)
 from narwhal.router.service import Router
 from narwhal.router.serving import serve
-from narwhal.worker_channel import RELOAD_BOUND_S, SEND_BOUND_S, Channel, Message, WorkerSpec
 
 log = logging.getLogger("narwhal.workers")
 _encode = msgspec.json.Encoder().encode

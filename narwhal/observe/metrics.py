@@ -1,6 +1,6 @@
 """Prometheus metrics (``GET /metrics``), with prometheus-client: ``Metrics``, the series
-(``narwhal.metric_series``) with the label sets the router keeps, rendered by
-``narwhal.metrics_exposition``.
+(``narwhal.observe.metric_series``) with the label sets the router keeps, rendered by
+``narwhal.observe.metrics_exposition``.
 
 Every label value is bounded: endpoints, outcomes and HTTP statuses, engine ids from the
 fleet file, phases, breaker classes, probe outcomes, retry-denial reasons. No request ids,
@@ -10,7 +10,7 @@ alerts see them before the first incident.
 With ``--workers N`` each worker writes to the directory named by
 ``PROMETHEUS_MULTIPROC_DIR`` and a scrape of any worker sums them all (prometheus-client's
 multiprocess mode); gauges then say how they combine across workers, always over live
-workers only (``live*`` modes: the parent, ``narwhal.workers``, marks a worker dead when
+workers only (``live*`` modes: the parent, ``narwhal.process.workers``, marks a worker dead when
 it exits, and its gauges stop counting at once).
 """
 
@@ -40,8 +40,8 @@ from narwhal.core.precise_index import REJECTS as KV_REJECTS
 from narwhal.core.records import JournalLine
 from narwhal.core.resume import OUTCOMES as RESUME_OUTCOMES
 from narwhal.core.retry import Denial
-from narwhal.metric_series import MetricSeries
-from narwhal.metrics_exposition import exposition
+from narwhal.observe.metric_series import MetricSeries
+from narwhal.observe.metrics_exposition import exposition
 
 ENDPOINTS = {
     "/v1/completions": "completions",

@@ -1,10 +1,11 @@
 """The router's shared state, and ``Router.handle``, which serves one client request.
 
-``handle`` runs each request inside one cancel scope of its own: its deadline (brought
-forward by a drain), cancelled at once when the client disconnects. A server that tells
-of a disconnect by callback costs the request no task; without one a nursery holds a
-watcher task that calls it (``_watched``). Cleanup (reservations, engine connections)
-runs in the ``finally``/``async with`` blocks below it on every exit path.
+``handle`` runs each request in a nursery of its own, which holds what the request runs
+beside its main line (the disconnect watch where the server offers no callback) and is
+cancelled when it ends; the nursery's cancel scope is the request's limit: its deadline
+(brought forward by a drain), cancelled at once when the client disconnects. Cleanup (reservations,
+engine connections) runs in the ``finally``/``async with`` blocks below it on every exit
+path.
 """
 
 from __future__ import annotations
@@ -169,85 +170,70 @@ class Router:
         on_disconnect: Callable[[Callable[[], None]], None] | None = None,
         flow: Flow | None = None,
     ) -> Run:
-        """Serve one admitted request to its single terminal outcome. ``headers``: the
-        client's, where an incoming W3C ``traceparent`` is read: continued by the request's
-        span with tracing on, passed to the engine legs unchanged with it off.
+        """Serve one admitted request to its single terminal outcome, in a nursery of its
+        own. ``headers``: the client's, where an incoming W3C ``traceparent`` is read:
+        continued by the request's span with tracing on, passed to the engine legs
+        unchanged with it off.
 
-        One cancel scope ends the request: its deadline, or the drain's if a graceful
-        shutdown ends first (``begin_drain`` brings the deadline forward: ``running``), or
-        its client's disconnect. The server offers ``on_disconnect`` (it registers a
-        callback called when the client goes, at once if it has gone already), which costs
-        the request no task of its own; without it a watcher task awaits
-        ``wait_disconnect`` (``_watched``). The run is awaited from here, with no call of
-        its own between: a held stream's task keeps one frame fewer."""
-        if on_disconnect is None:
-            return await self._watched(req, rid, sink, wait_disconnect, caller, headers, flow)
+        The request's nursery holds what it runs beside its main line (the disconnect
+        watch where the server offers no callback) and is cancelled when the request
+        ends, so nothing it started outlives it. Its cancel scope is the request's limit:
+        its deadline, or the drain's if a graceful shutdown ends first (``begin_drain``
+        brings the deadline forward: ``running``), or its client's disconnect. The server
+        offers ``on_disconnect`` (it registers a callback called when the client goes, at
+        once if it has gone already), which costs the request no task of its own; without
+        it a watcher task in the nursery awaits ``wait_disconnect``. The run is awaited
+        from here, with no call of its own between: a held stream's task keeps one frame
+        fewer."""
         run, traced = self._begin(req, rid, sink, caller, headers, flow)
-        try:
-            deadline, timeout = run.deadline, run.config.serving.request_timeout_s
-            limit = trio.CancelScope(deadline=min(deadline, self.drain_deadline))
-            on_disconnect(partial(self._disconnected, limit, run))
-            with limit:
-                self.running.add(limit)
-                dispatched = False
-                try:
-                    refused = run.beyond_target()
-                    if refused is not None:
-                        raise refused
-                    run.queued_s = await self.admission.dispatch(
-                        run.flow.cls,
-                        run.flow.tenant,
-                        run.arrival,
-                        self._dispatch_by(run),
-                        local=run.local_possible(),
-                        pool=run.req.model,
-                        due=run.due,
-                    )
-                    dispatched = True
-                    await run.execute()
-                except RequestFault as fault:
-                    await run.fail(fault)
-                except Exception as exc:
-                    # a bug of ours must still end the request honestly, never hang it
-                    log.exception("request %s failed inside the router", run.rid)
-                    await run.fail(
-                        InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
-                    )
-                finally:
-                    self.running.discard(limit)
-                    if dispatched:
-                        self.admission.done()
-                    else:  # it left the queue another way: its wait is all it did
-                        run.queued_s = trio.current_time() - run.arrival
-            if limit.cancelled_caught and not run.client_left:  # else nobody is left to tell
-                ended = self.limit_fault(limit, deadline, timeout, run.phase)
-                with trio.move_on_after(FAIL_SEND_BOUND_S):
-                    await run.fail(ended)
-        finally:
-            self._end(run, traced)
-        return run
-
-    async def _watched(
-        self,
-        req: ClientRequest,
-        rid: str,
-        sink: ClientSink,
-        wait_disconnect: Callable[[], Awaitable[None]],
-        caller: Caller | None,
-        headers: Sequence[tuple[bytes, bytes]],
-        flow: Flow | None,
-    ) -> Run:
-        """``handle`` for a server that offers no disconnect callback: a watcher task in
-        the request's nursery calls it when ``wait_disconnect`` returns."""
+        deadline, timeout = run.deadline, run.config.serving.request_timeout_s
         async with trio.open_nursery() as nursery:
-
-            def on_disconnect(callback: Callable[[], None]) -> None:
-                nursery.start_soon(_call_after, wait_disconnect, callback)
-
-            run = await self.handle(
-                req, rid, sink, wait_disconnect, caller, headers, on_disconnect, flow
-            )
-            nursery.cancel_scope.cancel()  # the watcher's task
+            limit = nursery.cancel_scope
+            limit.deadline = min(deadline, self.drain_deadline)
+            watch = on_disconnect or _watcher(nursery, wait_disconnect)
+            watch(partial(self._disconnected, limit, run))
+            self.running.add(limit)
+            dispatched = ended = False
+            try:
+                refused = run.beyond_target()
+                if refused is not None:
+                    raise refused
+                run.queued_s = await self.admission.dispatch(
+                    run.flow.cls,
+                    run.flow.tenant,
+                    run.arrival,
+                    self._dispatch_by(run),
+                    local=run.local_possible(),
+                    pool=run.req.model,
+                    due=run.due,
+                )
+                dispatched = True
+                await run.execute()
+            except RequestFault as fault:
+                await run.fail(fault)
+            except Exception as exc:
+                # a bug of ours must still end the request honestly, never hang it
+                log.exception("request %s failed inside the router", run.rid)
+                await run.fail(
+                    InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
+                )
+            except trio.Cancelled:
+                # its deadline (or the drain's) passed: not a scope around it, nor the
+                # nursery cancelling itself for a child's end (``cancel_called`` says both)
+                ended = trio.current_time() >= limit.deadline
+                raise  # on, for the scope that was cancelled to catch
+            finally:
+                self.running.discard(limit)
+                if dispatched:
+                    self.admission.done()
+                else:  # it left the queue another way: its wait is all it did
+                    run.queued_s = trio.current_time() - run.arrival
+                try:
+                    if ended and not run.client_left:  # else nobody is left to tell
+                        await self._tell_limit(run, limit, deadline, timeout)
+                finally:
+                    self._end(run, traced)  # before a checkpoint: the line is out with the answer
+                    limit.cancel()  # what it started beside its main line
         return run
 
     def _begin(
@@ -313,15 +299,31 @@ class Router:
         if traced is not None:
             log_context.reset(traced)
 
+    async def _tell_limit(
+        self, run: Run, limit: trio.CancelScope, deadline: float, budget_s: float
+    ) -> None:
+        """The answer to a request its limit ended, sent past the limit (shielded), for
+        ``FAIL_SEND_BOUND_S`` at most."""
+        expired = self.limit_fault(limit, deadline, budget_s, run.phase, caught=False)
+        with trio.CancelScope(shield=True), trio.move_on_after(FAIL_SEND_BOUND_S):
+            await run.fail(expired)
+
     def limit_fault(
-        self, limit: trio.CancelScope, deadline: float, timeout: float, phase: Phase
+        self,
+        limit: trio.CancelScope,
+        deadline: float,
+        timeout: float,
+        phase: Phase,
+        *,
+        caught: bool = True,
     ) -> RequestFault:
         """The fault of a request's ``limit`` that ran out: the drain's, when its deadline
         came before the request's own (``deadline``, ``timeout`` after its arrival)."""
+        scope = limit if caught else None  # not caught yet: the caller is inside it
         if self.drain_deadline < deadline:
             grace = self.config.serving.graceful_timeout_s
-            return ran_out(Clock.DRAIN, grace, phase=phase, scope=limit)
-        return ran_out(Clock.DEADLINE, timeout, phase=phase, scope=limit)
+            return ran_out(Clock.DRAIN, grace, phase=phase, scope=scope)
+        return ran_out(Clock.DEADLINE, timeout, phase=phase, scope=scope)
 
     def _dispatch_by(self, run: Run) -> float:
         """The latest a queued request is worth sending on (``limits.dispatch_by``)."""
@@ -481,6 +483,18 @@ class Router:
     async def aclose(self) -> None:
         await self.client.aclose()
         self.journal.close()
+
+
+def _watcher(
+    nursery: trio.Nursery, wait_disconnect: Callable[[], Awaitable[None]]
+) -> Callable[[Callable[[], None]], None]:
+    """``on_disconnect`` for a server that offers no callback: a task in the request's
+    nursery that calls it once ``wait_disconnect`` returns."""
+
+    def on_disconnect(callback: Callable[[], None]) -> None:
+        nursery.start_soon(_call_after, wait_disconnect, callback)
+
+    return on_disconnect
 
 
 async def _call_after(event: Callable[[], Awaitable[None]], callback: Callable[[], None]) -> None:

@@ -2,10 +2,11 @@
 
 ``handle`` runs each request in a nursery of its own, which holds what the request runs
 beside its main line (the disconnect watch where the server offers no callback) and is
-cancelled when it ends; the nursery's cancel scope is the request's limit: its deadline
-(brought forward by a drain), cancelled at once when the client disconnects. Cleanup (reservations,
-engine connections) runs in the ``finally``/``async with`` blocks below it on every exit
-path.
+cancelled when it ends, so nothing the request started outlives it. The nursery's cancel
+scope is the request's limit: its deadline, or the drain's if a graceful shutdown ends
+first (``begin_drain`` brings the deadline forward: ``running``), or its client's
+disconnect. Cleanup (reservations, engine connections) runs in the ``finally`` and
+``async with`` blocks below it on every exit path.
 """
 
 from __future__ import annotations
@@ -171,20 +172,13 @@ class Router:
         flow: Flow | None = None,
     ) -> Run:
         """Serve one admitted request to its single terminal outcome, in a nursery of its
-        own. ``headers``: the client's, where an incoming W3C ``traceparent`` is read:
-        continued by the request's span with tracing on, passed to the engine legs
-        unchanged with it off.
-
-        The request's nursery holds what it runs beside its main line (the disconnect
-        watch where the server offers no callback) and is cancelled when the request
-        ends, so nothing it started outlives it. Its cancel scope is the request's limit:
-        its deadline, or the drain's if a graceful shutdown ends first (``begin_drain``
-        brings the deadline forward: ``running``), or its client's disconnect. The server
-        offers ``on_disconnect`` (it registers a callback called when the client goes, at
-        once if it has gone already), which costs the request no task of its own; without
-        it a watcher task in the nursery awaits ``wait_disconnect``. The run is awaited
-        from here, with no call of its own between: a held stream's task keeps one frame
-        fewer."""
+        own (the module's doc). ``headers``: the client's, where an incoming W3C
+        ``traceparent`` is read: continued by the request's span with tracing on, passed
+        to the engine legs unchanged with it off. ``on_disconnect``: the server's way to
+        call back when the client goes (at once if it has gone already), which costs the
+        request no task; without it a task in the nursery awaits ``wait_disconnect``.
+        The run is awaited from here, with no call of its own between: a held stream's
+        task keeps one frame fewer."""
         run, traced = self._begin(req, rid, sink, caller, headers, flow)
         deadline, timeout = run.deadline, run.config.serving.request_timeout_s
         async with trio.open_nursery() as nursery:

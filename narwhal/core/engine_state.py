@@ -32,6 +32,8 @@ class EngineState:
         "capacity",
         "capacity_seen",
         "checked_at",
+        "decodes_running",
+        "decodes_running_peak",
         "decodes_started",
         "decodes_started_at_mark",
         "decoding",
@@ -107,6 +109,11 @@ class EngineState:
         # those since run in slots its report still shows free
         self.decodes_started = 0
         self.decodes_started_at_mark = 0
+        # our decodes it runs now (started, not ended), and the most since its last report:
+        # a bound on its capacity known at once, where a report shows it an interval late
+        # (a consumer a fresh router sends streams to ran them long before a scrape said so)
+        self.decodes_running = 0
+        self.decodes_running_peak = 0
         # of those started since the scrape, the ones that ended since: they ran in a slot
         # its report showed free, and left it free again. The same count for the scrape in
         # flight (started since it went out: ``scrape_started``), which its report takes up
@@ -121,9 +128,21 @@ class EngineState:
         self.scrape_started, self.ended_since_scrape = self.decodes_started, 0
         return self.sent, self.decoding, self.adapters.clock, prefilling, self.decodes_started
 
+    def decode_started(self) -> int:
+        """Our decode reached its first token: it runs here. Its number, as started."""
+        self.decoding -= 1
+        self.decodes_started += 1
+        self.decodes_running += 1
+        if self.decodes_running > self.decodes_running_peak:
+            self.decodes_running_peak = self.decodes_running
+            if self.capacity is not None and self.decodes_running > self.capacity:
+                self.capacity = float(self.decodes_running)  # it runs them all at once
+        return self.decodes_started
+
     def decode_ended(self, number: int) -> None:
         """Our decode that started as the ``number``-th here has ended: the slot it took
         since a scrape is free again."""
+        self.decodes_running -= 1
         if number > self.decodes_started_at_mark:
             self.ended_since_mark += 1
         if number > self.scrape_started:
@@ -141,7 +160,9 @@ class EngineState:
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
         if report is not None:
             others = self._others_waiting(report)
-            self.capacity = self.capacity_seen.note(report.running, others)
+            ran = max(report.running, self.decodes_running_peak)
+            self.capacity = self.capacity_seen.note(ran, others)
+            self.decodes_running_peak = self.decodes_running
         self.prefilling_at_mark = prefilling if report is not None else 0
         self.decodes_started_at_mark = started if report is not None else self.decodes_started
         # the ends counted since this scrape went out (none known for an older mark)

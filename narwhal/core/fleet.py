@@ -62,9 +62,7 @@ class Reservation:
         if self.waiting:
             self.waiting = False
             if self.leg == "decode":
-                self.engine.decoding -= 1
-                self.engine.decodes_started += 1
-                self.number = self.engine.decodes_started
+                self.number = self.engine.decode_started()
             else:
                 self.engine.prefilling.discard(self.number)
             self.on_change()

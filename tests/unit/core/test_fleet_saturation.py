@@ -217,3 +217,24 @@ async def test_a_decode_that_started_and_ended_since_the_scrape_leaves_its_slot_
     await running.__aexit__(None, None, None)  # ... it ends before the answer comes
     d0.note_report(EngineReport(at=2.0, running=1, waiting=0, kv_usage=0.0), mark)
     assert room() == 4  # the report counted it running: conservative, never over
+
+
+async def test_streams_a_consumer_runs_at_once_raise_its_capacity_before_a_report_does() -> None:
+    """A fresh router's consumer showed 1 running; it then runs 3 of our streams at once
+    (each had its first token): it runs at least 3, known at once rather than a scrape
+    later, and its free room is counted from that."""
+    specs = (EngineSpec("p0", "http://h:1", "prefill"), EngineSpec("d0", "http://h:2", "decode"))
+    fleet = Fleet(specs, RecoveryConfig())
+    d0 = fleet.by_id["d0"]
+    d0.note_report(EngineReport(at=0.0, running=1, waiting=0, kv_usage=0.0), d0.scrape_mark())
+    assert d0.capacity == 1
+    streams = [fleet.reserve(d0, "decode") for _ in range(3)]
+    for stream in streams:
+        await stream.__aenter__()
+        stream.started()
+    assert d0.capacity == 3
+    mark = d0.scrape_mark()
+    for stream in streams:
+        await stream.__aexit__(None, None, None)
+    d0.note_report(EngineReport(at=1.0, running=0, waiting=0, kv_usage=0.0), mark)
+    assert d0.capacity == 3  # the report came after they ended: what they ran is kept

@@ -59,7 +59,7 @@ Pending = Held | WriteRest | FirstOutput | Send | Finish | Fault
 
 
 class Sink(Protocol):
-    """The client's side of the ASGI app (``narwhal.router.app.AsgiSink``)."""
+    """The client's side of the ASGI app (``narwhal.frontdoor.answers.AsgiSink``)."""
 
     async def commit(self, data: bytes) -> None: ...
     async def send(self, data: bytes) -> None: ...

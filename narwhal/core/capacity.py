@@ -6,11 +6,14 @@ its recent reports. One that never held any back has shown only a lower bound, a
 admission queue, which lets through what the bound allows, keeps it there: a consumer
 bound by its KV cache rather than a sequence limit ran what it was let run, its room was
 its waiting limit, and requests in prefill (each holding a consumer's room) filled that.
-So while none of its recent reports showed a queue and it runs near the bound, the bound
-grows by the share of it the engine may queue anyway (``waiting_share``): a guess too high
-by that share is a queue within its waiting limit, which its next report shows, and the
-growth stops there. An engine whose bound is under ``1 / waiting_share`` never grows: a
-sequence limit of two is never guessed at three.
+So while none of its recent reports showed a queue as it ran near the bound, and it runs
+near the bound with none now, the bound grows by the share of it the engine may queue
+anyway (``waiting_share``): a guess too high by that share is a queue within its waiting
+limit, which its next report shows, and the growth stops there. Any queue counts, ours
+too: a router alone in front of a fleet sees only its own requests wait. A queue while it
+runs far below the bound (a consumer's requests pulling their KV) shows no capacity. An
+engine whose bound is under ``1 / waiting_share`` never grows: a sequence limit of two is
+never guessed at three.
 """
 
 from __future__ import annotations
@@ -31,22 +34,32 @@ class Capacity:
         self.waiting_share = waiting_share
         self.seen = RecentMax(window, ceiling)  # the most it ran, over the window
         self.grown = 0.0  # the bound grown past what it ran (0: none)
-        self.quiet = 0  # reports in a row that showed nothing of others waiting
+        self.quiet = 0  # reports in a row that showed no queue while it ran near its bound
+
         self.value: float | None = None
 
-    def note(self, running: float, others_waiting: float) -> float:
-        """One report: it ran ``running`` and held ``others_waiting`` back that were not
-        our legs sent before it went out; the capacity it leaves."""
-        seen = self.seen.add(running)
-        if not others_waiting > 0:  # NaN is no queue shown
-            self.quiet = min(self.quiet + 1, self.window)
-        else:
+    def note(self, running: float, waiting: float) -> float:
+        """One report: it ran ``running`` and held ``waiting`` back (ours among them: a
+        router alone in front of a fleet sees only its own requests queue); the capacity
+        it leaves. A queue while it ran near its bound is its capacity shown; a queue
+        while it ran far below it (a consumer's requests pulling their KV) is not, and
+        is no reason to grow either."""
+        before = self.value if self.value is not None else 0.0
+        near = running >= before - self._step(before)
+        queue = waiting > 0  # NaN is no queue shown
+        if queue and near:
             self.quiet, self.grown = 0, 0.0  # it showed its capacity: what it runs
+        else:
+            self.quiet = min(self.quiet + 1, self.window)
+        seen = self.seen.add(running)
         value = max(seen, self.grown)
-        step = math.floor(value * self.waiting_share)
+        step = self._step(value)
         none_held_back = self.quiet >= min(self.window, self.seen.count)
-        if none_held_back and step >= 1 and running >= value - step:
+        if none_held_back and not queue and step >= 1 and running >= value - step:
             value = min(value + step, self.ceiling)
             self.grown = value
         self.value = value
         return value
+
+    def _step(self, value: float) -> int:
+        return math.floor(value * self.waiting_share)

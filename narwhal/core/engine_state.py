@@ -159,9 +159,8 @@ class EngineState:
         sent, decoding, placed, prefilling, started = mark
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
         if report is not None:
-            others = self._others_waiting(report)
             ran = max(report.running, self.decodes_running_peak)
-            self.capacity = self.capacity_seen.note(ran, others)
+            self.capacity = self.capacity_seen.note(ran, report.waiting)
             self.decodes_running_peak = self.decodes_running
         self.prefilling_at_mark = prefilling if report is not None else 0
         self.decodes_started_at_mark = started if report is not None else self.decodes_started

@@ -3,7 +3,7 @@ answers what to do next, and it keeps the record of where the request stands (th
 lifecycle table of ``narwhal.core.lifecycle``) and of each attempt (the journal's lines).
 
 It does no I/O and reads no clock: every time comes with the event that needs it. The trio
-shell (``narwhal.router.request_run``) places legs (``narwhal.core.placement``), runs the
+shell (``narwhal.router.request_run``) places legs (``narwhal.router.placer``), runs the
 legs the machine asks for, and feeds it what they did; the machine decides what an attempt
 does with the engines placement named, whether a descriptor may still be decoded, and what
 follows a fault.

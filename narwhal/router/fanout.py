@@ -83,7 +83,7 @@ class FanOutRun:
                 f"{rid}-p{p}-n{j}",
                 _ChildSink(self, k),
                 arrival=record.arrival,
-                choice=k,
+                fanout_index=k,
                 progress=self._follow,
             )
             self.children.append(child)
@@ -139,7 +139,7 @@ class FanOutRun:
                 nursery.start_soon(child, run, nursery.cancel_scope)
         if failed:
             raise failed[0]
-        await self._finish()
+        await self._answer_merged()
 
     # ---- following the children ----------------------------------------------------------
 
@@ -191,7 +191,7 @@ class FanOutRun:
         if isinstance(answer, dict):
             self._answers[k] = answer
 
-    async def _finish(self) -> None:
+    async def _answer_merged(self) -> None:
         record, req = self.record, self.record.req
         lifecycle, sink = record.lifecycle, record.sink
         record.completed()

@@ -119,8 +119,8 @@ class RequestLegs:
         span, parent = None, self.record.span
         if parent is not None:
             attrs: dict[str, int | str] = {"narwhal.attempt": len(self.machine.attempts)}
-            if self.machine.choice is not None:
-                attrs["narwhal.choice"] = self.machine.choice
+            if self.machine.fanout_index is not None:
+                attrs["narwhal.choice"] = self.machine.fanout_index
             span = tracing.child_span(parent, "attempt", attrs)
         self.attempt_span = span
         return span
@@ -135,7 +135,7 @@ class RequestLegs:
             "consumer": record.consumer,
             "phase": record.phase,
             "retry": record.retry,
-            "handoff": record.handoff,
+            "handoff": record.handoff_fate,
             "local": record.local,
             "tokens": self.tokens,
         }
@@ -172,7 +172,7 @@ class RequestLegs:
                             body,
                             request_id=backend_id,
                             trace=self._leg_trace(span),
-                            handoff=self.machine.handoff_asked,
+                            asks_descriptor=self.machine.asks_descriptor,
                         )
                         if self.machine.continuation is None:
                             self.prefill_result = result
@@ -348,7 +348,7 @@ class RequestLegs:
         when its first output and its end came in one read)."""
         record, sink = self.record, self.record.sink
         record.completed()
-        committed = self.machine.finished()
+        committed = self.machine.finish()
         with record.last_write():
             if not self.req.stream:
                 await sink.respond_json(200, data)

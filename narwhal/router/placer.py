@@ -17,7 +17,7 @@ from narwhal.core.config import FleetConfig
 from narwhal.core.disaggregation import Decision, decode_first, local_or_remote, wants_prompt_side
 from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.faults import NoCapacity, Phase
-from narwhal.core.placement import Choice, Holdings, choose
+from narwhal.core.placement import Holdings, Placed, choose
 from narwhal.core.policies import prefix_key
 from narwhal.core.precise_index import TokenPrompt
 from narwhal.core.prefix_index import Prompt, prompt_of, reply_text
@@ -126,15 +126,15 @@ class Placer:
     # ---- placement -------------------------------------------------------------------------
 
     def place(self, leg: Leg, other_leg: str | None = None) -> EngineState:
-        return self._placed(leg, self._choice(leg, other_leg))
+        return self._count(leg, self._choose(leg, other_leg))
 
-    def _choice(self, leg: Leg, other_leg: str | None = None) -> Choice:
+    def _choose(self, leg: Leg, other_leg: str | None = None) -> Placed:
         """Where placement puts ``leg`` now, and why (nothing counted yet)."""
         fleet, health = self.router.fleet, self.router.health
         model = self.req.model
         candidates, held_in = fleet.placeable(leg, trio.current_time(), model)
         health.note_placement(leg, held_in, model)
-        choice = choose(
+        placed = choose(
             candidates,
             leg,
             self.config.placement,
@@ -152,19 +152,19 @@ class Placer:
             adapter=self._adapter,
             limits=self.config.admission,
         )
-        if choice is None:
+        if placed is None:
             raise NoCapacity(
                 f"no placeable {'producer' if leg == 'prefill' else 'consumer'} engine",
                 phase=Phase.ADMISSION,
             )
-        return choice
+        return placed
 
-    def _placed(self, leg: Leg, choice: Choice) -> EngineState:
-        """The leg goes where ``choice`` says: counted, and an adapter noted there."""
-        self.router.metrics.placements_of(leg, choice.reason).inc()
+    def _count(self, leg: Leg, placed: Placed) -> EngineState:
+        """The leg goes where it was ``placed``: counted, and an adapter noted there."""
+        self.router.metrics.placements_of(leg, placed.reason).inc()
         if self._adapter is not None:  # on its way there: the engine's series may not say
-            choice.engine.adapters.placed(self._adapter)
-        return choice.engine
+            placed.engine.adapters.placed(self._adapter)
+        return placed.engine
 
     def _disaggregation(self, consumer: EngineState) -> Decision:
         """Whether this attempt skips the remote prefill (conditional disaggregation,
@@ -197,23 +197,23 @@ class Placer:
         if planned is not None:
             route, producer, consumer = planned
         elif decode_first(self.config.placement):
-            route, producer, consumer = self._decode_first()
+            route, producer, consumer = self._route_decode_first()
         else:
-            route, producer, consumer = self._producer_first()
+            route, producer, consumer = self._route_producer_first()
         if isinstance(route, GoLocal):
             return None, producer if consumer is None else consumer
-        self._prefilling(producer, route.handoff)
+        self._prefilling(producer, route.asks_descriptor)
         return producer, consumer
 
-    def _decode_first(self) -> tuple[GoLocal | Prefill, EngineState, EngineState]:
-        choice = self._choice("decode")
-        decision = self._disaggregation(choice.engine)
-        if self.machine.wants_other_consumer(choice.engine.id, decision, self._producers):
-            other = self._choice("decode", other_leg=choice.engine.id)
-            if other.engine is not choice.engine:
-                choice, decision = other, self._disaggregation(other.engine)
-        consumer = self._placed("decode", choice)
-        local = self.machine.decode_first(consumer.id, decision)
+    def _route_decode_first(self) -> tuple[GoLocal | Prefill, EngineState, EngineState]:
+        placed = self._choose("decode")
+        decision = self._disaggregation(placed.engine)
+        if self.machine.wants_other_consumer(placed.engine.id, decision, self._producers):
+            other = self._choose("decode", other_leg=placed.engine.id)
+            if other.engine is not placed.engine:
+                placed, decision = other, self._disaggregation(other.engine)
+        consumer = self._count("decode", placed)
+        local = self.machine.consumer_placed(consumer.id, decision)
         if local is not None:
             self.router.metrics.disaggregation_of(decision).inc()
             return local, consumer, consumer
@@ -240,11 +240,11 @@ class Placer:
         if seen is None:
             return None
         self.machine.attempt_line.predicted_ttft_s = round(seen.plan.ttft_s, 4)
-        consumer = self._placed("decode", Choice(fleet.by_id[seen.plan.consumer], "predicted"))
+        consumer = self._count("decode", Placed(fleet.by_id[seen.plan.consumer], "predicted"))
         if seen.plan.producer is None:
             self.router.metrics.disaggregation_of("local_predicted").inc()
             return GoLocal(consumer.id, "local_predicted"), consumer, consumer
-        producer = self._placed("prefill", Choice(fleet.by_id[seen.plan.producer], "predicted"))
+        producer = self._count("prefill", Placed(fleet.by_id[seen.plan.producer], "predicted"))
         route = self.machine.producer_placed(
             producer.id, consumer=consumer.id, only_consumer=None, consumers=1, body=req.body
         )
@@ -252,7 +252,7 @@ class Placer:
         self.router.metrics.disaggregation_of(decision).inc()
         return route, producer, consumer
 
-    def _producer_first(self) -> tuple[GoLocal | Prefill, EngineState, None]:
+    def _route_producer_first(self) -> tuple[GoLocal | Prefill, EngineState, None]:
         consumers, _ = self.router.fleet.placeable("decode", trio.current_time(), self.req.model)
         only = self.machine.only_engine([c.id for c in consumers])
         producer = self.place("prefill", other_leg=only)
@@ -276,12 +276,12 @@ class Placer:
         machine.resume_consumer(consumer.id)
         producer = self.place("prefill", other_leg=consumer.id)
         route = machine.continuation_prefill(producer.id, consumer.id)
-        self._prefilling(producer, route.handoff)
+        self._prefilling(producer, route.asks_descriptor)
         return producer, consumer
 
-    def _prefilling(self, producer: EngineState, handoff: bool) -> None:
+    def _prefilling(self, producer: EngineState, asks_descriptor: bool) -> None:
         self.router.fleet.turn += 1
-        self.machine.prefill_sent(producer.id, handoff=handoff)
+        self.machine.prefill_sent(producer.id, asks_descriptor=asks_descriptor)
 
     # ---- what the legs teach: the prefix index, the cost model -----------------------------
 

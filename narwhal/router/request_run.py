@@ -47,7 +47,7 @@ class RequestRun:
         sink: ClientSink,
         *,
         arrival: float | None = None,
-        choice: int | None = None,
+        fanout_index: int | None = None,
         progress: Callable[[State], None] | None = None,
     ) -> None:
         # backend ids are <rid>-a<attempt>-prefill|decode
@@ -64,7 +64,7 @@ class RequestRun:
             rng=router.rng,
             new_kept=new_kept,
             refused=refused,
-            choice=choice,
+            fanout_index=fanout_index,
             lifecycle=lifecycle,
         )
         self.placer = Placer(router, config, req, self.machine)

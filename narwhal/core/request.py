@@ -20,6 +20,8 @@ Events in, actions out (the actions' classes: ``narwhal.core.request_actions``):
 * ``handing_off(consumer, now)``: ``Decode`` (the consumer, with the descriptor, or
   without it when one engine runs both legs) or the ``HandoffExpired`` fault;
 * ``decode_taken()``: the consumer took the descriptor: reading its blocks is its job;
+* ``first_token()``: the decode leg's first output (no retry from here); ``commit()``: the
+  200 headers went out (the commit point);
 * ``leg_done()``: the descriptor nobody decoded, for the reclaim queue (or None);
 * ``failed(fault, ...)``: ``Resume`` (a continuation of the stream), ``Retry`` (after its
   delay) or ``End`` (the fault is the request's answer);
@@ -353,6 +355,14 @@ class RequestMachine:
             return None
         self.attempt_line.handoff_fate = handoff.fate.value
         return None if handoff.fate is Fate.DECODED else handoff
+
+    def first_token(self) -> None:
+        """The decode leg produced its first output: from here no retry (contract 6.1)."""
+        self.lifecycle.advance(Input.FIRST_TOKEN)
+
+    def commit(self) -> None:
+        """The 200 headers went out with the first output (the commit point, contract 1)."""
+        self.lifecycle.advance(Input.COMMIT)
 
     # ---- what follows a fault --------------------------------------------------------------
 

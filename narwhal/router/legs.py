@@ -308,7 +308,7 @@ class RequestLegs:
         collector = self._answer_side()
         sink = self.record.sink
         direct = sink.direct if collector is None else None
-        client = ClientStream(sink, self.record.lifecycle, self._echo, direct)
+        client = ClientStream(sink, self.machine, self._echo, direct)
         # parked in the reactor: a stream whose reads need no waiting between its first
         # output and its end, streamed straight to the client or assembled for JSON
         reactor = self.router.reactor if direct is not None or collector is not None else None

@@ -133,6 +133,11 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
     while True:
         step = machine.attempt()
         line = machine.attempt_line
+        if data.draw(st.booleans(), label="a token told before the decode leg"):
+            with pytest.raises(InvalidTransition):  # output comes from a dispatched decode leg
+                machine.first_token()
+            with pytest.raises(InvalidTransition):  # and is committed once, after it came
+                machine.commit()
         life.saw(line.number == len(machine.attempts), "attempts are numbered in order")
         handoff: Handoff | None = None
         decode_taken = False
@@ -210,9 +215,14 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
             # the decode leg streams
             tokens = data.draw(st.integers(0, 5), label="tokens before the leg ends")
             if tokens and not machine.lifecycle.output_seen:
-                machine.lifecycle.advance(Input.FIRST_TOKEN)
+                machine.first_token()
             if tokens and machine.lifecycle.state is State.GENERATING:
-                machine.lifecycle.advance(Input.COMMIT)  # a stream commits at its first token
+                machine.commit()  # a stream commits at its first token
+            if tokens and data.draw(st.booleans(), label="the first token told again"):
+                with pytest.raises(InvalidTransition):  # one first token, one commit point
+                    machine.first_token()
+                with pytest.raises(InvalidTransition):
+                    machine.commit()
             if machine.kept is not None:
                 machine.kept.ids.extend(
                     range(len(machine.kept.ids), len(machine.kept.ids) + tokens)

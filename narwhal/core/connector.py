@@ -102,10 +102,12 @@ class NixlConnector:
             + b"}"
         )
 
-    def prefill_body(self, body: Mapping[str, Any], *, handoff: bool = True) -> dict[str, Any]:
+    def prefill_body(
+        self, body: Mapping[str, Any], *, asks_descriptor: bool = True
+    ) -> dict[str, Any]:
         """The prefill leg's body: the client's fields as they came (raw JSON, spliced by
         the encoder) with the prefill's own. A client's ``return_token_ids`` stays in it:
-        the producer's prompt ids go into an echo. ``handoff`` False: the leg asks for no
+        the producer's prompt ids go into an echo. ``asks_descriptor`` False: the leg asks for no
         descriptor (its producer decodes too), so the engine holds no blocks for a read."""
         out = {k: v for k, v in spliceable(body).items() if k not in _PREFILL_DROPPED}
         if body.get("echo") and body.get("logprobs") is None:
@@ -113,7 +115,7 @@ class NixlConnector:
             out["logprobs"] = 0
         out["max_tokens"] = 1
         out["stream"] = False
-        if handoff:
+        if asks_descriptor:
             out[_RESERVED] = {"do_remote_decode": True}
         return out
 
@@ -156,10 +158,10 @@ class NixlConnector:
         producer_url: str,
         endpoint: str,
         request_id: str,
-        handoff: bool = True,
+        asks_descriptor: bool = True,
     ) -> PrefillResult:
         """Find and validate the descriptor in a prefill response (contract 4.1, 4.2);
-        ``handoff`` False: none was asked for, only the prompt side is read."""
+        ``asks_descriptor`` False: none was asked for, only the prompt side is read."""
         try:
             parsed = msgspec.json.decode(response, type=_PrefillResponse)
         except (msgspec.DecodeError, RecursionError) as exc:
@@ -171,7 +173,7 @@ class NixlConnector:
             raw = parsed.choices[0].kv_transfer_params
         elif _present(parsed.kv_transfer_params):
             raw = parsed.kv_transfer_params
-        if not handoff:
+        if not asks_descriptor:
             raw = msgspec.Raw()
         elif not _present(raw):
             raise DescriptorInvalid(

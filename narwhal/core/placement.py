@@ -71,7 +71,7 @@ REASONS: tuple[Reason, ...] = get_args(Reason)
 
 
 @dataclass(frozen=True, slots=True)
-class Choice:
+class Placed:
     engine: EngineState
     reason: Reason
 
@@ -102,7 +102,7 @@ def choose(
     tokens: TokenPrompt | None = None,
     adapter: str | None = None,
     limits: AdmissionConfig = DEFAULT_LIMITS,
-) -> Choice | None:
+) -> Placed | None:
     """The engine for ``leg`` and why; None when there are no candidates. ``key`` is the
     request's prompt prefix (producers only), ``ring`` the producers' ring, ``prompt`` and
     ``index`` the request's blocks and what each engine is believed to hold; ``precise``
@@ -115,10 +115,10 @@ def choose(
     pool = [e for e in candidates if e.id not in avoid] or list(candidates)
     pool = [e for e in pool if e.id != other_leg] or pool
     if len(pool) <= 1:
-        return Choice(pool[0], "only") if pool else None
+        return Placed(pool[0], "only") if pool else None
     roomy = with_room(pool, leg, now, config.metrics_interval_s, limits)
     if len(roomy) == 1:
-        return Choice(roomy[0], "room")
+        return Placed(roomy[0], "room")
     # every candidate's id when some have no room: the ring's home is the first of them
     everyone = {e.id for e in pool} if len(roomy) < len(pool) else None
     pool = roomy
@@ -127,20 +127,20 @@ def choose(
     if adapter is not None and config.adapter_affinity:
         pool = with_adapter(pool, adapter, costs, config, now)
         if len(pool) == 1:
-            return Choice(pool[0], "adapter")
+            return Placed(pool[0], "adapter")
     if config.prefix_affinity and prompt is not None and index is not None:
         ranked = ring if not consumer else None  # producers' equal matches: the ring's order
         holdings = Holdings(prompt, index, now, precise, tokens)
         held = longest_match(pool, costs, config.affinity_load_factor, holdings, ranked, key)
         if held is not None:
-            return Choice(held, "prefix_match")
+            return Placed(held, "prefix_match")
     if not consumer and config.prefix_affinity and key is not None and ring is not None:
         home, spilled = ring.choose(key, costs, config.affinity_load_factor)
         if everyone is not None:  # a home with no room was passed over: a spill too
             spilled = spilled or home != next((p for p in ring.order(key) if p in everyone), home)
         for engine in pool:
             if engine.id == home:
-                return Choice(engine, "spill" if spilled else "affinity")
+                return Placed(engine, "spill" if spilled else "affinity")
     # the rotation is over the candidates' own order: fleet positions would tie producers
     # that sit two apart in the fleet file (p0, d0, p1), and one of them would take all
     position = {id(e): i for i, e in enumerate(candidates)}
@@ -150,10 +150,10 @@ def choose(
         return (position[id(e)] - turn) % n
 
     if config.policy == "round_robin":
-        return Choice(min(pool, key=rotation), "round_robin")
+        return Placed(min(pool, key=rotation), "round_robin")
     chosen = least_loaded(pool, rng, lambda e: (costs[e.id], rotation(e)))
     assert chosen is not None  # the pool has two or more
-    return Choice(chosen, "least_loaded")
+    return Placed(chosen, "least_loaded")
 
 
 def with_room(

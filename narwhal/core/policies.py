@@ -12,7 +12,7 @@
   then the next producer on the ring. Adding or
   removing a producer moves only the keys of its own arcs.
 
-The trio shell (``narwhal.router.request_run``) builds the views from fleet state and scrapes.
+The trio shell (``narwhal.router.placer``) builds the views from fleet state and scrapes.
 """
 
 from __future__ import annotations

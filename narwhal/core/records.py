@@ -14,13 +14,15 @@ Outcome = Literal["completed", "failed", "expired", "cancelled", "rejected"]
 
 class AttemptLine(msgspec.Struct, omit_defaults=True):
     number: int
-    choice: int | None = None  # a fan-out's sub-request: the choice index it answers
+    # a fan-out's sub-request: the index of the choice it answers (the journal's "choice")
+    fanout_index: int | None = msgspec.field(default=None, name="choice")
     producer: str | None = None
     consumer: str | None = None
     error: str | None = None  # the fault's message
     phase: str | None = None
     retry: str | None = None  # the retry decision taken after this attempt failed
-    handoff: str | None = None  # the KV descriptor's fate (narwhal.core.handoff.Fate)
+    # the KV descriptor's fate (narwhal.core.handoff.Fate; the journal's "handoff")
+    handoff_fate: str | None = msgspec.field(default=None, name="handoff")
     local: bool = False  # served by its consumer alone: no producer leg, no KV transfer
     # a stream resume (contract 6.4): this attempt continued the stream after this many
     # generated tokens had been sent

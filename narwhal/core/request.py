@@ -3,7 +3,7 @@ answers what to do next, and it keeps the record of where the request stands (th
 lifecycle table of ``narwhal.core.lifecycle``) and of each attempt (the journal's lines).
 
 It does no I/O and reads no clock: every time comes with the event that needs it. The trio
-shell (``narwhal.router.request_run``) places legs (``narwhal.core.placement``), runs the
+shell (``narwhal.router.request_run``) places legs (``narwhal.router.placer``), runs the
 legs the machine asks for, and feeds it what they did; the machine decides what an attempt
 does with the engines placement named, whether a descriptor may still be decoded, and what
 follows a fault.
@@ -12,7 +12,7 @@ Events in, actions out (the actions' classes: ``narwhal.core.request_actions``):
 
 * ``dispatched()``: the admission queue let the request go (it leaves the queue once);
 * ``attempt()``: the next attempt's record; ``Fresh``, or a stream's ``Continue``;
-* ``decode_first(consumer, decision)``, ``producer_placed(producer, ...)``: the route,
+* ``consumer_placed(consumer, decision)``, ``producer_placed(producer, ...)``: the route,
   ``GoLocal`` (one leg to the consumer, which computes the prompt itself) or ``Prefill``
   (a producer leg, then a handoff);
 * ``prefill_answered(...)``: the descriptor, as a ``Handoff`` whose age counts from the
@@ -20,10 +20,12 @@ Events in, actions out (the actions' classes: ``narwhal.core.request_actions``):
 * ``handing_off(consumer, now)``: ``Decode`` (the consumer, with the descriptor, or
   without it when one engine runs both legs) or the ``HandoffExpired`` fault;
 * ``decode_taken()``: the consumer took the descriptor: reading its blocks is its job;
+* ``first_token()``: the decode leg's first output (no retry from here); ``commit()``: the
+  200 headers went out (the commit point);
 * ``leg_done()``: the descriptor nobody decoded, for the reclaim queue (or None);
 * ``failed(fault, ...)``: ``Resume`` (a continuation of the stream), ``Retry`` (after its
   delay) or ``End`` (the fault is the request's answer);
-* ``finished()``: the answer is complete; ``cancelled()``: the client left, or the deadline
+* ``finish()``: the answer is complete; ``cancelled()``: the client left, or the deadline
   or the drain ended it (the shell's cancel scopes have cancelled its legs).
 
 Rules it keeps, on every path (``tests/unit/core/test_request_machine.py`` walks them with
@@ -111,7 +113,7 @@ class RequestMachine:
     """One prefill/decode chain of a client request (a fan-out runs one per choice)."""
 
     __slots__ = (
-        "_asked",
+        "_asks_descriptor",
         "_budget",
         "_config",
         "_counted",
@@ -120,10 +122,10 @@ class RequestMachine:
         "_queued",
         "_rng",
         "attempts",
-        "choice",
         "continuation",
         "deadline",
         "failed_engines",
+        "fanout_index",
         "kept",
         "lifecycle",
         "refused",
@@ -139,7 +141,7 @@ class RequestMachine:
         rng: random.Random,
         new_kept: Callable[[], KeptStream] | None = None,
         refused: str | None = None,
-        choice: int | None = None,
+        fanout_index: int | None = None,
         lifecycle: Lifecycle | None = None,
     ) -> None:
         self._config = config  # taken once, at admission: a reload applies to new requests
@@ -147,7 +149,7 @@ class RequestMachine:
         self._rng = rng
         self.deadline = deadline
         self.lifecycle = lifecycle or Lifecycle()
-        self.choice = choice  # a fan-out's sub-request: the choice index it answers
+        self.fanout_index = fanout_index  # a fan-out's sub-request: the choice it answers
         self.attempts: list[AttemptLine] = []
         self.failed_engines: set[str] = set()
         # stream resume: what the stream keeps to continue (None: resume off), why it may
@@ -159,7 +161,7 @@ class RequestMachine:
         self.resumes = 0
         self._counted = False  # how a resumed stream ended is counted once
         self._handoff: Handoff | None = None  # the running attempt's descriptor
-        self._asked = True  # the running attempt's prefill asked for a descriptor
+        self._asks_descriptor = True  # the running attempt's prefill asked for one
         self._queued = True
 
     # ---- the queue -------------------------------------------------------------------------
@@ -184,7 +186,7 @@ class RequestMachine:
         """The next attempt's record; a continuation when a resume was decided."""
         if self._queued or self.lifecycle.finished:
             raise InvalidTransition("an attempt outside a dispatched, unfinished request")
-        line = AttemptLine(number=len(self.attempts) + 1, choice=self.choice)
+        line = AttemptLine(number=len(self.attempts) + 1, fanout_index=self.fanout_index)
         self.attempts.append(line)
         if self.continuation is None:
             if self._new_kept is not None and line.number > 1:
@@ -218,7 +220,7 @@ class RequestMachine:
         there is one, makes it a handoff instead of a local attempt on the producer."""
         return decision == "disaggregated" and self.only_engine(producers()) == consumer
 
-    def decode_first(self, consumer: str, decision: Decision) -> GoLocal | None:
+    def consumer_placed(self, consumer: str, decision: Decision) -> GoLocal | None:
         """Decode first: the consumer is placed, and ``decision`` says whether it computes
         the prompt alone. None: place a producer apart from it (``producer_placed``)."""
         return None if decision == "disaggregated" else GoLocal(consumer, decision)
@@ -246,12 +248,12 @@ class RequestMachine:
             return Prefill(producer, consumer)
         if self.may_go_local(body):
             return GoLocal(producer, "local_one_engine")
-        return Prefill(producer, consumer, handoff=False)
+        return Prefill(producer, consumer, asks_descriptor=False)
 
     def continuation_prefill(self, producer: str, consumer: str) -> Prefill:
         """A continuation's legs: a handoff between two engines, or both legs on one
         (the consumer is the only producer left) with no descriptor asked for."""
-        return Prefill(producer, consumer, handoff=producer != consumer)
+        return Prefill(producer, consumer, asks_descriptor=producer != consumer)
 
     def resume_consumer(self, consumer: str) -> None:
         """A continuation decodes on a consumer that has not failed this request."""
@@ -277,17 +279,17 @@ class RequestMachine:
         for step in (Input.PREFILL, Input.DESCRIPTOR, Input.DISPATCH):
             self.lifecycle.advance(step)
 
-    def prefill_sent(self, producer: str, *, handoff: bool = True) -> None:
-        """The prefill leg goes to ``producer``; ``handoff``: it asks for a descriptor."""
+    def prefill_sent(self, producer: str, *, asks_descriptor: bool = True) -> None:
+        """The prefill leg goes to ``producer``; ``asks_descriptor``: it asks for one."""
         self.attempt_line.producer = producer
-        self._asked = handoff
+        self._asks_descriptor = asks_descriptor
         if self.continuation is None:  # a continuation's client stream is committed
             self.lifecycle.advance(Input.PREFILL)
 
     @property
-    def handoff_asked(self) -> bool:
+    def asks_descriptor(self) -> bool:
         """Whether the running attempt's prefill asks for a descriptor."""
-        return self._asked
+        return self._asks_descriptor
 
     def prefill_answered(
         self, rid: str, producer: str, result: PrefillResult, started: float
@@ -296,7 +298,7 @@ class RequestMachine:
         age counts from the prefill's start); None: no descriptor, nothing to hand off."""
         if self.continuation is None:
             self.lifecycle.advance(Input.DESCRIPTOR)
-        if not self._asked:
+        if not self._asks_descriptor:
             self._handoff = None
             return None
         handoff = Handoff(rid, self.attempt_line.number, producer, result, started)
@@ -351,8 +353,16 @@ class RequestMachine:
         handoff, self._handoff = self._handoff, None
         if handoff is None:
             return None
-        self.attempt_line.handoff = handoff.fate.value
+        self.attempt_line.handoff_fate = handoff.fate.value
         return None if handoff.fate is Fate.DECODED else handoff
+
+    def first_token(self) -> None:
+        """The decode leg produced its first output: from here no retry (contract 6.1)."""
+        self.lifecycle.advance(Input.FIRST_TOKEN)
+
+    def commit(self) -> None:
+        """The 200 headers went out with the first output (the commit point, contract 1)."""
+        self.lifecycle.advance(Input.COMMIT)
 
     # ---- what follows a fault --------------------------------------------------------------
 
@@ -468,7 +478,7 @@ class RequestMachine:
         self.lifecycle.advance(Input.CANCEL)
         return phase
 
-    def finished(self) -> bool:
+    def finish(self) -> bool:
         """The answer is complete; True when it was committed before (a stream's end)."""
         committed = self.lifecycle.committed
         if not committed:  # a JSON answer, or the first output and [DONE] in one read

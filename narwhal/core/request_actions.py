@@ -40,15 +40,17 @@ class GoLocal:
 
 class Prefill:
     """A producer leg on ``producer``, then a handoff to ``consumer`` (None: placed once
-    the descriptor is in hand). ``handoff`` False: the producer decodes too, so the leg
-    asks for no descriptor (it would hold the blocks for a read that never comes)."""
+    the descriptor is in hand). ``asks_descriptor`` False: the producer decodes too, so
+    the leg asks for no descriptor (it would hold the blocks for a read that never comes)."""
 
-    __slots__ = ("consumer", "handoff", "producer")
+    __slots__ = ("asks_descriptor", "consumer", "producer")
 
-    def __init__(self, producer: str, consumer: str | None, *, handoff: bool = True) -> None:
+    def __init__(
+        self, producer: str, consumer: str | None, *, asks_descriptor: bool = True
+    ) -> None:
         self.producer = producer
         self.consumer = consumer
-        self.handoff = handoff
+        self.asks_descriptor = asks_descriptor
 
 
 class Decode:

@@ -176,14 +176,19 @@ class EngineClient:
         *,
         request_id: str = "",
         trace: Headers = NO_HEADERS,
-        handoff: bool = True,
+        asks_descriptor: bool = True,
     ) -> PrefillResult:
-        """Run the one-token prefill leg; return the validated descriptor (``handoff``
-        False: none is asked for, its producer decodes too: only the prompt side)."""
-        payload = _encode(self.connector.prefill_body(body, handoff=handoff))
+        """Run the one-token prefill leg; return the validated descriptor
+        (``asks_descriptor`` False: none is asked for, its producer decodes too: only the
+        prompt side)."""
+        payload = _encode(self.connector.prefill_body(body, asks_descriptor=asks_descriptor))
         data = await self._post_whole(url, endpoint, payload, request_id, trace)
         return self.connector.extract(
-            data, producer_url=url, endpoint=endpoint, request_id=request_id, handoff=handoff
+            data,
+            producer_url=url,
+            endpoint=endpoint,
+            request_id=request_id,
+            asks_descriptor=asks_descriptor,
         )
 
     def decode(

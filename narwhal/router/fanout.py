@@ -3,10 +3,11 @@ requests, merged into one response whose choices are indexed as OpenAI does (pro
 then ``n``).
 
 ``FanOutRun`` stands where a ``RequestRun`` stands for ``Router.handle`` (same life cycle,
-same journal line). Each sub-request is a ``RequestRun`` of its own (its attempts, retries,
-reservations, backend ids ``<id>-p<prompt>-n<j>-a<attempt>-prefill|decode``), run as a
-child of this request's nursery: a client disconnect, the deadline or the drain cancels
-them all at once. The children write to a ``_ChildSink``; this class merges:
+same journal line: it holds a ``RunRecord`` of its own, ``run.record``). Each sub-request
+is a ``RequestRun`` of its own (its attempts, retries, reservations, backend ids
+``<id>-p<prompt>-n<j>-a<attempt>-prefill|decode``), run as a child of this request's
+nursery: a client disconnect, the deadline or the drain cancels them all at once. The
+children write to a ``_ChildSink``; this class merges:
 
 * streaming: each child's frames go out as they come, their choice ``index`` rewritten;
   the first output of any child commits the response; the children's ``[DONE]`` and usage
@@ -27,11 +28,11 @@ import trio
 
 from narwhal.core.config import FleetConfig
 from narwhal.core.faults import RequestFault
-from narwhal.core.lifecycle import Input, State
+from narwhal.core.lifecycle import Input, Lifecycle, State
+from narwhal.core.records import JournalLine
 from narwhal.core.requests import ClientRequest
-from narwhal.router.journal import AttemptLine
 from narwhal.router.request_run import RequestRun
-from narwhal.router.run_record import ClientSink, RouterState, RunRecord
+from narwhal.router.run_record import ClientSink, Measures, RouterState, RunRecord
 from narwhal.stream.sse import DONE, DONE_FRAME, frame, framed_payloads
 
 _decode = msgspec.json.Decoder().decode
@@ -46,7 +47,7 @@ _INPUT_TO = {
 }
 
 
-class FanOutRun(RunRecord):
+class FanOutRun:
     """One client request answered by several prefill/decode requests."""
 
     __slots__ = (
@@ -56,6 +57,7 @@ class FanOutRun(RunRecord):
         "_write_lock",
         "children",
         "prompt_of",
+        "record",
     )
 
     def __init__(
@@ -66,7 +68,11 @@ class FanOutRun(RunRecord):
         rid: str,
         sink: ClientSink,
     ) -> None:
-        super().__init__(config, req, rid, sink)
+        self._write_lock = trio.Lock()
+        # its own lifecycle: the furthest any child has come (``_follow``)
+        record = self.record = RunRecord(
+            config, req, rid, sink, Lifecycle(), write_lock=self._write_lock
+        )
         self.children: list[RequestRun] = []
         self.prompt_of: list[int] = []
         for k, (p, j, sub) in enumerate(req.split()):
@@ -76,33 +82,43 @@ class FanOutRun(RunRecord):
                 sub,
                 f"{rid}-p{p}-n{j}",
                 _ChildSink(self, k),
-                arrival=self.arrival,
-                choice=k,
+                arrival=record.arrival,
+                fanout_index=k,
                 progress=self._follow,
             )
             self.children.append(child)
             self.prompt_of.append(p)
-        self._write_lock = trio.Lock()
         self._usage: dict[int, Any] = {}  # streaming: each child's last usage
         self._answers: dict[int, dict[str, Any]] = {}  # JSON: each child's answer
         self._template: dict[str, Any] | None = None  # a child's usage chunk, to shape ours on
 
     # ---- the record, summed over the children --------------------------------------------
 
-    def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
-        prefills = [c.prefill_s for c in self.children if c.prefill_s is not None]
-        firsts = [c.first_byte_s for c in self.children if c.first_byte_s is not None]
-        return (
-            [a for c in self.children for a in c.attempts],
-            min(prefills, default=None),
-            min(firsts, default=None),
-            sum(c.tokens for c in self.children),
+    def measures(self) -> Measures:
+        each = [c.measures() for c in self.children]
+        prompts = [m.prompt_tokens for m in each if m.prompt_tokens is not None]
+        return Measures(
+            [a for m in each for a in m.attempts],
+            min((m.prefill_s for m in each if m.prefill_s is not None), default=None),
+            min((m.first_byte_s for m in each if m.first_byte_s is not None), default=None),
+            sum(m.tokens for m in each),
+            sum(prompts) if prompts else None,
         )
 
-    def prompt_tokens(self) -> int | None:
-        counts = [c.prompt_tokens() for c in self.children]
-        known = [n for n in counts if n is not None]
-        return sum(known) if known else None
+    def journal_line(self) -> JournalLine:
+        return self.record.journal_line(self.measures())
+
+    def cancel(self) -> None:
+        """The client went away, or could not be told of the failure."""
+        phase = self.record.phase
+        self.record.lifecycle.advance(Input.CANCEL)
+        self.record.cancelled(phase)
+
+    def beyond_target(self) -> RequestFault | None:
+        return None  # its children are planned when they run, each for its own choice
+
+    def local_possible(self) -> bool:
+        return False  # its children are placed when they run
 
     async def execute(self) -> None:
         """Run every child; the first fault cancels the others and is raised."""
@@ -115,32 +131,30 @@ class FanOutRun(RunRecord):
                 failed.append(fault)
                 scope.cancel()
 
+        span, trace = self.record.span, self.record.trace
         async with trio.open_nursery() as nursery:
             for run in self.children:
-                run.span = self.span  # their attempts are children of the request's span
-                run.trace = self.trace  # tracing off: the client's context, to every leg
+                run.record.span = span  # their attempts are children of the request's span
+                run.record.trace = trace  # tracing off: the client's context, to every leg
                 nursery.start_soon(child, run, nursery.cancel_scope)
         if failed:
             raise failed[0]
-        await self._finish()
-
-    async def _end_stream(self, data: bytes, *, abandon: bool) -> None:
-        async with self._write_lock:  # never between a child's frames
-            await self.sink.cut(data, abandon=abandon)
+        await self._answer_merged()
 
     # ---- following the children ----------------------------------------------------------
 
     def _follow(self, reached: State) -> None:
         """The parent's record is the furthest any child has come (retries go back only in
         the child)."""
-        if reached not in _PROGRESS or self.lifecycle.finished:
+        lifecycle = self.record.lifecycle
+        if reached not in _PROGRESS or lifecycle.finished:
             return
-        while self.lifecycle.state in (State.ADMITTED, *_PROGRESS[:-1]):
-            current = self.lifecycle.state
+        while lifecycle.state in (State.ADMITTED, *_PROGRESS[:-1]):
+            current = lifecycle.state
             rank = -1 if current is State.ADMITTED else _PROGRESS.index(current)
             if rank >= _PROGRESS.index(reached):
                 return
-            self.lifecycle.advance(_INPUT_TO[_PROGRESS[rank + 1]])
+            lifecycle.advance(_INPUT_TO[_PROGRESS[rank + 1]])
 
     async def child_output(self, k: int, data: bytes) -> None:
         """Frames from child ``k``'s stream: re-indexed and sent (the first commits)."""
@@ -162,32 +176,35 @@ class FanOutRun(RunRecord):
             frames.append(frame(_encode(chunk)))
         if not frames:
             return
+        lifecycle, sink = self.record.lifecycle, self.record.sink
         async with self._write_lock:
-            if self.lifecycle.finished:
+            if lifecycle.finished:
                 return
-            if not self.lifecycle.committed:
-                self.lifecycle.advance(Input.COMMIT)
-                await self.sink.commit(b"".join(frames))
+            if not lifecycle.committed:
+                lifecycle.advance(Input.COMMIT)
+                await sink.commit(b"".join(frames))
             else:
-                await self.sink.send(b"".join(frames))
+                await sink.send(b"".join(frames))
 
     def child_answer(self, k: int, body: bytes) -> None:
         answer = _decode(body)
         if isinstance(answer, dict):
             self._answers[k] = answer
 
-    async def _finish(self) -> None:
-        self.outcome, self.status = "completed", 200
-        if self.lifecycle.state is not State.GENERATING:  # every child answered at once
+    async def _answer_merged(self) -> None:
+        record, req = self.record, self.record.req
+        lifecycle, sink = record.lifecycle, record.sink
+        record.completed()
+        if lifecycle.state is not State.GENERATING:  # every child answered at once
             self._follow(State.GENERATING)
-        if not self.req.stream:
-            self.lifecycle.advance(Input.COMMIT)
-            self.lifecycle.advance(Input.DONE)
-            with self.last_write():
-                await self.sink.respond_json(200, _encode(self._merged_answer()))
+        if not req.stream:
+            lifecycle.advance(Input.COMMIT)
+            lifecycle.advance(Input.DONE)
+            with record.last_write():
+                await sink.respond_json(200, _encode(self._merged_answer()))
             return
         tail = b""
-        if self.req.include_usage and self._usage:
+        if req.include_usage and self._usage:
             usage_chunk = {
                 **(self._template or {}),
                 "choices": [],
@@ -195,16 +212,16 @@ class FanOutRun(RunRecord):
             }
             tail = frame(_encode(usage_chunk))
         async with self._write_lock:
-            committed = self.lifecycle.committed
+            committed = lifecycle.committed
             if not committed:
-                self.lifecycle.advance(Input.COMMIT)
-            self.lifecycle.advance(Input.DONE)
-            with self.last_write():
+                lifecycle.advance(Input.COMMIT)
+            lifecycle.advance(Input.DONE)
+            with record.last_write():
                 if committed:
-                    await self.sink.end(tail + DONE_FRAME)
+                    await sink.end(tail + DONE_FRAME)
                 else:
-                    await self.sink.commit(tail + DONE_FRAME)
-                    await self.sink.end()
+                    await sink.commit(tail + DONE_FRAME)
+                    await sink.end()
 
     def _merged_answer(self) -> dict[str, Any]:
         first = self._answers.get(0, {})

@@ -2,7 +2,8 @@
 and the relay of its stream to the client, each under its own clock. What a leg is for, and
 what follows it, is the request's machine's (``narwhal.core.request``, its actions in
 ``narwhal.core.request_actions``); the request's run (``narwhal.router.request_run``)
-places the legs and feeds the machine.
+makes one ``RequestLegs`` with the request's record and machine, places the legs
+(``narwhal.router.placer``) and feeds the machine.
 
 Timeouts are cancel scopes owned here: the prefill clock over the whole producer leg, and
 one decode clock that is the first-token budget until the first generated token (it starts
@@ -21,40 +22,43 @@ from opentelemetry.trace import Span, SpanKind
 
 from narwhal.core import resume
 from narwhal.core.clocks import Clock, ran_out
-from narwhal.core.config import FleetConfig
 from narwhal.core.connector import PrefillResult
 from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.faults import AtEngine, Phase
 from narwhal.core.fleet import DecodeClaim
 from narwhal.core.request import RequestMachine
 from narwhal.core.request_actions import Decode
-from narwhal.core.requests import ClientRequest
 from narwhal.observe import tracing
 from narwhal.observe.batched_histogram import RequestBuckets
-from narwhal.router.run_record import ClientSink, RouterState, RunRecord
+from narwhal.router.run_record import RouterState, RunRecord
 from narwhal.router.token_path import ClientStream, TokenPath
 from narwhal.stream.assemble import Assembler, Echo, prompt_echo
 from narwhal.stream.continuation import Kept, Reframer, without_ids
 from narwhal.stream.rules import Reply, Rewrite, StreamRelay
 
 
-class RequestLegs(RunRecord):
+class RequestLegs:
     """The legs of one prefill/decode chain, and what its decode leg leaves behind: the
-    answer's figures, the reply (for the prefix index), where a resume would go on."""
+    answer's figures, the reply (for the prefix index), where a resume would go on. Its
+    run makes it once, with the request's record and machine, which it tells what the
+    legs did."""
 
     __slots__ = (
-        "_attempt_span",
-        "_claim",
         "_collector",
         "_echo",
-        "_indexing",
+        "_keep_reply",
         "_last_output_at",
         "_local_prompt_tokens",
-        "_path",
-        "_reply",
+        "attempt_span",
+        "config",
         "first_byte_s",
         "machine",
+        "path",
         "prefill_result",
+        "record",
+        "reply",
+        "req",
+        "rid",
         "router",
         "tokens",
     )
@@ -62,34 +66,37 @@ class RequestLegs(RunRecord):
     def __init__(
         self,
         router: RouterState,
-        config: FleetConfig,
-        req: ClientRequest,
-        rid: str,
-        sink: ClientSink,
+        record: RunRecord,
+        machine: RequestMachine,
         *,
-        arrival: float | None = None,
-        progress: Callable[[Any], None] | None = None,
+        keep_reply: bool,
     ) -> None:
-        super().__init__(config, req, rid, sink, arrival=arrival, progress=progress)
         self.router = router
-        self.machine: RequestMachine  # the subclass makes it, with the request's rules
+        self.record = record
+        self.machine = machine
+        self.config, self.req, self.rid = record.config, record.req, record.rid
+        self._keep_reply = keep_reply  # the reply is kept for the prefix index
         self.first_byte_s: float | None = None
         self.tokens = 0
-        self.prefill_result: PrefillResult | None = None  # the last attempt's
-        self._attempt_span: Span | None = None  # the running attempt's, tracing on
-        self._claim: DecodeClaim | None = None  # the consumer room held since the prefill
+        self.prefill_result: PrefillResult | None = None  # the last fresh prefill's answer
+        self.attempt_span: Span | None = None  # the running attempt's, tracing on
         self._echo: Echo | None = None  # a streamed echo (completions)
         self._collector: Assembler | None = None  # a JSON answer, across a resume
-        self._indexing = False  # the reply is kept for the prefix index
-        self._reply: Reply | None = None  # the generated text, for the index
+        self.reply: Reply | None = None  # the generated text, for the index
         self._local_prompt_tokens: int | None = None
-        self._path: TokenPath | None = None  # the running decode leg's
+        self.path: TokenPath | None = None  # the running decode leg's
         self._last_output_at: float | None = None  # the client's last token, so far
+
+    def prompt_tokens(self) -> int | None:
+        """The prompt tokens an engine computed for this request (None: not known)."""
+        if self.prefill_result is None:  # a local attempt: its consumer's usage counts them
+            return self._local_prompt_tokens
+        return self.prefill_result.prompt_tokens
 
     # ---- spans -----------------------------------------------------------------------------
 
     def _leg_span(self, leg: Leg, engine: EngineState, backend_id: str) -> Span | None:
-        parent = self._attempt_span
+        parent = self.attempt_span
         if parent is None:
             return None
         return tracing.child_span(
@@ -105,17 +112,20 @@ class RequestLegs(RunRecord):
 
     def _leg_trace(self, span: Span | None) -> tracing.Headers:
         """A leg's W3C trace context: its own span's with tracing on, else the client's."""
-        return self.trace if span is None else tracing.headers(span)
+        return self.record.trace if span is None else tracing.headers(span)
 
-    def _start_attempt_span(self) -> Span | None:
-        if self.span is None:
-            return None
-        attrs: dict[str, int | str] = {"narwhal.attempt": len(self.machine.attempts)}
-        if self.machine.choice is not None:
-            attrs["narwhal.choice"] = self.machine.choice
-        return tracing.child_span(self.span, "attempt", attrs)
+    def attempt_began(self) -> Span | None:
+        """The attempt the machine just began: its span (tracing on), its legs' parent."""
+        span, parent = None, self.record.span
+        if parent is not None:
+            attrs: dict[str, int | str] = {"narwhal.attempt": len(self.machine.attempts)}
+            if self.machine.fanout_index is not None:
+                attrs["narwhal.choice"] = self.machine.fanout_index
+            span = tracing.child_span(parent, "attempt", attrs)
+        self.attempt_span = span
+        return span
 
-    def _attempt_figures(self) -> dict[str, Any]:
+    def attempt_figures(self) -> dict[str, Any]:
         """The attempt span's attributes, known once it ended."""
         if not self.machine.attempts:
             return {}
@@ -125,12 +135,12 @@ class RequestLegs(RunRecord):
             "consumer": record.consumer,
             "phase": record.phase,
             "retry": record.retry,
-            "handoff": record.handoff,
+            "handoff": record.handoff_fate,
             "local": record.local,
             "tokens": self.tokens,
         }
 
-    async def _context(self, consumer: EngineState) -> int | None:
+    async def context_of(self, consumer: EngineState) -> int | None:
         """The consumer's context length, asked at each resume (``/v1/models``, within the
         health checks' bound): an engine restarted since may have another. None: unknown."""
         with trio.move_on_after(self.config.engine.health_timeout_s):
@@ -144,7 +154,9 @@ class RequestLegs(RunRecord):
 
     # ---- the prefill leg -------------------------------------------------------------------
 
-    async def _prefill(self, producer: EngineState, number: int) -> PrefillResult:
+    async def prefill(self, producer: EngineState, number: int) -> PrefillResult:
+        """The prefill leg on ``producer``; a fresh attempt's answer is kept (its prompt
+        side is served with the answer)."""
         router = self.router
         budget = self.config.serving.prefill_timeout_s
         backend_id = f"{self.rid}-a{number}-prefill"
@@ -154,28 +166,37 @@ class RequestLegs(RunRecord):
                 async with router.fleet.reserve(producer, "prefill"):
                     with AtEngine(producer.id, producer.url):
                         endpoint, body = self._leg_request(decode=False)
-                        return await router.client.prefill(
+                        result = await router.client.prefill(
                             producer.url,
                             endpoint,
                             body,
                             request_id=backend_id,
                             trace=self._leg_trace(span),
-                            handoff=self.machine.handoff_asked,
+                            asks_descriptor=self.machine.asks_descriptor,
                         )
+                        if self.machine.continuation is None:
+                            self.prefill_result = result
+                        return result
             clock, phase = Clock.PREFILL, Phase.PREFILL
             raise ran_out(clock, budget, phase=phase, engine_id=producer.id, scope=prefill_clock)
 
     # ---- the decode leg --------------------------------------------------------------------
 
-    async def _decode(
+    def local_attempt(self) -> None:
+        """An attempt with no remote prefill: no producer's prompt side to serve."""
+        self.prefill_result = None
+
+    async def decode(
         self,
         consumer: EngineState,
         decode: Decode | None,
         number: int,
         first_token_s: float | None = None,
+        claim: DecodeClaim | None = None,
     ) -> None:
         """The decode leg on ``consumer``, with the handoff ``decode`` (None: a local leg,
-        which computes the prompt itself), relayed to the client until its end."""
+        which computes the prompt itself), relayed to the client until its end. ``claim``:
+        the consumer room held since the prefill, handed to the leg's reservation."""
         router = self.router
         backend_id = f"{self.rid}-a{number}-decode"
         span = self._leg_span("decode", consumer, backend_id)
@@ -187,7 +208,7 @@ class RequestLegs(RunRecord):
             return {"tokens": self.tokens, "kv_transfer": result is not None}
 
         endpoint, body = self._leg_request(decode=True)
-        self._path = None
+        self.path = None
         with tracing.Ending(span, at_end):
             stream = router.client.decode(
                 consumer.url,
@@ -200,7 +221,7 @@ class RequestLegs(RunRecord):
             )
             # decode_clock: first-token budget until the first token, then silence budget
             decode_clock = trio.CancelScope(deadline=trio.current_time() + budget)
-            reservation = router.fleet.reserve(consumer, "decode", self._claim)
+            reservation = router.fleet.reserve(consumer, "decode", claim)
             with decode_clock, AtEngine(consumer.id, consumer.url):
                 async with reservation, stream:
                     if decode is not None:  # the consumer took the request
@@ -213,11 +234,11 @@ class RequestLegs(RunRecord):
                         end = await path.relay_all(stream)
                     finally:
                         self._relayed(path, last_before)
-                    await self.finish(end)
+                    await self._write_answer(end)
                     await stream.drain()
                     return
             if not self._leg_output():
-                phase = Phase.STREAM if self.lifecycle.output_seen else Phase.DECODE
+                phase = Phase.STREAM if self.record.lifecycle.output_seen else Phase.DECODE
                 clock, budget_s = Clock.FIRST_TOKEN, budget
             else:
                 phase, clock, budget_s = Phase.STREAM, Clock.SILENCE, engine.decode_read_timeout_s
@@ -225,7 +246,7 @@ class RequestLegs(RunRecord):
 
     def _leg_output(self) -> bool:
         """The running decode leg relayed a token (a continuation's first is its own)."""
-        path = self._path
+        path = self.path
         return path is not None and path.first_token_at is not None
 
     def _leg_request(self, *, decode: bool) -> tuple[str, Mapping[str, Any]]:
@@ -285,8 +306,9 @@ class RequestLegs(RunRecord):
         client's side, the reactor where the reads need no waiting."""
         resuming = self.machine.continuation is not None
         collector = self._answer_side()
-        direct = self.sink.direct if collector is None else None
-        client = ClientStream(self.sink, self.lifecycle, self._echo, direct)
+        sink = self.record.sink
+        direct = sink.direct if collector is None else None
+        client = ClientStream(sink, self.machine, self._echo, direct)
         # parked in the reactor: a stream whose reads need no waiting between its first
         # output and its end, streamed straight to the client or assembled for JSON
         reactor = self.router.reactor if direct is not None or collector is not None else None
@@ -296,15 +318,15 @@ class RequestLegs(RunRecord):
         relay = StreamRelay(
             collector,
             strip_usage=not self.req.include_usage,
-            keep_reply=self._indexing,
+            keep_reply=self._keep_reply,
             kept=kept,
             rewrite=rewrite,
             resumed_at=resumed_at,
         )
-        if resuming and self._reply is not None:
-            relay.reply = self._reply  # the reply goes on
-        self._reply = relay.reply
-        path = self._path = TokenPath(client, relay, clock, silence, gaps, reactor, started)
+        if resuming and self.reply is not None:
+            relay.reply = self.reply  # the reply goes on
+        self.reply = relay.reply
+        path = self.path = TokenPath(client, relay, clock, silence, gaps, reactor, started)
         path.last_output_at = self._last_output_at if resuming else None
         return path
 
@@ -317,21 +339,24 @@ class RequestLegs(RunRecord):
         elif first is not None and last_before is not None:
             self.router.metrics.resume_gap.observe(first - last_before)
         if first is not None and self.first_byte_s is None:
-            self.first_byte_s = first - self.arrival
+            self.first_byte_s = first - self.record.arrival
         if path.last_output_at is not None:
             self._last_output_at = path.last_output_at
 
-    async def finish(self, data: bytes) -> None:
-        self.outcome, self.status = "completed", 200
-        committed = self.machine.finished()
-        with self.last_write():
+    async def _write_answer(self, data: bytes) -> None:
+        """The end of the answer: the JSON, or the stream's last bytes (its commit too,
+        when its first output and its end came in one read)."""
+        record, sink = self.record, self.record.sink
+        record.completed()
+        committed = self.machine.finish()
+        with record.last_write():
             if not self.req.stream:
-                await self.sink.respond_json(200, data)
+                await sink.respond_json(200, data)
                 return
             if self._echo is not None:
                 data = self._echo.stream(data)
             if committed:
-                await self.sink.end(data)
+                await sink.end(data)
             else:
-                await self.sink.commit(data)
-                await self.sink.end()
+                await sink.commit(data)
+                await sink.end()

@@ -1,15 +1,16 @@
-"""What every run of a client request records for ``Router.handle``: its lifecycle,
-outcome and journal line, and how a fault is told to the client (JSON before the commit
-point, one terminal event after it). ``narwhal.router.request_run.RequestRun`` is one
-prefill/decode chain; ``narwhal.router.fanout.FanOutRun`` several."""
+"""What every run of a client request records for ``Router.handle``: its outcome and journal
+line, and how a fault is told to the client (JSON before the commit point, one terminal
+event after it). A ``RunRecord`` is an object a run holds, made once:
+``narwhal.router.request_run.RequestRun`` (one prefill/decode chain) and
+``narwhal.router.fanout.FanOutRun`` (several) each have one, as ``run.record``."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Protocol
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import NamedTuple, Protocol
 
 import trio
 from opentelemetry.trace import Span
@@ -18,7 +19,7 @@ from narwhal.core.config import FleetConfig
 from narwhal.core.faults import DeadlineExpired, Phase, RequestFault, ShuttingDown
 from narwhal.core.fleet import Fleet
 from narwhal.core.flow_class import Flow
-from narwhal.core.lifecycle import Input, Lifecycle, State
+from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.core.records import AttemptLine, Caller, JournalLine, Outcome
 from narwhal.core.request import PHASE_OF, outcome_of
 from narwhal.core.requests import ClientRequest
@@ -64,13 +65,23 @@ class RouterState(Protocol):
     tokens: TokenSource
 
 
-class RunRecord:
-    """What every run of a client request records for ``Router.handle``: its lifecycle,
-    outcome and journal line, and how a fault is told to the client. ``RequestRun`` is one
-    prefill/decode chain; ``narwhal.router.fanout.FanOutRun`` several."""
+class Measures(NamedTuple):
+    """What a run measured, for its journal line."""
 
-    # slotted: a held stream's run is one of its larger objects (bench/held_stream_objects.py)
+    attempts: list[AttemptLine]
+    prefill_s: float | None
+    first_byte_s: float | None
+    tokens: int
+    prompt_tokens: int | None  # as the engine that computed them counted (None: not known)
+
+
+class RunRecord:
+    """One client request's record: who sent it and how, where it stands (the lifecycle
+    its run advances), how it ended, and how a fault is told to the client."""
+
+    # slotted: a held stream's record is one of its larger objects (bench/held_stream_objects.py)
     __slots__ = (
+        "_write_lock",
         "arrival",
         "arrived_at",
         "caller",
@@ -98,16 +109,19 @@ class RunRecord:
         req: ClientRequest,
         rid: str,
         sink: ClientSink,
+        lifecycle: Lifecycle,
         *,
         arrival: float | None = None,
-        progress: Callable[[State], None] | None = None,
+        write_lock: trio.Lock | None = None,
     ) -> None:
         self.config = config  # taken once, at admission: a reload applies to new requests
         self.req = req
         self.rid = rid
         self.sink = sink
         self.arrival = trio.current_time() if arrival is None else arrival
-        self.lifecycle = Lifecycle(progress)
+        self.lifecycle = lifecycle
+        # held while the terminal event is written: a fan-out's, never between a child's frames
+        self._write_lock = write_lock
         self.outcome: Outcome = "cancelled"  # until something else is known
         self.status: int | None = None
         self.fault: RequestFault | None = None
@@ -135,10 +149,13 @@ class RunRecord:
     def deadline(self) -> float:
         return self.arrival + self.config.serving.request_timeout_s
 
-    def cancel(self) -> None:
-        """The client went away (or could not be told of the failure): record where."""
-        self.cancelled_in = self.phase
-        self.lifecycle.advance(Input.CANCEL)
+    def cancelled(self, phase: Phase) -> None:
+        """The client went away (or could not be told of the failure) in ``phase``."""
+        self.cancelled_in = phase
+
+    def completed(self) -> None:
+        """The whole answer is about to be written (``last_write`` says if it arrived)."""
+        self.outcome, self.status = "completed", 200
 
     @contextmanager
     def last_write(self) -> Iterator[None]:
@@ -175,40 +192,18 @@ class RunRecord:
         self.lifecycle.advance(Input.FAIL)
         self._record(fault)
         error = fault.error_json()
-        if committed:
-            given_up = isinstance(fault, DeadlineExpired | ShuttingDown)  # invariant 10
-            await self._end_stream(frame(error), abandon=given_up)
-        else:
+        if not committed:
             await self.sink.respond_json(fault.status, error)
+            return
+        given_up = isinstance(fault, DeadlineExpired | ShuttingDown)  # invariant 10
+        async with self._write_lock or nullcontext():
+            await self.sink.cut(frame(error), abandon=given_up)
 
     def _record(self, fault: RequestFault) -> None:
         self.fault, self.status, self.outcome = fault, fault.status, outcome_of(fault)
 
-    async def _end_stream(self, data: bytes, *, abandon: bool) -> None:
-        await self.sink.cut(data, abandon=abandon)
-
-    def measures(self) -> tuple[list[AttemptLine], float | None, float | None, int]:
-        """(attempts, prefill_s, first_byte_s, tokens) for the journal."""
-        raise NotImplementedError
-
-    def prompt_tokens(self) -> int | None:
-        """The prompt tokens an engine computed for this request (None: not known)."""
-        return None
-
-    def beyond_target(self) -> RequestFault | None:
-        """A 429 for a request that cannot meet its class's TTFT target even with nothing
-        queued ahead (contract 4.8), answered at once rather than after waiting; None: it
-        may queue."""
-        return None
-
-    def local_possible(self) -> bool:
-        """Whether its consumer may serve it alone (contract 4.5: a consumer's room is then
-        enough to dispatch it)."""
-        return False
-
-    def journal_line(self) -> JournalLine:
+    def journal_line(self, measures: Measures) -> JournalLine:
         fault = self.fault
-        attempts, prefill_s, first_byte_s, tokens = self.measures()
         return JournalLine(
             request_id=self.rid,
             endpoint=self.req.endpoint,
@@ -217,12 +212,12 @@ class RunRecord:
             status=self.status,
             phase=fault.phase if fault else self.cancelled_in,
             message=fault.message if fault else None,
-            attempts=attempts,
-            prefill_s=prefill_s,
-            first_byte_s=first_byte_s,
-            tokens=tokens,
+            attempts=measures.attempts,
+            prefill_s=measures.prefill_s,
+            first_byte_s=measures.first_byte_s,
+            tokens=measures.tokens,
             duration_s=self.elapsed,
-            prompt_tokens=self.prompt_tokens(),
+            prompt_tokens=measures.prompt_tokens,
             at=round(self.arrived_at, 3),
             client=self.caller.client,
             key=self.caller.key,

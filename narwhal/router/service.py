@@ -55,7 +55,7 @@ from narwhal.router.kv_subscriber import KvSubscriber
 from narwhal.router.pass_through import PassThrough
 from narwhal.router.reclaim import Reclaimer
 from narwhal.router.request_run import RequestRun
-from narwhal.router.run_record import ClientSink
+from narwhal.router.run_record import ClientSink, RunRecord
 from narwhal.router.scraper import Scraper
 from narwhal.router.stream_reactor import StreamReactor
 from narwhal.router.token_source import TokenSource
@@ -180,36 +180,37 @@ class Router:
         The run is awaited from here, with no call of its own between: a held stream's
         task keeps one frame fewer."""
         run, traced = self._begin(req, rid, sink, caller, headers, flow)
-        deadline, timeout = run.deadline, run.config.serving.request_timeout_s
+        record = run.record
+        deadline, timeout = record.deadline, record.config.serving.request_timeout_s
         async with trio.open_nursery() as nursery:
             limit = nursery.cancel_scope
             limit.deadline = min(deadline, self.drain_deadline)
             watch = on_disconnect or _watcher(nursery, wait_disconnect)
-            watch(partial(self._disconnected, limit, run))
+            watch(partial(self._disconnected, limit, record))
             self.running.add(limit)
             dispatched = ended = False
             try:
                 refused = run.beyond_target()
                 if refused is not None:
                     raise refused
-                run.queued_s = await self.admission.dispatch(
-                    run.flow.cls,
-                    run.flow.tenant,
-                    run.arrival,
-                    self._dispatch_by(run),
+                record.queued_s = await self.admission.dispatch(
+                    record.flow.cls,
+                    record.flow.tenant,
+                    record.arrival,
+                    self._dispatch_by(record),
                     local=run.local_possible(),
-                    pool=run.req.model,
-                    due=run.due,
+                    pool=record.req.model,
+                    due=record.due,
                 )
                 dispatched = True
                 await run.execute()
             except RequestFault as fault:
-                await run.fail(fault)
+                await record.fail(fault)
             except Exception as exc:
                 # a bug of ours must still end the request honestly, never hang it
-                log.exception("request %s failed inside the router", run.rid)
-                await run.fail(
-                    InternalError(f"router error: {type(exc).__name__}", phase=run.phase)
+                log.exception("request %s failed inside the router", record.rid)
+                await record.fail(
+                    InternalError(f"router error: {type(exc).__name__}", phase=record.phase)
                 )
             except trio.Cancelled:
                 # its deadline (or the drain's) passed: not a scope around it, nor the
@@ -221,10 +222,10 @@ class Router:
                 if dispatched:
                     self.admission.done()
                 else:  # it left the queue another way: its wait is all it did
-                    run.queued_s = trio.current_time() - run.arrival
+                    record.queued_s = trio.current_time() - record.arrival
                 try:
-                    if ended and not run.client_left:  # else nobody is left to tell
-                        await self._tell_limit(run, limit, deadline, timeout)
+                    if ended and not record.client_left:  # else nobody is left to tell
+                        await self._tell_limit(record, limit, deadline, timeout)
                 finally:
                     self._end(run, traced)  # before a checkpoint: the line is out with the answer
                     limit.cancel()  # what it started beside its main line
@@ -245,11 +246,12 @@ class Router:
             if req.fanout > 1
             else RequestRun(self, self.config, req, rid, sink)
         )
-        run.caller = caller or run.caller
-        run.flow = flow or run.flow
+        record = run.record
+        record.caller = caller or record.caller
+        record.flow = flow or record.flow
         traced = None
         if tracing.ENABLED:  # off: nothing is made, this is the only cost
-            run.span = tracing.server_span(
+            record.span = tracing.server_span(
                 f"POST {req.endpoint}",
                 headers,
                 {
@@ -261,28 +263,29 @@ class Router:
                     "narwhal.fanout": req.fanout,
                 },
             )
-            traced = log_context.set({"request_id": rid, "trace_id": tracing.trace_id(run.span)})
+            traced = log_context.set({"request_id": rid, "trace_id": tracing.trace_id(record.span)})
         else:  # not a participant: the client's trace context goes to the legs as it came
-            run.trace = tracing.incoming(headers)
+            record.trace = tracing.incoming(headers)
         self.admission.admit()
         return run, traced
 
     def _end(self, run: Run, traced: contextvars.Token[dict[str, str] | None] | None) -> None:
         """Its one journal line, its metrics and log line, its span: on every exit path."""
-        if not run.lifecycle.finished:
+        record = run.record
+        if not record.lifecycle.finished:
             run.cancel()  # the client is gone (or so is the notice of its failure)
-        if run.outcome == "completed":
+        if record.outcome == "completed":
             self.retry_budget.earn()
         line = run.journal_line()
         self.journal.write(line)
         self.export(line)
         log_request(line)
         self.admission.release()
-        if run.span is not None:
+        if record.span is not None:
             if line.status is not None:
-                run.span.set_attribute("http.response.status_code", line.status)
+                record.span.set_attribute("http.response.status_code", line.status)
             tracing.end(
-                run.span,
+                record.span,
                 line.outcome,
                 line.message,
                 status=line.status,
@@ -294,13 +297,13 @@ class Router:
             log_context.reset(traced)
 
     async def _tell_limit(
-        self, run: Run, limit: trio.CancelScope, deadline: float, budget_s: float
+        self, record: RunRecord, limit: trio.CancelScope, deadline: float, budget_s: float
     ) -> None:
         """The answer to a request its limit ended, sent past the limit (shielded), for
         ``FAIL_SEND_BOUND_S`` at most."""
-        expired = self.limit_fault(limit, deadline, budget_s, run.phase, caught=False)
+        expired = self.limit_fault(limit, deadline, budget_s, record.phase, caught=False)
         with trio.CancelScope(shield=True), trio.move_on_after(FAIL_SEND_BOUND_S):
-            await run.fail(expired)
+            await record.fail(expired)
 
     def limit_fault(
         self,
@@ -319,11 +322,11 @@ class Router:
             return ran_out(Clock.DRAIN, grace, phase=phase, scope=scope)
         return ran_out(Clock.DEADLINE, timeout, phase=phase, scope=scope)
 
-    def _dispatch_by(self, run: Run) -> float:
+    def _dispatch_by(self, record: RunRecord) -> float:
         """The latest a queued request is worth sending on (``limits.dispatch_by``)."""
-        config = run.config
+        config = record.config
         timeout, first_token = config.serving.request_timeout_s, config.engine.first_token_timeout_s
-        return dispatch_by(run.deadline, timeout, first_token)
+        return dispatch_by(record.deadline, timeout, first_token)
 
     @contextmanager
     def drain_bound(self) -> Iterator[trio.CancelScope]:
@@ -465,13 +468,13 @@ class Router:
         """Return once no admitted request is left (reservations are released by then)."""
         await self.admission.wait_drained()
 
-    def _disconnected(self, scope: trio.CancelScope, run: Run) -> None:
-        if run.lifecycle.finished:
+    def _disconnected(self, scope: trio.CancelScope, record: RunRecord) -> None:
+        if record.lifecycle.finished:
             # hypercorn reports the end of a completed response as a disconnect too; what
             # is left (reading the engine's end of body) must not be cancelled for it
             return
         self.disconnects += 1
-        run.client_left = True
+        record.client_left = True
         scope.cancel()
 
     async def aclose(self) -> None:

@@ -34,7 +34,6 @@ from typing import Protocol
 import trio
 
 from narwhal.core.faults import StreamBroken
-from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.engines.client import DecodeStream
 from narwhal.lowlevel.fast_io import Parkable
 from narwhal.observe.batched_histogram import RequestBuckets
@@ -65,6 +64,14 @@ class Sink(Protocol):
     async def send(self, data: bytes) -> None: ...
 
 
+class Milestones(Protocol):
+    """What the stream tells the request's machine (``narwhal.core.request``), which alone
+    moves the request's lifecycle."""
+
+    def first_token(self) -> None: ...
+    def commit(self) -> None: ...
+
+
 class DirectWrite(Protocol):
     """A framed write to the client connection (``narwhal.frontdoor.direct.DirectBody``)."""
 
@@ -77,13 +84,13 @@ class ClientStream:
     commit point (the 200 headers with the first output), and writes, with or without
     waiting. ``direct`` None: every write waits (a server without the direct write)."""
 
-    __slots__ = ("_echo", "_sink", "_unframed", "direct", "lifecycle")
+    __slots__ = ("_echo", "_sink", "_unframed", "direct", "machine")
 
     def __init__(
-        self, sink: Sink, lifecycle: Lifecycle, echo: Echo | None, direct: DirectWrite | None
+        self, sink: Sink, machine: Milestones, echo: Echo | None, direct: DirectWrite | None
     ) -> None:
         self._sink = sink
-        self.lifecycle = lifecycle
+        self.machine = machine
         self._echo = echo
         self.direct = direct
         self._unframed: bytes | None = None  # what the direct write could not frame
@@ -116,7 +123,7 @@ class ClientStream:
         headers go out before it)."""
         data = self.echoed(action.data)
         if type(action) is FirstOutput:
-            self.lifecycle.advance(Input.COMMIT)
+            self.machine.commit()
             await self._sink.commit(data)
         else:
             await self._sink.send(data)
@@ -215,7 +222,7 @@ class TokenPath:
         if tokens_before == self.base and tokens != tokens_before:
             self.first_token_at = trio.current_time()
             if not self.base:  # a continuation's request has had its first token
-                self.client.lifecycle.advance(Input.FIRST_TOKEN)
+                self.client.machine.first_token()
             if self.on_first_token is not None:
                 self.on_first_token()
         match action:

@@ -94,8 +94,8 @@ class TokenSource:
             return False
         for leg in LEGS:
             candidates = fleet.placeable(leg, now)[0]
-            choice = len(candidates) >= 2 or (decode_first and leg == "decode")
-            if choice and any(fleet.precise.live(e.id) is not None for e in candidates):
+            contested = len(candidates) >= 2 or (decode_first and leg == "decode")
+            if contested and any(fleet.precise.live(e.id) is not None for e in candidates):
                 return True
         return False
 

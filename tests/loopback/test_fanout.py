@@ -53,7 +53,7 @@ async def test_n_completions_come_back_as_n_choices(pd: Harness) -> None:
     )
     await pd.router.wait_drained()
     [line] = pd.router.journal.lines
-    assert sorted(a.choice for a in line.attempts) == [0, 1, 2]
+    assert sorted(a.fanout_index for a in line.attempts) == [0, 1, 2]
     assert line.tokens == 15
     await finish(pd)
 

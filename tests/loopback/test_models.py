@@ -83,7 +83,11 @@ async def test_an_adapter_is_served_only_by_engines_that_have_it_with_the_handof
             assert _text(reply) == direct
             assert reply.json()["model"] == "a"
             attempt = h.router.journal.lines[-1].attempts[0]
-            assert (attempt.producer, attempt.consumer, attempt.handoff) == ("p0", "d0", "decoded")
+            assert (attempt.producer, attempt.consumer, attempt.handoff_fate) == (
+                "p0",
+                "d0",
+                "decoded",
+            )
             assert h.router.journal.lines[-1].model == "a"
         assert _text(base) != direct  # the adapter says something else
 

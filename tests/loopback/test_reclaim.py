@@ -117,7 +117,7 @@ async def test_a_refused_decode_leaves_an_orphan_that_is_reclaimed_at_once(
     assert reclaimer.counters["generation_tokens"] == 0
     assert reclaimer.counters["kv_pull_ok"] == 0
     (line,) = harness.router.journal.lines
-    assert line.attempts[0].handoff == "orphaned"
+    assert line.attempts[0].handoff_fate == "orphaned"
     assert harness.router.metrics.registry.get_sample_value("narwhal_reclaim_seconds_count") == 1
     await finish(harness)
 
@@ -131,7 +131,7 @@ async def test_a_client_gone_after_prefill_leaves_no_kv_behind(nursery: trio.Nur
         client.cancel_scope.cancel()
     await settled(harness)
     (line,) = harness.router.journal.lines
-    assert (line.outcome, line.attempts[0].handoff) == ("cancelled", "orphaned")
+    assert (line.outcome, line.attempts[0].handoff_fate) == ("cancelled", "orphaned")
     assert ids(harness, "d0")[-1] == f"{line.request_id}-a1-reclaim"
     assert held(harness) == 0
     assert fates(harness)["reclaimed"] == 1
@@ -219,7 +219,7 @@ async def test_a_handoff_older_than_the_lease_never_reaches_a_consumer(
     await settled(harness)
     assert ids(harness, "d0") == []  # no consumer leg, not even a reclaim
     (line,) = harness.router.journal.lines
-    assert [a.handoff for a in line.attempts] == ["expired", "expired"]  # a fresh attempt too
+    assert [a.handoff_fate for a in line.attempts] == ["expired", "expired"]  # a fresh attempt too
     f = fates(harness)
     assert (f["produced"], f["expired"], f["reclaim_dropped"]) == (2, 2, 2)
     value = harness.router.metrics.registry.get_sample_value
@@ -363,7 +363,7 @@ async def test_an_answer_that_needs_the_prefill_on_one_engine_holds_no_kv(
         assert reply.json()["choices"][0]["text"].startswith(BODY["prompt"])
     await settled(harness)
     assert legs_of(harness) == [("e0", "e0")] * 3
-    assert all(a.handoff is None for ln in harness.router.journal.lines for a in ln.attempts)
+    assert all(a.handoff_fate is None for ln in harness.router.journal.lines for a in ln.attempts)
     prefills = [e["body"] for e in harness.engines["e0"].log if e["request_id"].endswith("prefill")]
     assert len(prefills) == 3
     assert all("kv_transfer_params" not in body for body in prefills)

@@ -297,12 +297,20 @@ class _Nowhere:
         await trio.lowlevel.checkpoint()
 
 
-def _decoding() -> Lifecycle:
-    """A request's lifecycle where its decode leg has been dispatched."""
-    lifecycle = Lifecycle()
-    for step in (Input.PREFILL, Input.DESCRIPTOR, Input.DISPATCH):
-        lifecycle.advance(step)
-    return lifecycle
+class _Decoding:
+    """A request's machine where its decode leg has been dispatched: it hears the
+    stream's first token and its commit, in that order."""
+
+    def __init__(self) -> None:
+        self.lifecycle = Lifecycle()
+        for step in (Input.PREFILL, Input.DESCRIPTOR, Input.DISPATCH):
+            self.lifecycle.advance(step)
+
+    def first_token(self) -> None:
+        self.lifecycle.advance(Input.FIRST_TOKEN)
+
+    def commit(self) -> None:
+        self.lifecycle.advance(Input.COMMIT)
 
 
 def silence_ends(gaps: list[float]) -> float:
@@ -339,7 +347,7 @@ async def _relay_until_silent(gaps: list[float]) -> float:
         start = trio.current_time()
         clock = trio.CancelScope(deadline=start + 100.0)  # the first-token budget
         gauge = RequestBuckets(Metrics(["d0"], model="m").token_gap)
-        client = ClientStream(_Nowhere(), _decoding(), None, _Nowhere())
+        client = ClientStream(_Nowhere(), _Decoding(), None, _Nowhere())
         path = TokenPath(client, StreamRelay(None), clock, SILENCE, gauge, reactor)
         with clock:
             await path.relay_all(_SocketStream(ours))  # type: ignore[arg-type]

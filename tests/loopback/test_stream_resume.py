@@ -108,7 +108,7 @@ async def test_a_stream_broken_after_output_goes_on_elsewhere(
     assert (line.outcome, line.status, line.tokens) == ("completed", 200, ASKED)
     first, second = line.attempts
     assert (first.consumer, first.resume, first.resumed_at_token) == (FIRST, "resumed", None)
-    assert (second.consumer, second.resumed_at_token, second.handoff) == ("d0", 5, "decoded")
+    assert (second.consumer, second.resumed_at_token, second.handoff_fate) == ("d0", 5, "decoded")
     assert f"{rid}-a2-prefill" in [e["request_id"] for e in h.engines["p0"].log]
     assert _resumes(h, "resumed") == _resumes(h, "completed") == 1
     await finish(h)
@@ -162,7 +162,7 @@ async def test_fan_out_children_resume_one_by_one(nursery: trio.Nursery) -> None
     line = await _line(h)
     assert (line.outcome, line.tokens) == ("completed", 2 * ASKED)
     resumed = [a for a in line.attempts if a.resumed_at_token is not None]
-    assert sorted(a.choice for a in resumed) == [0, 1]
+    assert sorted(a.fanout_index for a in resumed) == [0, 1]
     # the fake engine continues a seeded sample's script (vLLM does not promise to)
     assert broken == _choices(await post_raw(h, path, body))
     await finish(h)

@@ -905,7 +905,7 @@ def _held(origin: str, lines: dict[str, Any]) -> bool:
     line = lines.get(stem)
     if line is None or not attempt.isdigit() or int(attempt) > len(line.attempts):
         return False
-    return line.attempts[int(attempt) - 1].handoff is not None
+    return line.attempts[int(attempt) - 1].handoff_fate is not None
 
 
 def _legs(engines: Any) -> list[dict[str, Any]]:

@@ -43,7 +43,7 @@ async def test_a_full_consumer_pool_cannot_outwait_the_lease(
     assert message.startswith("KV handoff expired")
     assert decode_requests(fleet) == []
     (attempt,) = fleet.router.journal.lines[-1].attempts
-    assert attempt.handoff == "expired"
+    assert attempt.handoff_fate == "expired"
     limiter.release_on_behalf_of(busy)
 
 
@@ -70,7 +70,7 @@ async def test_a_slow_connect_to_the_consumer_cannot_outwait_the_handoff_limit(
     assert "was sent" in message  # the send, not the age at the descriptor's arrival
     assert decode_requests(fleet) == []
     (attempt,) = fleet.router.journal.lines[-1].attempts
-    assert attempt.handoff == "expired"
+    assert attempt.handoff_fate == "expired"
 
 
 async def test_a_consumer_with_room_takes_the_descriptor_at_once(
@@ -82,4 +82,4 @@ async def test_a_consumer_with_room_takes_the_descriptor_at_once(
     assert sink.events[-1][1] == "end"
     assert trio.current_time() == PREFILL_S
     (attempt,) = fleet.router.journal.lines[-1].attempts
-    assert attempt.handoff == "decoded"
+    assert attempt.handoff_fate == "decoded"

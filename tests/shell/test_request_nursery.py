@@ -30,7 +30,7 @@ async def test_the_disconnect_watch_ends_with_the_request(
     sink = RecordingSink()
     with trio.fail_after(5):
         run = await fleet.router.handle(req, "rid", sink, trio.sleep_forever)
-    assert run.outcome == "completed"
+    assert run.record.outcome == "completed"
     assert sink.finished
     assert trio.current_time() < 1.0  # handle returned: its nursery's watch task ended
 
@@ -49,7 +49,7 @@ async def test_the_deadline_answers_504_once_and_the_watch_ends(
     when, status, message = sink.error
     assert (when, status) == (3.0, 504), message
     assert [what for _, what, _ in sink.events] == ["json"]  # one answer
-    assert run.outcome == "expired"
+    assert run.record.outcome == "expired"
     assert fleet.router.journal.lines[-1].status == 504
 
 

@@ -12,7 +12,7 @@ from narwhal.core.config import AdmissionConfig, EngineSpec, PlacementConfig, Re
 from narwhal.core.engine_report import EngineReport
 from narwhal.core.engine_state import EngineState, Leg
 from narwhal.core.fleet import Fleet
-from narwhal.core.placement import Choice, choose
+from narwhal.core.placement import Placed, choose
 from narwhal.core.prefix_index import prompt_of
 
 LEAST = PlacementConfig(prefix_affinity=False)
@@ -27,9 +27,9 @@ def _fleet(*roles: str) -> Fleet:
 
 def _id(fleet: Fleet, leg: Leg, config: PlacementConfig = LEAST, **kw: object) -> str:
     pool = fleet.producers if leg == "prefill" else fleet.consumers
-    choice = choose(pool, leg, config, rng=random.Random(0), now=0.0, **kw)  # type: ignore[arg-type]
-    assert choice is not None
-    return choice.engine.id
+    placed = choose(pool, leg, config, rng=random.Random(0), now=0.0, **kw)  # type: ignore[arg-type]
+    assert placed is not None
+    return placed.engine.id
 
 
 def test_roles_decide_the_candidates() -> None:
@@ -105,7 +105,7 @@ def test_a_shared_prefix_stays_on_one_producer_until_it_is_loaded() -> None:
         _id(fleet, "prefill", AFFINITY, key=key, ring=fleet.ring, turn=t) for t in range(5)
     } == {home}
     fleet.by_id[home].inflight["prefill"] = 10  # far past 1.25 x the mean
-    choice = choose(
+    placed = choose(
         fleet.producers,
         "prefill",
         AFFINITY,
@@ -114,9 +114,9 @@ def test_a_shared_prefix_stays_on_one_producer_until_it_is_loaded() -> None:
         key=key,
         ring=fleet.ring,
     )
-    assert choice is not None
-    assert choice.engine.id != home
-    assert choice.reason == "spill"
+    assert placed is not None
+    assert placed.engine.id != home
+    assert placed.reason == "spill"
 
 
 @given(
@@ -148,7 +148,7 @@ def test_never_an_engine_that_is_not_placeable(
     candidates, _ = fleet.placeable("prefill", 0.0)
     avoided = {f"e{i}" for i in avoid}
     config = PlacementConfig(policy=policy, prefix_affinity=affinity)  # type: ignore[arg-type]
-    choice = choose(
+    placed = choose(
         candidates,
         "prefill",
         config,
@@ -158,20 +158,20 @@ def test_never_an_engine_that_is_not_placeable(
         key=key,
         ring=fleet.ring,
     )
-    assert isinstance(choice, Choice)
-    assert choice.engine in candidates
+    assert isinstance(placed, Placed)
+    assert placed.engine in candidates
     if any(e.id not in avoided for e in candidates):
-        assert choice.engine.id not in avoided
+        assert placed.engine.id not in avoided
 
 
 def test_equal_engines_share_the_load_under_least_loaded() -> None:
     fleet = _fleet(*["decode"] * 4)
     rng, seen = random.Random(7), Counter[str]()
     for turn in range(400):
-        choice = choose(fleet.consumers, "decode", LEAST, rng=rng, now=0.0, turn=turn)
-        assert choice is not None
-        choice.engine.inflight["decode"] += 1
-        seen[choice.engine.id] += 1
+        placed = choose(fleet.consumers, "decode", LEAST, rng=rng, now=0.0, turn=turn)
+        assert placed is not None
+        placed.engine.inflight["decode"] += 1
+        seen[placed.engine.id] += 1
     assert max(seen.values()) - min(seen.values()) <= 4, seen
 
 
@@ -192,10 +192,10 @@ def _held(fleet: Fleet, engine: str, text: str) -> None:
     fleet.prefixes.record(engine, prompt_of({"prompt": text}, chat=False).blocks, 0.0)
 
 
-def _indexed(fleet: Fleet, leg: Leg, text: str, **kw: object) -> Choice:
+def _indexed(fleet: Fleet, leg: Leg, text: str, **kw: object) -> Placed:
     pool = fleet.producers if leg == "prefill" else fleet.consumers
     prompt = prompt_of({"prompt": text}, chat=False)
-    choice = choose(
+    placed = choose(
         pool,
         leg,
         AFFINITY,
@@ -207,8 +207,8 @@ def _indexed(fleet: Fleet, leg: Leg, text: str, **kw: object) -> Choice:
         index=fleet.prefixes,
         **kw,  # type: ignore[arg-type]
     )
-    assert choice is not None
-    return choice
+    assert placed is not None
+    return placed
 
 
 def test_both_legs_go_to_the_longest_indexed_match() -> None:
@@ -218,8 +218,8 @@ def test_both_legs_go_to_the_longest_indexed_match() -> None:
     _held(fleet, "e1", shared + "t" * 640)  # the conversation's last turn went here
     _held(fleet, "e3", shared + "t" * 640 + "reply" * 40)
     text = shared + "t" * 640 + "reply" * 40 + "next question"
-    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id["e1"], "prefix_match")
-    assert _indexed(fleet, "decode", text) == Choice(fleet.by_id["e3"], "prefix_match")
+    assert _indexed(fleet, "prefill", text) == Placed(fleet.by_id["e1"], "prefix_match")
+    assert _indexed(fleet, "decode", text) == Placed(fleet.by_id["e3"], "prefix_match")
 
 
 def test_a_match_over_the_load_bound_falls_back() -> None:
@@ -227,9 +227,9 @@ def test_a_match_over_the_load_bound_falls_back() -> None:
     text = "q" * 2048
     _held(fleet, "e0", text)
     fleet.by_id["e0"].inflight["decode"] = 9  # far over the mean and the lightest + 4
-    choice = _indexed(fleet, "decode", text)
-    assert choice.engine.id != "e0"
-    assert choice.reason == "least_loaded"
+    placed = _indexed(fleet, "decode", text)
+    assert placed.engine.id != "e0"
+    assert placed.reason == "least_loaded"
 
 
 def test_a_text_never_seen_still_goes_by_the_ring() -> None:
@@ -245,7 +245,7 @@ def test_equal_matches_keep_the_ring_order_for_producers() -> None:
     for engine in ("e0", "e1", "e2"):
         _held(fleet, engine, text)
     home = fleet.ring.order(text[:512])[0]
-    assert _indexed(fleet, "prefill", text + " a question") == Choice(
+    assert _indexed(fleet, "prefill", text + " a question") == Placed(
         fleet.by_id[home], "prefix_match"
     )
 
@@ -257,7 +257,7 @@ def test_equal_matches_go_to_the_consumer_that_recorded_them_last() -> None:
     fleet.prefixes.record("e1", blocks, 0.5)  # the last turn's decode, after ...
     fleet.prefixes.record("e0", blocks, 0.2)  # ... its prefill on the other engine
     fleet.by_id["e1"].inflight["decode"] = 2  # a little busier: still under the bound
-    assert _indexed(fleet, "decode", text + " next") == Choice(fleet.by_id["e1"], "prefix_match")
+    assert _indexed(fleet, "decode", text + " next") == Placed(fleet.by_id["e1"], "prefix_match")
 
 
 # ---- saturated engines (contract 4.5) --------------------------------------------------------
@@ -277,7 +277,7 @@ def test_a_saturated_holder_of_the_prefix_is_passed_over_while_another_has_room(
     _held(fleet, "e0", SHARED)  # a block every prompt shares: e0 matches every request
     assert _indexed(fleet, "prefill", SHARED + "own").engine.id == "e0"
     _saturate(fleet, "e0")
-    assert _indexed(fleet, "prefill", SHARED + "own") == Choice(fleet.by_id["e1"], "room")
+    assert _indexed(fleet, "prefill", SHARED + "own") == Placed(fleet.by_id["e1"], "room")
 
 
 def test_among_several_with_room_the_rules_still_choose() -> None:
@@ -288,11 +288,11 @@ def test_among_several_with_room_the_rules_still_choose() -> None:
         _held(fleet, engine, SHARED)
     _held(fleet, home, text)  # the longest match of all
     _saturate(fleet, home)
-    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id[second], "prefix_match")
+    assert _indexed(fleet, "prefill", text) == Placed(fleet.by_id[second], "prefix_match")
     _saturate(fleet, second)
     _held(fleet, third, SHARED)
     fleet.by_id[home].report = None  # room again: the longest match takes it back
-    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id[home], "prefix_match")
+    assert _indexed(fleet, "prefill", text) == Placed(fleet.by_id[home], "prefix_match")
 
 
 def test_a_saturated_home_on_the_ring_spills_to_the_next_with_room() -> None:
@@ -300,7 +300,7 @@ def test_a_saturated_home_on_the_ring_spills_to_the_next_with_room() -> None:
     text = "never seen " * 100
     home, second, _ = fleet.ring.order(text[:512])
     _saturate(fleet, home)
-    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id[second], "spill")
+    assert _indexed(fleet, "prefill", text) == Placed(fleet.by_id[second], "spill")
 
 
 def test_a_saturated_consumer_is_passed_over_whatever_it_holds() -> None:
@@ -317,10 +317,10 @@ def test_with_every_candidate_saturated_affinity_works_as_before() -> None:
     _held(fleet, "e0", SHARED)
     _saturate(fleet, "e0", waiting=4)
     _saturate(fleet, "e1", waiting=2)
-    assert _indexed(fleet, "prefill", SHARED + "own") == Choice(fleet.by_id["e0"], "prefix_match")
+    assert _indexed(fleet, "prefill", SHARED + "own") == Placed(fleet.by_id["e0"], "prefix_match")
     text = "never seen " * 100
     home = fleet.ring.order(text[:512])[0]
-    assert _indexed(fleet, "prefill", text) == Choice(fleet.by_id[home], "affinity")
+    assert _indexed(fleet, "prefill", text) == Placed(fleet.by_id[home], "affinity")
 
 
 def test_the_limits_given_say_when_an_engine_is_saturated() -> None:
@@ -361,7 +361,7 @@ def test_never_a_saturated_engine_while_another_has_room(
 ) -> None:
     """Whatever the policy, the loads, what each engine holds and the avoid set: an engine
     with room whenever one outside the avoid set has room; and when none has room or all
-    have, the choice is the one the rules make with saturation left out."""
+    have, the placed is the one the rules make with saturation left out."""
     fleet = _fleet(*["both"] * len(loads))
     for engine, (legs, waiting, kv, blocks) in zip(fleet.engines, loads, strict=True):
         engine.inflight[leg] = legs
@@ -372,7 +372,7 @@ def test_never_a_saturated_engine_while_another_has_room(
     avoided = {f"e{i}" for i in avoid}
     text = SHARED + own
 
-    def placed(limits: AdmissionConfig) -> Choice | None:
+    def place(limits: AdmissionConfig) -> Placed | None:
         return choose(
             fleet.engines,
             leg,
@@ -387,8 +387,8 @@ def test_never_a_saturated_engine_while_another_has_room(
             limits=limits,
         )
 
-    choice = placed(LIMITS)
-    assert choice is not None
+    placed = place(LIMITS)
+    assert placed is not None
     allowed = [e for e in fleet.engines if e.id not in avoided] or fleet.engines
 
     def room(engine: EngineState) -> int:
@@ -396,11 +396,11 @@ def test_never_a_saturated_engine_while_another_has_room(
 
     roomy = [e for e in allowed if room(e) > 0]
     if roomy:
-        assert choice.engine in roomy
+        assert placed.engine in roomy
     if len(roomy) in (0, len(allowed)):
-        unchanged = placed(NEVER_FULL)
+        unchanged = place(NEVER_FULL)
         assert unchanged is not None
-        assert choice.engine is unchanged.engine
+        assert placed.engine is unchanged.engine
 
 
 @given(
@@ -430,7 +430,7 @@ def test_when_the_queue_sees_room_placement_goes_where_the_room_is(
     text = SHARED + "own"
     for leg in ("prefill", "decode"):
         candidates, _ = fleet.placeable(leg, 1.0)  # type: ignore[arg-type]
-        choice = choose(
+        placed = choose(
             candidates,
             leg,  # type: ignore[arg-type]
             AFFINITY,
@@ -441,5 +441,5 @@ def test_when_the_queue_sees_room_placement_goes_where_the_room_is(
             prompt=prompt_of({"prompt": text}, chat=False),
             index=fleet.prefixes,
         )
-        assert choice is not None
-        assert choice.engine.room(1.0, *limits, leg)[0] > 0  # type: ignore[arg-type]
+        assert placed is not None
+        assert placed.engine.room(1.0, *limits, leg)[0] > 0  # type: ignore[arg-type]

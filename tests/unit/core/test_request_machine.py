@@ -133,6 +133,11 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
     while True:
         step = machine.attempt()
         line = machine.attempt_line
+        if data.draw(st.booleans(), label="a token told before the decode leg"):
+            with pytest.raises(InvalidTransition):  # output comes from a dispatched decode leg
+                machine.first_token()
+            with pytest.raises(InvalidTransition):  # and is committed once, after it came
+                machine.commit()
         life.saw(line.number == len(machine.attempts), "attempts are numbered in order")
         handoff: Handoff | None = None
         decode_taken = False
@@ -149,10 +154,10 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 life.saw(type(step) is Fresh, "an attempt is fresh or a continuation")
                 life.saw(not machine.lifecycle.output_seen, "a fresh attempt only before output")
                 producer = _place(data, machine)
-                consumer_first = data.draw(st.none() | st.sampled_from(ENGINES))
+                decode_first = data.draw(st.none() | st.sampled_from(ENGINES))
                 route = machine.producer_placed(
                     producer,
-                    consumer=consumer_first,
+                    consumer=decode_first,
                     only_consumer=None,
                     consumers=len(ENGINES),
                     body=body,
@@ -163,16 +168,18 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
             else:
                 leg_engine, phase = route.producer, Phase.PREFILL
                 life.saw(
-                    route.handoff or route.consumer == route.producer,
+                    route.asks_descriptor or route.consumer == route.producer,
                     "no descriptor asked for only where one engine runs both legs",
                 )
-                machine.prefill_sent(route.producer, handoff=route.handoff)
+                machine.prefill_sent(route.producer, asks_descriptor=route.asks_descriptor)
                 started = now
                 if data.draw(st.booleans(), label="prefill fails"):
                     raise _fault(data, phase, leg_engine)
                 now += data.draw(st.floats(0, 2 * LEASE_S), label="prefill and placement")
                 handoff = machine.prefill_answered("r", route.producer, _result(), started)
-                life.saw((handoff is not None) == route.handoff, "a descriptor iff asked for")
+                life.saw(
+                    (handoff is not None) == route.asks_descriptor, "a descriptor iff asked for"
+                )
                 if handoff is not None:
                     life.handoffs.append(handoff)
                 consumer = route.consumer or _place(data, machine, apart_from=route.producer)
@@ -208,9 +215,14 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
             # the decode leg streams
             tokens = data.draw(st.integers(0, 5), label="tokens before the leg ends")
             if tokens and not machine.lifecycle.output_seen:
-                machine.lifecycle.advance(Input.FIRST_TOKEN)
+                machine.first_token()
             if tokens and machine.lifecycle.state is State.GENERATING:
-                machine.lifecycle.advance(Input.COMMIT)  # a stream commits at its first token
+                machine.commit()  # a stream commits at its first token
+            if tokens and data.draw(st.booleans(), label="the first token told again"):
+                with pytest.raises(InvalidTransition):  # one first token, one commit point
+                    machine.first_token()
+                with pytest.raises(InvalidTransition):
+                    machine.commit()
             if machine.kept is not None:
                 machine.kept.ids.extend(
                     range(len(machine.kept.ids), len(machine.kept.ids) + tokens)
@@ -224,7 +236,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 raise _fault(
                     data, Phase.STREAM if machine.lifecycle.output_seen else phase, leg_engine
                 )
-            machine.finished()
+            machine.finish()
             _end(machine, life, "completed")
             return
         except RequestFault as fault:
@@ -304,7 +316,7 @@ def test_every_life_keeps_the_rules(
     for handoff in life.handoffs:
         assert (handoff.fate is Fate.DECODED) != (handoff in life.orphans)
     # every attempt's record says how its descriptor ended
-    assert sum(1 for a in machine.attempts if a.handoff is not None) == len(life.handoffs)
+    assert sum(1 for a in machine.attempts if a.handoff_fate is not None) == len(life.handoffs)
 
 
 def _attempting(max_attempts: int, credits: int) -> RequestMachine:
@@ -339,7 +351,7 @@ def test_a_handoff_to_its_own_producer_runs_alone_unless_it_needs_the_prefill() 
         "e0", consumer=None, only_consumer="e0", consumers=1, body={**BODY, "echo": True}
     )
     assert type(echo) is Prefill
-    assert not echo.handoff  # its producer decodes too: no descriptor, no blocks held
+    assert not echo.asks_descriptor  # its producer decodes too: no descriptor, no blocks held
     with pytest.raises(NoCapacity):
         machine.producer_placed("e0", consumer=None, only_consumer=None, consumers=0, body=BODY)
 
@@ -352,4 +364,4 @@ def test_a_descriptor_past_the_lease_is_never_handed_off() -> None:
         machine.handing_off("e1", now=LEASE_S + 1)
     assert handoff.fate is Fate.EXPIRED
     assert machine.leg_done() is handoff  # to the reclaim queue
-    assert machine.attempts[0].handoff == "expired"
+    assert machine.attempts[0].handoff_fate == "expired"

@@ -478,6 +478,13 @@ class RequestMachine:
         self.lifecycle.advance(Input.CANCEL)
         return phase
 
+    def give_up(self) -> bool:
+        """A fault ends the request, told to its client; True when it was committed before
+        (the fault goes as a terminal event, not as JSON)."""
+        committed = self.lifecycle.committed
+        self.lifecycle.advance(Input.FAIL)
+        return committed
+
     def finish(self) -> bool:
         """The answer is complete; True when it was committed before (a stream's end)."""
         committed = self.lifecycle.committed

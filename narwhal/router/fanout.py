@@ -27,8 +27,8 @@ import msgspec
 import trio
 
 from narwhal.core.config import FleetConfig
+from narwhal.core.fanout_parent import FanOutParent
 from narwhal.core.faults import RequestFault
-from narwhal.core.lifecycle import Input, Lifecycle, State
 from narwhal.core.records import JournalLine
 from narwhal.core.requests import ClientRequest
 from narwhal.router.request_run import RequestRun
@@ -37,14 +37,6 @@ from narwhal.stream.sse import DONE, DONE_FRAME, frame, framed_payloads
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
-# the parent's record follows the furthest child through these, in order
-_PROGRESS = (State.PREFILLING, State.HANDOFF, State.DECODING, State.GENERATING)
-_INPUT_TO = {
-    State.PREFILLING: Input.PREFILL,
-    State.HANDOFF: Input.DESCRIPTOR,
-    State.DECODING: Input.DISPATCH,
-    State.GENERATING: Input.FIRST_TOKEN,
-}
 
 
 class FanOutRun:
@@ -56,6 +48,7 @@ class FanOutRun:
         "_usage",
         "_write_lock",
         "children",
+        "parent",
         "prompt_of",
         "record",
     )
@@ -69,9 +62,10 @@ class FanOutRun:
         sink: ClientSink,
     ) -> None:
         self._write_lock = trio.Lock()
-        # its own lifecycle: the furthest any child has come (``_follow``)
+        # its own machine: it stands where the furthest child has come
+        parent = self.parent = FanOutParent()
         record = self.record = RunRecord(
-            config, req, rid, sink, Lifecycle(), write_lock=self._write_lock
+            config, req, rid, sink, parent.lifecycle, parent.give_up, write_lock=self._write_lock
         )
         self.children: list[RequestRun] = []
         self.prompt_of: list[int] = []
@@ -84,7 +78,7 @@ class FanOutRun:
                 _ChildSink(self, k),
                 arrival=record.arrival,
                 fanout_index=k,
-                progress=self._follow,
+                progress=parent.child_reached,
             )
             self.children.append(child)
             self.prompt_of.append(p)
@@ -110,9 +104,7 @@ class FanOutRun:
 
     def cancel(self) -> None:
         """The client went away, or could not be told of the failure."""
-        phase = self.record.phase
-        self.record.lifecycle.advance(Input.CANCEL)
-        self.record.cancelled(phase)
+        self.record.cancelled(self.parent.cancelled())
 
     def beyond_target(self) -> RequestFault | None:
         return None  # its children are planned when they run, each for its own choice
@@ -143,19 +135,6 @@ class FanOutRun:
 
     # ---- following the children ----------------------------------------------------------
 
-    def _follow(self, reached: State) -> None:
-        """The parent's record is the furthest any child has come (retries go back only in
-        the child)."""
-        lifecycle = self.record.lifecycle
-        if reached not in _PROGRESS or lifecycle.finished:
-            return
-        while lifecycle.state in (State.ADMITTED, *_PROGRESS[:-1]):
-            current = lifecycle.state
-            rank = -1 if current is State.ADMITTED else _PROGRESS.index(current)
-            if rank >= _PROGRESS.index(reached):
-                return
-            lifecycle.advance(_INPUT_TO[_PROGRESS[rank + 1]])
-
     async def child_output(self, k: int, data: bytes) -> None:
         """Frames from child ``k``'s stream: re-indexed and sent (the first commits)."""
         frames = []
@@ -176,14 +155,12 @@ class FanOutRun:
             frames.append(frame(_encode(chunk)))
         if not frames:
             return
-        lifecycle, sink = self.record.lifecycle, self.record.sink
+        sink = self.record.sink
         async with self._write_lock:
-            if lifecycle.finished:
-                return
-            if not lifecycle.committed:
-                lifecycle.advance(Input.COMMIT)
+            commits = self.parent.output()
+            if commits:
                 await sink.commit(b"".join(frames))
-            else:
+            elif commits is not None:
                 await sink.send(b"".join(frames))
 
     def child_answer(self, k: int, body: bytes) -> None:
@@ -192,14 +169,10 @@ class FanOutRun:
             self._answers[k] = answer
 
     async def _answer_merged(self) -> None:
-        record, req = self.record, self.record.req
-        lifecycle, sink = record.lifecycle, record.sink
+        record, req, sink = self.record, self.record.req, self.record.sink
         record.completed()
-        if lifecycle.state is not State.GENERATING:  # every child answered at once
-            self._follow(State.GENERATING)
         if not req.stream:
-            lifecycle.advance(Input.COMMIT)
-            lifecycle.advance(Input.DONE)
+            self.parent.finish()
             with record.last_write():
                 await sink.respond_json(200, _encode(self._merged_answer()))
             return
@@ -212,10 +185,7 @@ class FanOutRun:
             }
             tail = frame(_encode(usage_chunk))
         async with self._write_lock:
-            committed = lifecycle.committed
-            if not committed:
-                lifecycle.advance(Input.COMMIT)
-            lifecycle.advance(Input.DONE)
+            committed = self.parent.finish()
             with record.last_write():
                 if committed:
                     await sink.end(tail + DONE_FRAME)

@@ -52,20 +52,23 @@ class RequestRun:
     ) -> None:
         # backend ids are <rid>-a<attempt>-prefill|decode
         self.router = router
-        lifecycle = Lifecycle(progress)
-        record = self.record = RunRecord(config, req, rid, sink, lifecycle, arrival=arrival)
+        arrival = trio.current_time() if arrival is None else arrival
         refused, new_kept = None, None
         if config.recovery.resume_streams > 0:  # what the stream keeps to continue
             refused, new_kept = resume.refusal(req.body, chat=req.chat), Kept
-        self.machine = RequestMachine(
+        # the machine owns the lifecycle; the record reads it and ends it through the machine
+        machine = self.machine = RequestMachine(
             config,
-            deadline=record.deadline,
+            deadline=arrival + config.serving.request_timeout_s,
             budget=router.retry_budget,
             rng=router.rng,
             new_kept=new_kept,
             refused=refused,
             fanout_index=fanout_index,
-            lifecycle=lifecycle,
+            lifecycle=Lifecycle(progress),
+        )
+        record = self.record = RunRecord(
+            config, req, rid, sink, machine.lifecycle, machine.give_up, arrival=arrival
         )
         self.placer = Placer(router, config, req, self.machine)
         self.legs = RequestLegs(router, record, self.machine, keep_reply=self.placer.indexing)

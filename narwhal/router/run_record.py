@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple, Protocol
 
@@ -19,7 +19,7 @@ from narwhal.core.config import FleetConfig
 from narwhal.core.faults import DeadlineExpired, Phase, RequestFault, ShuttingDown
 from narwhal.core.fleet import Fleet
 from narwhal.core.flow_class import Flow
-from narwhal.core.lifecycle import Input, Lifecycle
+from narwhal.core.lifecycle import Lifecycle
 from narwhal.core.records import AttemptLine, Caller, JournalLine, Outcome
 from narwhal.core.request import PHASE_OF, outcome_of
 from narwhal.core.requests import ClientRequest
@@ -77,10 +77,11 @@ class Measures(NamedTuple):
 
 class RunRecord:
     """One client request's record: who sent it and how, where it stands (the lifecycle
-    its run advances), how it ended, and how a fault is told to the client."""
+    its machine advances), how it ended, and how a fault is told to the client."""
 
     # slotted: a held stream's record is one of its larger objects (bench/held_stream_objects.py)
     __slots__ = (
+        "_give_up",
         "_write_lock",
         "arrival",
         "arrived_at",
@@ -110,6 +111,7 @@ class RunRecord:
         rid: str,
         sink: ClientSink,
         lifecycle: Lifecycle,
+        give_up: Callable[[], bool],
         *,
         arrival: float | None = None,
         write_lock: trio.Lock | None = None,
@@ -119,7 +121,10 @@ class RunRecord:
         self.rid = rid
         self.sink = sink
         self.arrival = trio.current_time() if arrival is None else arrival
+        # read here, written only by its owner, the request's machine: ``give_up`` is the
+        # owner's end for a fault (True when the answer was committed before)
         self.lifecycle = lifecycle
+        self._give_up = give_up
         # held while the terminal event is written: a fan-out's, never between a child's frames
         self._write_lock = write_lock
         self.outcome: Outcome = "cancelled"  # until something else is known
@@ -188,8 +193,7 @@ class RunRecord:
             if self.cut:  # the connection is closed: the journal says why, nobody else can
                 self._record(fault)
             return
-        committed = self.lifecycle.committed
-        self.lifecycle.advance(Input.FAIL)
+        committed = self._give_up()
         self._record(fault)
         error = fault.error_json()
         if not committed:

@@ -332,3 +332,34 @@ def test_no_module_in_the_package_is_longer_than_a_reader_takes_in() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}
+
+
+# the machines that own a request's lifecycle: nothing else moves it (h11's Connection is
+# the only writer of a connection's state)
+LIFECYCLE_OWNERS = {"narwhal.core.request", "narwhal.core.fanout_parent", "narwhal.core.lifecycle"}
+
+
+def lifecycle_writes(source: str) -> list[int]:
+    """The lines of ``source`` that call ``.advance(...)``: a lifecycle moved."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "advance"
+    ]
+
+
+def test_only_the_request_machines_move_a_request_s_lifecycle() -> None:
+    writers = {
+        module_name(path): lines
+        for path in PACKAGE.rglob("*.py")
+        if module_name(path) not in LIFECYCLE_OWNERS
+        and (lines := lifecycle_writes(path.read_text()))
+    }
+    assert writers == {}
+
+
+def test_the_writer_check_finds_one() -> None:
+    source = "def end(record):\n    record.lifecycle.advance(Input.FAIL)\n"
+    assert lifecycle_writes(source) == [2]

@@ -1,0 +1,77 @@
+"""The parent of a fan-out request: where it stands is where its furthest child stands; it
+commits once, at the first output written, and ends once (docs/architecture.md)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.core.fanout_parent import PROGRESS, FanOutParent
+from narwhal.core.lifecycle import State
+
+EVENTS = st.one_of(
+    st.tuples(st.just("reached"), st.sampled_from(list(State))),
+    st.tuples(st.sampled_from(["output", "finish", "cancel", "give_up"]), st.none()),
+)
+
+
+def test_it_follows_its_furthest_child_and_never_goes_back() -> None:
+    parent = FanOutParent()
+    parent.child_reached(State.DECODING)
+    assert parent.lifecycle.state is State.DECODING
+    parent.child_reached(State.PREFILLING)  # another child's retry: the parent stays
+    assert parent.lifecycle.state is State.DECODING
+
+
+def test_the_first_output_commits_and_a_finished_answer_writes_nothing_more() -> None:
+    parent = FanOutParent()
+    parent.child_reached(State.GENERATING)
+    assert parent.output() is True
+    assert parent.output() is False
+    assert parent.finish() is True  # a stream's end: committed before
+    assert parent.output() is None
+
+
+def test_an_answer_every_child_gave_at_once_is_committed_whole() -> None:
+    parent = FanOutParent()
+    parent.child_reached(State.PREFILLING)
+    assert parent.finish() is False  # a JSON answer: committed with its end
+    assert parent.lifecycle.finished
+
+
+@given(st.lists(EVENTS, max_size=12))
+def test_any_sequence_of_events_commits_at_most_once_and_ends_once(
+    events: list[tuple[str, State | None]],
+) -> None:
+    parent = FanOutParent()
+    commits = 0
+    ended = False
+    for kind, state in events:
+        before = parent.lifecycle.state
+        if kind == "reached":
+            assert state is not None
+            parent.child_reached(state)
+            after = parent.lifecycle.state
+            if before in (State.ADMITTED, *PROGRESS) and after in PROGRESS:
+                rank = PROGRESS.index
+                assert before is State.ADMITTED or rank(after) >= rank(before)  # never back
+        elif kind == "output":
+            written = parent.output()
+            commits += written is True
+            assert (written is None) == ended
+        elif ended:
+            continue  # the end is once: a second end is the shell's bug, not an event
+        elif kind == "finish":
+            committed_before = parent.lifecycle.committed
+            assert parent.finish() is committed_before
+            commits += not committed_before
+            ended = True
+        elif kind == "cancel":
+            parent.cancelled()
+            ended = True
+        else:
+            committed_before = parent.lifecycle.committed
+            assert parent.give_up() is committed_before
+            ended = True
+        assert commits <= 1
+        assert parent.lifecycle.finished == ended

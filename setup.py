@@ -128,11 +128,22 @@ def extensions() -> list[Extension]:
         return []
 
 
+def remove_compiled() -> None:
+    """Every compiled module beside its source: the import would take a stale build over
+    the source (a module mypyc refused once ran an earlier build's code)."""
+    for built in HERE.glob("narwhal/**/*" + sysconfig.get_config_var("EXT_SUFFIX")):
+        built.unlink()
+
+
 class BuildOrFallBack(build_ext):
     """Builds the extensions, or none: a compile that fails part way leaves the pure build
     (one missing shared library would break every compiled module that needs it)."""
 
     def run(self) -> None:
+        if not self.extensions:  # pure: a compiled module left in place would shadow it
+            if self.inplace:
+                remove_compiled()
+            return
         try:
             super().run()
             if self.inplace:

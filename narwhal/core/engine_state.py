@@ -20,7 +20,8 @@ LEGS: tuple[Leg, ...] = ("prefill", "decode")
 HEALTH_FAILS_TO_LEAVE = 2  # one lost check is a hiccup; two in a row, the engine is gone
 WAITING_SHARE = 0.25  # an engine may queue this share of what it runs at once (waiting_limit)
 # its capacity is the most it ran at once over its last reports (5 minutes at the default
-# metrics_interval_s): a report that lied, or a load it no longer takes, drops out
+# metrics_interval_s), grown while it never held a request back (core/capacity.py): a
+# report that lied, or a load it no longer takes, drops out
 CAPACITY_REPORTS = 300
 MAX_CAPACITY = 4096.0  # a report of more running at once is clamped (vLLM's default is 1024)
 

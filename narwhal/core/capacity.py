@@ -38,12 +38,27 @@ class Capacity:
 
         self.value: float | None = None
 
-    def note(self, running: float, waiting: float) -> float:
+    @property
+    def shown(self) -> bool:
+        """It held requests back at its bound within the window: its capacity is known."""
+        return self.quiet < min(self.window, self.seen.count)
+
+    def ours(self, running: int) -> float | None:
+        """Our streams it runs at once, past their first token, while its capacity is not
+        shown: a bound on it known at once. Once shown, ours are not trusted over it: a
+        stream that ended there is still ours until we read its end, and the engine may
+        have started the next one meanwhile (a sequence limit of two seen as three)."""
+        if self.value is not None and not self.shown and running > self.value:
+            self.value = float(running)
+        return self.value
+
+    def note(self, running: float, waiting: float, ours_peak: int = 0) -> float:
         """One report: it ran ``running`` and held ``waiting`` back (ours among them: a
-        router alone in front of a fleet sees only its own requests queue); the capacity
-        it leaves. A queue while it ran near its bound is its capacity shown; a queue
-        while it ran far below it (a consumer's requests pulling their KV) is not, and
-        is no reason to grow either."""
+        router alone in front of a fleet sees only its own requests queue), and the most of
+        our streams it ran at once since the last (``ours_peak``); the capacity it leaves.
+        A queue while it ran near its bound is its capacity shown; a queue while it ran far
+        below it (a consumer's requests pulling their KV) is not, and is no reason to grow
+        either."""
         before = self.value if self.value is not None else 0.0
         near = running >= before - self._step(before)
         queue = waiting > 0  # NaN is no queue shown
@@ -51,11 +66,12 @@ class Capacity:
             self.quiet, self.grown = 0, 0.0  # it showed its capacity: what it runs
         else:
             self.quiet = min(self.quiet + 1, self.window)
+        if not self.shown:
+            running = max(running, ours_peak)
         seen = self.seen.add(running)
         value = max(seen, self.grown)
         step = self._step(value)
-        none_held_back = self.quiet >= min(self.window, self.seen.count)
-        if none_held_back and not queue and step >= 1 and running >= value - step:
+        if not self.shown and not queue and step >= 1 and running >= value - step:
             value = min(value + step, self.ceiling)
             self.grown = value
         self.value = value

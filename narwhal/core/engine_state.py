@@ -136,8 +136,7 @@ class EngineState:
         self.decodes_running += 1
         if self.decodes_running > self.decodes_running_peak:
             self.decodes_running_peak = self.decodes_running
-            if self.capacity is not None and self.decodes_running > self.capacity:
-                self.capacity = float(self.decodes_running)  # it runs them all at once
+            self.capacity = self.capacity_seen.ours(self.decodes_running)
         return self.decodes_started
 
     def decode_ended(self, number: int) -> None:
@@ -160,8 +159,8 @@ class EngineState:
         sent, decoding, placed, prefilling, started = mark
         self.mark, self.decoding_at_mark = (sent, decoding) if report is not None else (0, 0)
         if report is not None:
-            ran = max(report.running, self.decodes_running_peak)
-            self.capacity = self.capacity_seen.note(ran, report.waiting)
+            peak = self.decodes_running_peak
+            self.capacity = self.capacity_seen.note(report.running, report.waiting, peak)
             self.decodes_running_peak = self.decodes_running
         self.prefilling_at_mark = prefilling if report is not None else 0
         self.decodes_started_at_mark = started if report is not None else self.decodes_started

@@ -76,3 +76,16 @@ def test_the_guess_is_bounded_and_never_below_what_it_ran(
         if waiting > 0:  # a queue: no growth on its account
             assert value <= max(before, max(recent, default=0.0))
         before = value
+
+
+def test_once_shown_our_streams_do_not_raise_it() -> None:
+    """A consumer with --max-num-seqs 2 showed a queue at 2. One of our streams ends there,
+    the engine starts the next at once, and we read the first one's end a moment later:
+    for that moment three of ours run. Trusted, the router let a fourth queue there."""
+    capacity = Capacity(300, 4096.0, SHARE)
+    assert capacity.note(0, 0) == 0
+    assert capacity.ours(1) == 1  # not shown yet: our streams raise it at once
+    assert capacity.ours(2) == 2
+    assert capacity.note(2, 1) == 2  # a queue at 2: shown
+    assert capacity.ours(3) == 2
+    assert capacity.note(2, 0, ours_peak=3) == 2

@@ -39,8 +39,6 @@ class EngineState:
         "decodes_started_at_mark",
         "decoding",
         "decoding_at_mark",
-        "ended_since_mark",
-        "ended_since_scrape",
         "failed_as",
         "failed_with",
         "health_failures",
@@ -52,7 +50,6 @@ class EngineState:
         "prefilling_at_mark",
         "report",
         "scrape_failures",
-        "scrape_started",
         "sent",
         "served",
         "spec",
@@ -115,38 +112,29 @@ class EngineState:
         # (a consumer a fresh router sends streams to ran them long before a scrape said so)
         self.decodes_running = 0
         self.decodes_running_peak = 0
-        # of those started since the scrape, the ones that ended since: they ran in a slot
-        # its report showed free, and left it free again. The same count for the scrape in
-        # flight (started since it went out: ``scrape_started``), which its report takes up
-        self.ended_since_mark = 0
-        self.scrape_started = 0
-        self.ended_since_scrape = 0
 
     def scrape_mark(self) -> tuple[int, int, int, int, int]:
         """What the scrape going out now may count of ours, and the adapters placed before
         it (for ``note_report``)."""
         prefilling = len(self.prefilling)
-        self.scrape_started, self.ended_since_scrape = self.decodes_started, 0
         return self.sent, self.decoding, self.adapters.clock, prefilling, self.decodes_started
 
-    def decode_started(self) -> int:
-        """Our decode reached its first token: it runs here. Its number, as started."""
+    def decode_started(self) -> None:
+        """Our decode reached its first token: it runs here."""
         self.decoding -= 1
         self.decodes_started += 1
         self.decodes_running += 1
         if self.decodes_running > self.decodes_running_peak:
             self.decodes_running_peak = self.decodes_running
             self.capacity = self.capacity_seen.ours(self.decodes_running)
-        return self.decodes_started
 
-    def decode_ended(self, number: int) -> None:
-        """Our decode that started as the ``number``-th here has ended: the slot it took
-        since a scrape is free again."""
+    def decode_ended(self) -> None:
+        """Our decode that had started here has ended. The slot it took since a scrape
+        still counts until the next one: a real consumer shows the decodes a burst into
+        freed slots sends it as waiting while they pull their KV (a second or more on the
+        CPU engine), and a consumer with ``--max-num-seqs 2`` then queued two under a limit
+        of one."""
         self.decodes_running -= 1
-        if number > self.decodes_started_at_mark:
-            self.ended_since_mark += 1
-        if number > self.scrape_started:
-            self.ended_since_scrape += 1
 
     def note_report(
         self,
@@ -164,8 +152,6 @@ class EngineState:
             self.decodes_running_peak = self.decodes_running
         self.prefilling_at_mark = prefilling if report is not None else 0
         self.decodes_started_at_mark = started if report is not None else self.decodes_started
-        # the ends counted since this scrape went out (none known for an older mark)
-        self.ended_since_mark = self.ended_since_scrape if started == self.scrape_started else 0
         if report is not None and report.lora is not None:
             self.adapters.seen_running(report.lora.running, placed)
 
@@ -214,15 +200,14 @@ class EngineState:
         """The room it has free by its report: its learned capacity less what it ran then,
         less our prefills it ran then that have ended since (a scrape is up to an interval
         old, and a short prefill ends well within it), less our decodes that started since
-        and still run (they run in slots the report shows free; ours it showed running that
-        ended since are not known apart from its others, so they still count: the room is
-        never overstated)."""
+        (they run in slots the report shows free; those that ended since still count until
+        the next report, ``decode_ended``: the room is never overstated)."""
         if self.capacity is None:
             return 0.0
         mark = self.mark
         still = sum(1 for number in self.prefilling if number <= mark)
         ended = max(0, self.prefilling_at_mark - still)
-        started = self.decodes_started - self.decodes_started_at_mark - self.ended_since_mark
+        started = self.decodes_started - self.decodes_started_at_mark
         running = max(0.0, report.running - ended) + started
         return max(0.0, self.capacity - running)
 

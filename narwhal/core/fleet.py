@@ -24,7 +24,7 @@ class Reservation:
     """One in-flight leg on one engine, held for the leg's whole life."""
 
     __slots__ = ("claim", "engine", "leg", "number", "on_change", "waiting")
-    # number: a prefill's, as sent (``EngineState.prefilling``); a decode's, as started
+    # number: a prefill's, as sent (``EngineState.prefilling``)
 
     def __init__(
         self,
@@ -62,7 +62,7 @@ class Reservation:
         if self.waiting:
             self.waiting = False
             if self.leg == "decode":
-                self.number = self.engine.decode_started()
+                self.engine.decode_started()
             else:
                 self.engine.prefilling.discard(self.number)
             self.on_change()
@@ -81,7 +81,7 @@ class Reservation:
             self.waiting = False
             self.engine.decoding -= 1
         elif self.leg == "decode":
-            self.engine.decode_ended(self.number)
+            self.engine.decode_ended()
         elif self.waiting:
             self.started()
             return

@@ -188,37 +188,6 @@ async def test_a_decode_that_started_since_the_scrape_takes_the_slot_it_showed_f
     await decode.__aexit__(None, None, None)
 
 
-async def test_a_decode_that_started_and_ended_since_the_scrape_leaves_its_slot_free() -> None:
-    """Decodes that start and end within one scrape interval (short streams) ran in slots
-    the scrape showed free and left them free: counting each as still running held a fleet
-    of fast consumers to its waiting limit (two streams at once where it ran twenty)."""
-    specs = (EngineSpec("p0", "http://h:1", "prefill"), EngineSpec("d0", "http://h:2", "decode"))
-    fleet = Fleet(specs, RecoveryConfig())
-    d0 = fleet.by_id["d0"]
-    # it ran 4 and held one back: 4 at once
-    d0.note_report(EngineReport(at=0.0, running=4, waiting=1, kv_usage=0.0), d0.scrape_mark())
-    d0.note_report(EngineReport(at=1.0, running=0, waiting=0, kv_usage=0.0), d0.scrape_mark())
-
-    def room() -> int:
-        return d0.room(1.0, 1.0, 1, 0.95, "decode")[0]
-
-    assert room() == 5  # 4 free slots and the waiting limit
-    for _ in range(10):  # ten short streams, one after another, within the interval
-        stream = fleet.reserve(d0, "decode")
-        async with stream:
-            stream.started()  # its first token
-            assert room() == 4
-        assert room() == 5
-    running = fleet.reserve(d0, "decode")
-    await running.__aenter__()
-    running.started()
-    assert room() == 4  # one runs now, in one of the free slots
-    mark = d0.scrape_mark()  # a scrape goes out while it runs ...
-    await running.__aexit__(None, None, None)  # ... it ends before the answer comes
-    d0.note_report(EngineReport(at=2.0, running=1, waiting=0, kv_usage=0.0), mark)
-    assert room() == 4  # the report counted it running: conservative, never over
-
-
 async def test_streams_a_consumer_runs_at_once_raise_its_capacity_before_a_report_does() -> None:
     """A fresh router's consumer showed 1 running; it then runs 3 of our streams at once
     (each had its first token): it runs at least 3, known at once rather than a scrape

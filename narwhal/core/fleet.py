@@ -77,14 +77,15 @@ class Reservation:
         gauge = self.engine.inflight_gauges.get(self.leg)
         if gauge is not None:
             gauge.dec()
-        if self.leg == "decode" and self.waiting:  # it never ran there: no start to count
+        if self.leg == "prefill":
+            if self.waiting:
+                self.started()  # its end is all a prefill shows; it tells the queue
+                return
+        elif self.waiting:  # a decode that never ran there: no start to count
             self.waiting = False
             self.engine.decoding -= 1
-        elif self.leg == "decode":
+        else:
             self.engine.decode_ended()
-        elif self.waiting:
-            self.started()
-            return
         self.on_change()
 
 

@@ -7,9 +7,12 @@ output any child sends, and ends once.
 
 from __future__ import annotations
 
+from typing import overload
+
 from narwhal.core.faults import Phase
 from narwhal.core.lifecycle import Input, Lifecycle, State
-from narwhal.core.request import PHASE_OF
+from narwhal.core.request_events import ChildOutput, ChildReached, ClientLeft, Finished, GaveUp
+from narwhal.core.request_owner import PHASE_OF
 
 # the parent follows the furthest child through these, in order
 PROGRESS = (State.PREFILLING, State.HANDOFF, State.DECODING, State.GENERATING)
@@ -24,57 +27,88 @@ _INPUT_TO = {
 
 
 class FanOutParent:
-    """A fan-out's own state: where it stands is where its furthest child stands."""
+    """A fan-out's own state: where it stands is where its furthest child stands. Told
+    through ``handle``, as a child's machine is."""
 
-    __slots__ = ("lifecycle",)
+    __slots__ = ("_life",)
 
     def __init__(self) -> None:
-        self.lifecycle = Lifecycle()
+        self._life = Lifecycle()
 
-    def child_reached(self, reached: State) -> None:
-        """A child came to ``reached``: the parent follows when that is further."""
-        lifecycle = self.lifecycle
-        if reached not in PROGRESS or lifecycle.finished:
+    @overload
+    def handle(self, event: ChildReached) -> None: ...
+    @overload
+    def handle(self, event: ChildOutput) -> bool | None: ...
+    @overload
+    def handle(self, event: Finished | GaveUp) -> bool: ...
+    @overload
+    def handle(self, event: ClientLeft) -> Phase: ...
+    def handle(self, event: ChildReached | ChildOutput | Finished | GaveUp | ClientLeft) -> object:
+        """``ChildReached``: the parent follows when that is further. ``ChildOutput``: True
+        when the child's frames commit the answer now, False when it is committed already,
+        None when it has ended (nothing more is written). ``Finished``, ``GaveUp``: True
+        when it was committed before. ``ClientLeft``: the phase it was in."""
+        life = self._life
+        if isinstance(event, ChildReached):
+            self._follow(event.state)
+            return None
+        if isinstance(event, ChildOutput):
+            return self._output()
+        if isinstance(event, Finished):
+            return self._finish()
+        if isinstance(event, GaveUp):
+            committed = life.committed
+            life.advance(Input.FAIL)
+            return committed
+        phase = PHASE_OF[life.state]
+        life.advance(Input.CANCEL)
+        return phase
+
+    @property
+    def state(self) -> State:
+        return self._life.state
+
+    @property
+    def output_seen(self) -> bool:
+        return self._life.output_seen
+
+    @property
+    def committed(self) -> bool:
+        return self._life.committed
+
+    @property
+    def finished(self) -> bool:
+        return self._life.finished
+
+    def _follow(self, reached: State) -> None:
+        life = self._life
+        if reached not in PROGRESS or life.finished:
             return
-        while lifecycle.state in _BEHIND:
-            current = lifecycle.state
+        while life.state in _BEHIND:
+            current = life.state
             rank = -1 if current is State.ADMITTED else PROGRESS.index(current)
             if rank >= PROGRESS.index(reached):
                 return
-            lifecycle.advance(_INPUT_TO[PROGRESS[rank + 1]])
+            life.advance(_INPUT_TO[PROGRESS[rank + 1]])
 
-    def output(self) -> bool | None:
-        """A child's frames are to be written: True when they commit the answer now, False
-        when it is committed already, None when it has ended (nothing more is written)."""
-        lifecycle = self.lifecycle
-        if lifecycle.finished:
+    def _output(self) -> bool | None:
+        life = self._life
+        if life.finished:
             return None
-        if lifecycle.committed:
+        if life.committed:
             return False
-        self.child_reached(State.GENERATING)  # output: some child has come that far
-        lifecycle.advance(Input.COMMIT)
+        self._follow(State.GENERATING)  # output: some child has come that far
+        life.advance(Input.COMMIT)
         return True
 
-    def finish(self) -> bool:
-        """Every child answered: the answer is complete. True when it was committed before
-        (a stream's end); a child that answered at once is followed to its output first."""
-        lifecycle = self.lifecycle
-        if lifecycle.state is not State.GENERATING and not lifecycle.committed:
-            self.child_reached(State.GENERATING)
-        committed = lifecycle.committed
+    def _finish(self) -> bool:
+        """Every child answered: a child that answered at once is followed to its output
+        first."""
+        life = self._life
+        if life.state is not State.GENERATING and not life.committed:
+            self._follow(State.GENERATING)
+        committed = life.committed
         if not committed:
-            lifecycle.advance(Input.COMMIT)
-        lifecycle.advance(Input.DONE)
-        return committed
-
-    def cancelled(self) -> Phase:
-        """The client left, or the deadline or the drain ended it: the phase it was in."""
-        phase = PHASE_OF[self.lifecycle.state]
-        self.lifecycle.advance(Input.CANCEL)
-        return phase
-
-    def give_up(self) -> bool:
-        """A fault ends it, told to the client; True when it was committed before."""
-        committed = self.lifecycle.committed
-        self.lifecycle.advance(Input.FAIL)
+            life.advance(Input.COMMIT)
+        life.advance(Input.DONE)
         return committed

@@ -9,7 +9,10 @@ Rules the table encodes:
 * the commit point is the 200 headers going out (contract 1): COMMIT moves GENERATING to
   COMMITTED. A streaming client is committed at its first token; a non-streaming client's
   JSON at its end, with the whole answer;
-* a retry restarts from ADMITTED and exists only before the first token;
+* a retry restarts from ADMITTED (a failure to place its legs retries from there too)
+  and exists only before the first token;
+* a resume (a stream's continuation, after output) leaves the request where its output
+  left it: the continuation's legs move no state, and no retry follows them;
 * every state can finish (success only once output exists) and a finished request stays so.
 """
 
@@ -39,9 +42,14 @@ class Input(StrEnum):
     FAIL = "fail"  # a fault ends the request
     RETRY = "retry"  # a fresh attempt, before any output
     CANCEL = "cancel"  # client gone or deadline
+    RESUME = "resume"  # the output goes on in a continuation
 
 
 _BEFORE_OUTPUT = (State.PREFILLING, State.HANDOFF, State.DECODING)
+# written out: mypyc compiles no starred tuple
+_RETRIED_FROM = (State.ADMITTED, State.PREFILLING, State.HANDOFF, State.DECODING)
+_WITH_OUTPUT = (State.GENERATING, State.COMMITTED)
+_CONTINUATION = (Input.RESUME, Input.PREFILL, Input.DESCRIPTOR, Input.DISPATCH)
 
 TRANSITIONS: dict[tuple[State, Input], State] = {
     (State.ADMITTED, Input.PREFILL): State.PREFILLING,
@@ -50,7 +58,8 @@ TRANSITIONS: dict[tuple[State, Input], State] = {
     (State.DECODING, Input.FIRST_TOKEN): State.GENERATING,
     (State.GENERATING, Input.COMMIT): State.COMMITTED,
     (State.COMMITTED, Input.DONE): State.FINISHED,
-    **{(s, Input.RETRY): State.ADMITTED for s in _BEFORE_OUTPUT},
+    **{(s, Input.RETRY): State.ADMITTED for s in _RETRIED_FROM},
+    **{(s, i): s for s in _WITH_OUTPUT for i in _CONTINUATION},
     **{(s, Input.FAIL): State.FINISHED for s in State if s is not State.FINISHED},
     **{(s, Input.CANCEL): State.FINISHED for s in State if s is not State.FINISHED},
 }

@@ -1,6 +1,7 @@
 """What a request's machine (``narwhal.core.request``) tells its shell to do next, as h11's
-events are small classes: the attempt to make, the route it takes, the decode leg's
-descriptor, and what follows a fault (a resume, a retry after its delay, or the end)."""
+events are small classes: the attempt to make, the route it takes (every engine named: the
+shell runs it as it is), the decode leg's descriptor, and what follows a fault (a resume, a
+retry after its delay, or the end), with the fault."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ class GoLocal:
     def __init__(self, consumer: str, decision: Decision) -> None:
         self.consumer = consumer
         self.decision = decision
+
+
+class PlaceProducer:
+    """Decode first placed ``consumer`` for a handoff: place a producer apart from it."""
+
+    __slots__ = ("consumer",)
+
+    def __init__(self, consumer: str) -> None:
+        self.consumer = consumer
 
 
 class Prefill:
@@ -75,17 +85,22 @@ class Decode:
 
 
 class Resume:
-    """The stream goes on in a continuation (``RequestMachine.continuation``)."""
+    """The stream goes on in a continuation (``RequestMachine.continuation``) after
+    ``fault``."""
 
-    __slots__ = ()
+    __slots__ = ("fault",)
+
+    def __init__(self, fault: RequestFault) -> None:
+        self.fault = fault
 
 
 class Retry:
-    """A fresh attempt after ``delay_s``."""
+    """A fresh attempt after ``fault``, once ``delay_s`` has passed."""
 
-    __slots__ = ("delay_s",)
+    __slots__ = ("delay_s", "fault")
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, fault: RequestFault, delay_s: float) -> None:
+        self.fault = fault
         self.delay_s = delay_s
 
 
@@ -104,5 +119,4 @@ class End:
         self.resume = resume
 
 
-RESUME = Resume()
 AfterFault = Resume | Retry | End

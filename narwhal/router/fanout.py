@@ -29,7 +29,9 @@ import trio
 from narwhal.core.config import FleetConfig
 from narwhal.core.fanout_parent import FanOutParent
 from narwhal.core.faults import RequestFault
+from narwhal.core.lifecycle import State
 from narwhal.core.records import JournalLine
+from narwhal.core.request_events import CHILD_OUTPUT, CLIENT_LEFT, FINISHED, ChildReached
 from narwhal.core.requests import ClientRequest
 from narwhal.router.request_run import RequestRun
 from narwhal.router.run_record import ClientSink, Measures, RouterState, RunRecord
@@ -65,7 +67,7 @@ class FanOutRun:
         # its own machine: it stands where the furthest child has come
         parent = self.parent = FanOutParent()
         record = self.record = RunRecord(
-            config, req, rid, sink, parent.lifecycle, parent.give_up, write_lock=self._write_lock
+            config, req, rid, sink, parent, write_lock=self._write_lock
         )
         self.children: list[RequestRun] = []
         self.prompt_of: list[int] = []
@@ -78,7 +80,7 @@ class FanOutRun:
                 _ChildSink(self, k),
                 arrival=record.arrival,
                 fanout_index=k,
-                progress=parent.child_reached,
+                progress=self._child_reached,
             )
             self.children.append(child)
             self.prompt_of.append(p)
@@ -104,7 +106,10 @@ class FanOutRun:
 
     def cancel(self) -> None:
         """The client went away, or could not be told of the failure."""
-        self.record.cancelled(self.parent.cancelled())
+        self.record.cancelled(self.parent.handle(CLIENT_LEFT))
+
+    def _child_reached(self, state: State) -> None:
+        self.parent.handle(ChildReached(state))
 
     def beyond_target(self) -> RequestFault | None:
         return None  # its children are planned when they run, each for its own choice
@@ -157,7 +162,7 @@ class FanOutRun:
             return
         sink = self.record.sink
         async with self._write_lock:
-            commits = self.parent.output()
+            commits = self.parent.handle(CHILD_OUTPUT)
             if commits:
                 await sink.commit(b"".join(frames))
             elif commits is not None:
@@ -172,7 +177,7 @@ class FanOutRun:
         record, req, sink = self.record, self.record.req, self.record.sink
         record.completed()
         if not req.stream:
-            self.parent.finish()
+            self.parent.handle(FINISHED)
             with record.last_write():
                 await sink.respond_json(200, _encode(self._merged_answer()))
             return
@@ -185,7 +190,7 @@ class FanOutRun:
             }
             tail = frame(_encode(usage_chunk))
         async with self._write_lock:
-            committed = self.parent.finish()
+            committed = self.parent.handle(FINISHED)
             with record.last_write():
                 if committed:
                     await sink.end(tail + DONE_FRAME)

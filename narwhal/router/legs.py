@@ -28,6 +28,7 @@ from narwhal.core.faults import AtEngine, Phase
 from narwhal.core.fleet import DecodeClaim
 from narwhal.core.request import RequestMachine
 from narwhal.core.request_actions import Decode
+from narwhal.core.request_events import DECODE_TAKEN, FINISHED
 from narwhal.observe import tracing
 from narwhal.observe.batched_histogram import RequestBuckets
 from narwhal.router.run_record import RouterState, RunRecord
@@ -154,9 +155,12 @@ class RequestLegs:
 
     # ---- the prefill leg -------------------------------------------------------------------
 
-    async def prefill(self, producer: EngineState, number: int) -> PrefillResult:
-        """The prefill leg on ``producer``; a fresh attempt's answer is kept (its prompt
-        side is served with the answer)."""
+    async def prefill(
+        self, producer: EngineState, number: int, *, asks_descriptor: bool
+    ) -> PrefillResult:
+        """The prefill leg on ``producer`` (``asks_descriptor``: the route's, False when the
+        producer decodes too); a fresh attempt's answer is kept (its prompt side is served
+        with the answer)."""
         router = self.router
         budget = self.config.serving.prefill_timeout_s
         backend_id = f"{self.rid}-a{number}-prefill"
@@ -172,7 +176,7 @@ class RequestLegs:
                             body,
                             request_id=backend_id,
                             trace=self._leg_trace(span),
-                            asks_descriptor=self.machine.asks_descriptor,
+                            asks_descriptor=asks_descriptor,
                         )
                         if self.machine.continuation is None:
                             self.prefill_result = result
@@ -225,7 +229,7 @@ class RequestLegs:
             with decode_clock, AtEngine(consumer.id, consumer.url):
                 async with reservation, stream:
                     if decode is not None:  # the consumer took the request
-                        self.machine.decode_taken(decode)
+                        self.machine.handle(DECODE_TAKEN)
                     # relayed here, not in a call of its own: a held stream's task keeps
                     # one frame fewer (bench/results/request-machine)
                     path = self._token_path(decode_clock, reservation.started)
@@ -238,7 +242,7 @@ class RequestLegs:
                     await stream.drain()
                     return
             if not self._leg_output():
-                phase = Phase.STREAM if self.record.lifecycle.output_seen else Phase.DECODE
+                phase = Phase.STREAM if self.machine.output_seen else Phase.DECODE
                 clock, budget_s = Clock.FIRST_TOKEN, budget
             else:
                 phase, clock, budget_s = Phase.STREAM, Clock.SILENCE, engine.decode_read_timeout_s
@@ -348,7 +352,7 @@ class RequestLegs:
         when its first output and its end came in one read)."""
         record, sink = self.record, self.record.sink
         record.completed()
-        committed = self.machine.finish()
+        committed = self.machine.handle(FINISHED)
         with record.last_write():
             if not self.req.stream:
                 await sink.respond_json(200, data)

@@ -22,7 +22,8 @@ from narwhal.core.policies import prefix_key
 from narwhal.core.precise_index import TokenPrompt
 from narwhal.core.prefix_index import Prompt, prompt_of, reply_text
 from narwhal.core.request import RequestMachine
-from narwhal.core.request_actions import GoLocal, Prefill
+from narwhal.core.request_actions import AfterFault, GoLocal, PlaceProducer, Prefill
+from narwhal.core.request_events import ConsumerPlaced, ProducerPlaced
 from narwhal.core.requests import ClientRequest
 from narwhal.core.token_ids import given_ids
 from narwhal.router import predicted
@@ -30,6 +31,8 @@ from narwhal.router.predicted import Forecast
 from narwhal.router.run_record import RouterState
 from narwhal.router.token_path import TokenPath
 from narwhal.stream.rules import Reply
+
+Route = GoLocal | Prefill  # the legs an attempt runs, every engine named
 
 
 class Placer:
@@ -186,102 +189,84 @@ class Placer:
             consumer_saturated=busy and consumer.room(now, *limits, "decode")[0] <= 0,
         )
 
-    def route(self, cls: str) -> tuple[EngineState | None, EngineState | None]:
-        """A fresh attempt's engines (``cls``: its class in the admission queue): (None,
-        its consumer) for one local leg; (its producer, its consumer or None to place once
-        the descriptor is in hand)."""
-        route: GoLocal | Prefill
-        consumer: EngineState | None
+    def route(self, cls: str) -> Route | AfterFault:
+        """A fresh attempt's route (``cls``: its class in the admission queue), as the
+        machine decided it with the engines placed: one local leg, or a prefill and a
+        handoff (its consumer placed now, or once the descriptor is in hand)."""
         self._forecast = None
         planned = self._predicted(cls) if self.config.placement.policy == "predicted" else None
         if planned is not None:
-            route, producer, consumer = planned
-        elif decode_first(self.config.placement):
-            route, producer, consumer = self._route_decode_first()
-        else:
-            route, producer, consumer = self._route_producer_first()
-        if isinstance(route, GoLocal):
-            return None, producer if consumer is None else consumer
-        self._prefilling(producer, route.asks_descriptor)
-        return producer, consumer
+            return planned
+        if decode_first(self.config.placement):
+            return self._route_decode_first()
+        return self._route_producer_first()
 
-    def _route_decode_first(self) -> tuple[GoLocal | Prefill, EngineState, EngineState]:
+    def _route_decode_first(self) -> Route | AfterFault:
+        machine = self.machine
         placed = self._choose("decode")
         decision = self._disaggregation(placed.engine)
-        if self.machine.wants_other_consumer(placed.engine.id, decision, self._producers):
+        if machine.wants_other_consumer(placed.engine.id, decision, self._producers):
             other = self._choose("decode", other_leg=placed.engine.id)
             if other.engine is not placed.engine:
                 placed, decision = other, self._disaggregation(other.engine)
         consumer = self._count("decode", placed)
-        local = self.machine.consumer_placed(consumer.id, decision)
-        if local is not None:
-            self.router.metrics.disaggregation_of(decision).inc()
-            return local, consumer, consumer
+        local = machine.handle(ConsumerPlaced(consumer.id, decision))
+        if type(local) is GoLocal:
+            return self._counted(local, decision)
         producer = self.place("prefill", other_leg=consumer.id)
-        route = self.machine.producer_placed(
-            producer.id,
-            consumer=consumer.id,
-            only_consumer=None,
-            consumers=1,
-            body=self.req.body,
-        )
-        counted = route.decision if type(route) is GoLocal else decision
-        self.router.metrics.disaggregation_of(counted).inc()
-        return route, producer, consumer
+        now = trio.current_time()
+        placed_too = ProducerPlaced(producer.id, consumer.id, None, 1, now)
+        return self._counted(machine.handle(placed_too), decision)
 
-    def _predicted(self, cls: str) -> tuple[GoLocal | Prefill, EngineState, EngineState] | None:
+    def _predicted(self, cls: str) -> Route | AfterFault | None:
         """Policy "predicted": the plan of least predicted TTFT (None: no plan, such as a
         request that needs its prefill leg on a fleet of one engine; placed as before)."""
-        fleet, now, req = self.router.fleet, trio.current_time(), self.req
-        holdings, avoid = self._holdings(now), self.machine.failed_engines
+        fleet, now, req, machine = self.router.fleet, trio.current_time(), self.req, self.machine
+        holdings, avoid = self._holdings(now), machine.failed_engines
         seen = self._forecast = predicted.plan_attempt(
             fleet, self.config, holdings, now, model=req.model, avoid=avoid, cls=cls, body=req.body
         )
         if seen is None:
             return None
-        self.machine.attempt_line.predicted_ttft_s = round(seen.plan.ttft_s, 4)
+        machine.attempt_line.predicted_ttft_s = round(seen.plan.ttft_s, 4)
         consumer = self._count("decode", Placed(fleet.by_id[seen.plan.consumer], "predicted"))
         if seen.plan.producer is None:
-            self.router.metrics.disaggregation_of("local_predicted").inc()
-            return GoLocal(consumer.id, "local_predicted"), consumer, consumer
+            local = machine.handle(ConsumerPlaced(consumer.id, "local_predicted"))
+            return self._counted(local, "local_predicted")
         producer = self._count("prefill", Placed(fleet.by_id[seen.plan.producer], "predicted"))
-        route = self.machine.producer_placed(
-            producer.id, consumer=consumer.id, only_consumer=None, consumers=1, body=req.body
-        )
-        decision = route.decision if type(route) is GoLocal else "disaggregated"
-        self.router.metrics.disaggregation_of(decision).inc()
-        return route, producer, consumer
+        placed = ProducerPlaced(producer.id, consumer.id, None, 1, now)
+        return self._counted(machine.handle(placed), "disaggregated")
 
-    def _route_producer_first(self) -> tuple[GoLocal | Prefill, EngineState, None]:
-        consumers, _ = self.router.fleet.placeable("decode", trio.current_time(), self.req.model)
+    def _route_producer_first(self) -> Route | AfterFault:
+        now = trio.current_time()
+        consumers, _ = self.router.fleet.placeable("decode", now, self.req.model)
         only = self.machine.only_engine([c.id for c in consumers])
         producer = self.place("prefill", other_leg=only)
-        route = self.machine.producer_placed(
-            producer.id,
-            consumer=None,
-            only_consumer=only,
-            consumers=len(consumers),
-            body=self.req.body,
-        )
-        if type(route) is GoLocal:
-            self.router.metrics.disaggregation_of(route.decision).inc()
-        return route, producer, None
+        placed = ProducerPlaced(producer.id, None, only, len(consumers), now)
+        route = self.machine.handle(placed)
+        return self._counted(route, None) if type(route) is GoLocal else route
+
+    def _counted(
+        self, route: Route | PlaceProducer | AfterFault, decision: Decision | None
+    ) -> Route | AfterFault:
+        """The route's disaggregation decision, counted: a local leg's own, else
+        ``decision`` (None: not counted)."""
+        if isinstance(route, GoLocal):
+            decision = route.decision
+        elif not isinstance(route, Prefill):
+            assert not isinstance(route, PlaceProducer)  # a producer was placed
+            return route
+        if decision is not None:
+            self.router.metrics.disaggregation_of(decision).inc()
+        return route
 
     def continuation(self) -> tuple[EngineState, EngineState]:
         """A continuation's engines (docs/contract.md section 6.4): a consumer that has not
-        failed this request, then a producer apart from it where one is left."""
-        machine = self.machine
+        failed this request if one is left, then a producer apart from it where one is
+        left. Whether they may take it is the machine's to say."""
         self._forecast = None  # placed by the rules: a continuation's prompt is its own
         consumer = self.place("decode")
-        machine.resume_consumer(consumer.id)
-        producer = self.place("prefill", other_leg=consumer.id)
-        route = machine.continuation_prefill(producer.id, consumer.id)
-        self._prefilling(producer, route.asks_descriptor)
-        return producer, consumer
-
-    def _prefilling(self, producer: EngineState, asks_descriptor: bool) -> None:
-        self.router.fleet.turn += 1
-        self.machine.prefill_sent(producer.id, asks_descriptor=asks_descriptor)
+        return self.place("prefill", other_leg=consumer.id), consumer
 
     # ---- what the legs teach: the prefix index, the cost model -----------------------------
 

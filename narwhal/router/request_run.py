@@ -14,20 +14,39 @@ from collections.abc import Callable
 
 import trio
 
-from narwhal.core import resume
 from narwhal.core.config import FleetConfig
-from narwhal.core.engine_state import EngineState
 from narwhal.core.faults import RequestFault
 from narwhal.core.handoff import Handoff
 from narwhal.core.lifecycle import Lifecycle, State
 from narwhal.core.records import JournalLine
 from narwhal.core.request import RequestMachine
-from narwhal.core.request_actions import Continue, End, Resume, Retry
+from narwhal.core.request_actions import (
+    AfterFault,
+    Continue,
+    Decode,
+    End,
+    GoLocal,
+    Prefill,
+    Resume,
+    Retry,
+)
+from narwhal.core.request_events import (
+    CLIENT_LEFT,
+    DISPATCHED,
+    LEGS_DONE,
+    NEXT_ATTEMPT,
+    STREAM_ENDED,
+    ContinuationPlaced,
+    DecodeDue,
+    DecodeFailed,
+    LegFailed,
+    PrefillAnswered,
+)
 from narwhal.core.requests import ClientRequest
 from narwhal.observe import tracing
 from narwhal.router import predicted
 from narwhal.router.legs import RequestLegs
-from narwhal.router.placer import Placer
+from narwhal.router.placer import Placer, Route
 from narwhal.router.run_record import ClientSink, Measures, RouterState, RunRecord
 from narwhal.stream.continuation import Kept
 
@@ -53,30 +72,35 @@ class RequestRun:
         # backend ids are <rid>-a<attempt>-prefill|decode
         self.router = router
         arrival = trio.current_time() if arrival is None else arrival
-        refused, new_kept = None, None
-        if config.recovery.resume_streams > 0:  # what the stream keeps to continue
-            refused, new_kept = resume.refusal(req.body, chat=req.chat), Kept
-        # the machine owns the lifecycle; the record reads it and ends it through the machine
+        # the machine owns where the request stands; the record reads it there
         machine = self.machine = RequestMachine(
             config,
             deadline=arrival + config.serving.request_timeout_s,
             budget=router.retry_budget,
             rng=router.rng,
-            new_kept=new_kept,
-            refused=refused,
+            body=req.body,
+            chat=req.chat,
+            view=self,
+            new_kept=Kept if config.recovery.resume_streams > 0 else None,
             fanout_index=fanout_index,
             lifecycle=Lifecycle(progress),
         )
-        record = self.record = RunRecord(
-            config, req, rid, sink, machine.lifecycle, machine.give_up, arrival=arrival
-        )
-        self.placer = Placer(router, config, req, self.machine)
-        self.legs = RequestLegs(router, record, self.machine, keep_reply=self.placer.indexing)
+        record = self.record = RunRecord(config, req, rid, sink, machine, arrival=arrival)
+        self.placer = Placer(router, config, req, machine)
+        self.legs = RequestLegs(router, record, machine, keep_reply=self.placer.indexing)
         self.prefill_s: float | None = None  # the prefill's answer, from the arrival
 
     def cancel(self) -> None:
         """The client went away, or could not be told of the failure."""
-        self.record.cancelled(self.machine.cancelled())
+        self.record.cancelled(self.machine.handle(CLIENT_LEFT))
+
+    # what the machine asks, to answer a fault with a resume (``RunView``)
+    def consumers(self) -> list[str]:
+        return self.placer.consumers()
+
+    @property
+    def needed_s(self) -> float:
+        return self.legs.first_byte_s or 0.0
 
     def measures(self) -> Measures:
         legs = self.legs
@@ -113,50 +137,44 @@ class RequestRun:
         raised). The legs are awaited from here, not through a chain of attempt calls: a
         held stream's task keeps as few frames as it can (bench/results/request-machine)."""
         metrics, machine, legs = self.router.metrics, self.machine, self.legs
-        machine.dispatched()
+        machine.handle(DISPATCHED)
         try:
             await self.placer.token_ids(self.record.rid)
             while True:
-                step = machine.attempt()
+                step = machine.handle(NEXT_ATTEMPT)
                 metrics.attempts.inc()
                 with tracing.Ending(legs.attempt_began(), legs.attempt_figures) as ending:
                     try:
-                        producer: EngineState | None
-                        consumer: EngineState | None
+                        route: Route | AfterFault
                         if type(step) is Continue:
-                            producer, consumer = await self._continue()
+                            route = await self._continue()
                         else:
-                            producer, consumer = self.placer.route(self.record.flow.cls.value)
-                        if producer is None:
-                            assert consumer is not None
-                            await self._local(consumer)
+                            route = self.placer.route(self.record.flow.cls.value)
+                        after: AfterFault | None
+                        if isinstance(route, GoLocal):
+                            await self._local(route)
+                            after = None
+                        elif isinstance(route, Prefill):
+                            after = await self._legs(route)
                         else:
-                            await self._legs(producer, consumer)
+                            after = route
+                    except RequestFault as fault:  # a leg's, or placement's
+                        after = machine.handle(LegFailed(fault, trio.current_time()))
+                    if after is None:
                         self._stream_ended("completed")
                         return
-                    except RequestFault as fault:
-                        ending.fail(fault.message)
-                        after = self._after(fault)
-                        if type(after) is Resume:
-                            continue
-                        if type(after) is End:
-                            raise
-                assert type(after) is Retry
-                await trio.sleep(after.delay_s)
+                    ending.fail(after.fault.message)
+                    self._count(after)
+                if type(after) is End:
+                    raise after.fault
+                if type(after) is Retry:
+                    await trio.sleep(after.delay_s)
         finally:  # a resumed stream whose client left (or the deadline) is counted too
             self._stream_ended("cancelled")
 
-    def _after(self, fault: RequestFault) -> Resume | Retry | End:
-        """What the machine says follows ``fault``, counted."""
-        metrics, req = self.router.metrics, self.record.req
-        after = self.machine.failed(
-            fault,
-            now=trio.current_time(),
-            body=req.body,
-            chat=req.chat,
-            consumers=self.placer.consumers,
-            needed_s=self.legs.first_byte_s or 0.0,
-        )
+    def _count(self, after: AfterFault) -> None:
+        """What follows a fault, counted."""
+        metrics = self.router.metrics
         if type(after) is Resume:
             metrics.resumes_of("resumed").inc()
         elif type(after) is Retry:
@@ -168,28 +186,30 @@ class RequestRun:
             self._stream_ended("failed")
             if after.retry_denied is not None:
                 metrics.retries_denied.labels(after.retry_denied).inc()
-        return after
 
     def _stream_ended(self, outcome: str) -> None:
         """How a resumed stream ended, counted once."""
-        if self.machine.stream_ended():
+        if self.machine.handle(STREAM_ENDED):
             self.router.metrics.resumes_of(outcome).inc()
 
     # ---- an attempt ------------------------------------------------------------------------
 
-    async def _continue(self) -> tuple[EngineState, EngineState]:
-        """A continuation's engines (docs/contract.md section 6.4): the prompt's ids and the
+    async def _continue(self) -> Prefill | AfterFault:
+        """A continuation's route (docs/contract.md section 6.4): the prompt's ids and the
         ids already sent are prefilled on a producer and decoded on a consumer that has not
-        failed this request, within its context."""
+        failed this request, within its context (not asked of one that has)."""
         producer, consumer = self.placer.continuation()
-        self.machine.within_context(consumer.id, await self.legs.context_of(consumer))
-        return producer, consumer
+        context = None
+        if consumer.id not in self.machine.failed_engines:
+            context = await self.legs.context_of(consumer)
+        now = trio.current_time()
+        return self.machine.handle(ContinuationPlaced(producer.id, consumer.id, context, now))
 
-    async def _local(self, consumer: EngineState) -> None:
+    async def _local(self, route: GoLocal) -> None:
         """One leg to the consumer with no descriptor: it computes the prompt itself. Its
         first token is bounded by the prefill and first-token budgets together."""
         router, config, legs = self.router, self.record.config, self.legs
-        self.machine.going_local(consumer.id)
+        consumer = router.fleet.by_id[route.consumer]
         self.prefill_s = None  # no remote prefill: the journal's prefill_s is null
         legs.local_attempt()
         router.fleet.turn += 1
@@ -204,43 +224,53 @@ class RequestRun:
         router.health.success(consumer)
         self.placer.decoded(consumer, legs.path, legs.reply, sent, self.record.flow.cls.value)
 
-    async def _legs(self, producer: EngineState, consumer: EngineState | None) -> None:
-        """The prefill leg, its handoff, and the decode leg: on ``consumer``, or where
-        placement puts it once the descriptor is in hand. From its prefill until its decode
-        leg is sent, the request holds a consumer's room already (its claim)."""
+    async def _legs(self, route: Prefill) -> AfterFault | None:
+        """The prefill leg, its handoff, and the decode leg: on the route's consumer, or
+        where placement puts it once the descriptor is in hand. From its prefill until its
+        decode leg is sent, the request holds a consumer's room already (its claim). None:
+        the answer is whole; else what follows the fault the machine found."""
         health, machine, fleet = self.router.health, self.machine, self.router.fleet
         legs, placer, record = self.legs, self.placer, self.record
+        producer = fleet.by_id[route.producer]
         number = machine.attempt_line.number
+        fleet.turn += 1
         with fleet.claim_decode(record.req.model) as claim:
             started = trio.current_time()
             try:
-                result = await legs.prefill(producer, number)
+                result = await legs.prefill(producer, number, asks_descriptor=route.asks_descriptor)
             except RequestFault as fault:
                 health.failure(producer, fault, "prefill", None)
                 raise
             health.success(producer)
             placer.prefilled(producer, started)
-            handoff = machine.prefill_answered(record.rid, producer.id, result, started)
+            answer = PrefillAnswered(record.rid, producer.id, result, started)
+            handoff = machine.handle(answer)
             if machine.continuation is None:
                 self.prefill_s = record.elapsed
             try:
-                consumer = consumer or placer.place("decode", other_leg=producer.id)
+                if route.consumer is None:
+                    consumer = placer.place("decode", other_leg=producer.id)
+                else:
+                    consumer = fleet.by_id[route.consumer]
                 sent = trio.current_time()
-                decode = machine.handing_off(consumer.id, sent)
+                decode = machine.handle(DecodeDue(consumer.id, sent))
+                if not isinstance(decode, Decode):
+                    return decode  # too old to hand off
                 try:
                     await legs.decode(consumer, decode, number, claim=claim)
                 except RequestFault as fault:
-                    machine.decode_failed(consumer.id, fault)
+                    machine.handle(DecodeFailed(consumer.id, fault))
                     crossed_from = producer if decode.crossed else None
                     health.failure(consumer, fault, "decode", crossed_from)
                     raise
             finally:
                 if handoff is not None:  # a prefill that asked for no descriptor left none
-                    self._settle(handoff, machine.leg_done())
+                    self._settle(handoff, machine.handle(LEGS_DONE))
             health.success(consumer)
             placer.decoded(consumer, legs.path, legs.reply, sent, record.flow.cls.value)
             if decode.crossed:  # its reclaims are told at once (the NIXL handshake is done)
                 fleet.paired.add((producer.id, consumer.id))
+        return None
 
     def _settle(self, handoff: Handoff, orphan: Handoff | None) -> None:
         """Count the descriptor's fate; an orphan goes to the reclaim queue (invariant 7).

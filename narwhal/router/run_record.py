@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple, Protocol
 
@@ -19,9 +19,9 @@ from narwhal.core.config import FleetConfig
 from narwhal.core.faults import DeadlineExpired, Phase, RequestFault, ShuttingDown
 from narwhal.core.fleet import Fleet
 from narwhal.core.flow_class import Flow
-from narwhal.core.lifecycle import Lifecycle
 from narwhal.core.records import AttemptLine, Caller, JournalLine, Outcome
-from narwhal.core.request import PHASE_OF, outcome_of
+from narwhal.core.request_events import GAVE_UP
+from narwhal.core.request_owner import PHASE_OF, Owner, outcome_of
 from narwhal.core.requests import ClientRequest
 from narwhal.core.retry import RetryBudget
 from narwhal.engines.client import EngineClient
@@ -37,7 +37,7 @@ from narwhal.stream.sse import frame
 
 class ClientSink(Protocol):
     """Where the client's bytes go (the ASGI layer implements it). It keeps no state: where
-    the response stands is the request's lifecycle."""
+    the response stands is its machine's to say."""
 
     async def commit(self, data: bytes) -> None: ...  # 200 + SSE headers + first bytes
     async def send(self, data: bytes) -> None: ...
@@ -76,12 +76,11 @@ class Measures(NamedTuple):
 
 
 class RunRecord:
-    """One client request's record: who sent it and how, where it stands (the lifecycle
-    its machine advances), how it ended, and how a fault is told to the client."""
+    """One client request's record: who sent it and how, where it stands (read from its
+    owner, the machine), how it ended, and how a fault is told to the client."""
 
     # slotted: a held stream's record is one of its larger objects (bench/held_stream_objects.py)
     __slots__ = (
-        "_give_up",
         "_write_lock",
         "arrival",
         "arrived_at",
@@ -93,8 +92,8 @@ class RunRecord:
         "due",
         "fault",
         "flow",
-        "lifecycle",
         "outcome",
+        "owner",
         "queued_s",
         "req",
         "rid",
@@ -110,8 +109,7 @@ class RunRecord:
         req: ClientRequest,
         rid: str,
         sink: ClientSink,
-        lifecycle: Lifecycle,
-        give_up: Callable[[], bool],
+        owner: Owner,
         *,
         arrival: float | None = None,
         write_lock: trio.Lock | None = None,
@@ -121,10 +119,8 @@ class RunRecord:
         self.rid = rid
         self.sink = sink
         self.arrival = trio.current_time() if arrival is None else arrival
-        # read here, written only by its owner, the request's machine: ``give_up`` is the
-        # owner's end for a fault (True when the answer was committed before)
-        self.lifecycle = lifecycle
-        self._give_up = give_up
+        # where it stands: read here, written only by its owner, the request's machine
+        self.owner = owner
         # held while the terminal event is written: a fan-out's, never between a child's frames
         self._write_lock = write_lock
         self.outcome: Outcome = "cancelled"  # until something else is known
@@ -144,7 +140,7 @@ class RunRecord:
 
     @property
     def phase(self) -> Phase:
-        return PHASE_OF[self.lifecycle.state]
+        return PHASE_OF[self.owner.state]
 
     @property
     def elapsed(self) -> float:
@@ -189,11 +185,11 @@ class RunRecord:
         """Tell the client: JSON before the commit point, one terminal event after it, and
         then the body is cut (contract 6): a client that ignores error events must not count
         the stream a success."""
-        if self.lifecycle.finished:
+        if self.owner.finished:
             if self.cut:  # the connection is closed: the journal says why, nobody else can
                 self._record(fault)
             return
-        committed = self._give_up()
+        committed = self.owner.handle(GAVE_UP)
         self._record(fault)
         error = fault.error_json()
         if not committed:

@@ -34,6 +34,7 @@ from typing import Protocol
 import trio
 
 from narwhal.core.faults import StreamBroken
+from narwhal.core.request_events import COMMITTED, FIRST_TOKEN, Committed, FirstToken
 from narwhal.engines.client import DecodeStream
 from narwhal.lowlevel.fast_io import Parkable
 from narwhal.observe.batched_histogram import RequestBuckets
@@ -66,10 +67,9 @@ class Sink(Protocol):
 
 class Milestones(Protocol):
     """What the stream tells the request's machine (``narwhal.core.request``), which alone
-    moves the request's lifecycle."""
+    moves the request's lifecycle: its first token, and the commit point."""
 
-    def first_token(self) -> None: ...
-    def commit(self) -> None: ...
+    def handle(self, event: FirstToken | Committed, /) -> None: ...
 
 
 class DirectWrite(Protocol):
@@ -123,7 +123,7 @@ class ClientStream:
         headers go out before it)."""
         data = self.echoed(action.data)
         if type(action) is FirstOutput:
-            self.machine.commit()
+            self.machine.handle(COMMITTED)
             await self._sink.commit(data)
         else:
             await self._sink.send(data)
@@ -222,7 +222,7 @@ class TokenPath:
         if tokens_before == self.base and tokens != tokens_before:
             self.first_token_at = trio.current_time()
             if not self.base:  # a continuation's request has had its first token
-                self.client.machine.first_token()
+                self.client.machine.handle(FIRST_TOKEN)
             if self.on_first_token is not None:
                 self.on_first_token()
         match action:

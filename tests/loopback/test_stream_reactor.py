@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narwhal.core.lifecycle import Input, Lifecycle
+from narwhal.core.request_events import Committed, FirstToken
 from narwhal.engines.client import EngineClient
 from narwhal.frontdoor.send_lock import SendLock
 from narwhal.router.stream_reactor import (
@@ -306,11 +307,8 @@ class _Decoding:
         for step in (Input.PREFILL, Input.DESCRIPTOR, Input.DISPATCH):
             self.lifecycle.advance(step)
 
-    def first_token(self) -> None:
-        self.lifecycle.advance(Input.FIRST_TOKEN)
-
-    def commit(self) -> None:
-        self.lifecycle.advance(Input.COMMIT)
+    def handle(self, event: FirstToken | Committed) -> None:
+        self.lifecycle.advance(Input.FIRST_TOKEN if type(event) is FirstToken else Input.COMMIT)
 
 
 def silence_ends(gaps: list[float]) -> float:

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import event as event_note
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,9 +40,38 @@ from narwhal.core.faults import (
     StreamBroken,
 )
 from narwhal.core.handoff import Fate, Handoff
-from narwhal.core.lifecycle import Input, InvalidTransition, State
-from narwhal.core.request import RequestMachine, outcome_of
-from narwhal.core.request_actions import Continue, End, Fresh, GoLocal, Prefill, Resume, Retry
+from narwhal.core.lifecycle import InvalidTransition, State
+from narwhal.core.request import RequestMachine
+from narwhal.core.request_actions import (
+    Continue,
+    Decode,
+    End,
+    Fresh,
+    GoLocal,
+    Prefill,
+    Resume,
+    Retry,
+)
+from narwhal.core.request_events import (
+    CLIENT_LEFT,
+    COMMITTED,
+    DECODE_TAKEN,
+    DISPATCHED,
+    FINISHED,
+    FIRST_TOKEN,
+    GAVE_UP,
+    LEGS_DONE,
+    NEXT_ATTEMPT,
+    STREAM_ENDED,
+    ConsumerPlaced,
+    ContinuationPlaced,
+    DecodeDue,
+    DecodeFailed,
+    LegFailed,
+    PrefillAnswered,
+    ProducerPlaced,
+)
+from narwhal.core.request_owner import outcome_of
 from narwhal.core.retry import RetryBudget
 
 ENGINES = ("e0", "e1", "e2")
@@ -74,6 +104,31 @@ class _Kept:
 
     def refusal(self) -> str | None:
         return None
+
+
+class _View:
+    """The shell's side a resume reads: every engine may decode; the first output came at
+    once."""
+
+    needed_s = 0.0
+
+    def consumers(self) -> list[str]:
+        return list(ENGINES)
+
+
+def _machine(
+    max_attempts: int, resume_streams: int, credits: int, body: dict[str, Any] = BODY
+) -> RequestMachine:
+    return RequestMachine(
+        _config(max_attempts, resume_streams),
+        deadline=DEADLINE_S,
+        budget=RetryBudget(float(credits), 0.0),
+        rng=random.Random(0),
+        body=body,
+        chat=False,
+        view=_View(),
+        new_kept=_Kept if resume_streams else None,
+    )
 
 
 def _result() -> PrefillResult:
@@ -109,61 +164,63 @@ class Life:
 def _place(data: st.DataObject, machine: RequestMachine, apart_from: str | None = None) -> str:
     """Placement as ``choose`` keeps it: engines this request saw fail only when no other
     is left, and the other leg's engine only when nothing else is."""
-    pool = machine.usable(ENGINES)
+    pool = [e for e in ENGINES if e not in machine.failed_engines] or list(ENGINES)
     pool = [e for e in pool if e != apart_from] or pool
     return data.draw(st.sampled_from(pool))
 
 
 def _end(machine: RequestMachine, life: Life, how: str) -> None:
     life.ends.append(how)
-    assert machine.lifecycle.finished
+    assert machine.finished
 
 
 def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) -> None:
     """Drive the machine through one request, as ``RequestRun`` does."""
     if data.draw(st.booleans(), label="leaves while queued"):
-        machine.cancelled()
+        machine.handle(CLIENT_LEFT)
         _end(machine, life, "cancelled")
         return
-    machine.dispatched()
+    machine.handle(DISPATCHED)
     with pytest.raises(InvalidTransition):  # it left the queue once
-        machine.dispatched()
-    body = data.draw(st.sampled_from([BODY, ECHO]), label="body")
+        machine.handle(DISPATCHED)
     now = 0.0
     while True:
-        step = machine.attempt()
+        step = machine.handle(NEXT_ATTEMPT)
         line = machine.attempt_line
         if data.draw(st.booleans(), label="a token told before the decode leg"):
             with pytest.raises(InvalidTransition):  # output comes from a dispatched decode leg
-                machine.first_token()
+                machine.handle(FIRST_TOKEN)
             with pytest.raises(InvalidTransition):  # and is committed once, after it came
-                machine.commit()
+                machine.handle(COMMITTED)
         life.saw(line.number == len(machine.attempts), "attempts are numbered in order")
         handoff: Handoff | None = None
         decode_taken = False
         leg_engine = "e0"
         phase = Phase.ADMISSION
+        after: Resume | Retry | End | None = None
         try:
             if type(step) is Continue:
-                life.saw(machine.lifecycle.output_seen, "a continuation only after output")
+                life.saw(machine.output_seen, "a continuation only after output")
                 consumer = _place(data, machine)
-                machine.resume_consumer(consumer)
                 producer = _place(data, machine, apart_from=consumer)
-                route: GoLocal | Prefill = machine.continuation_prefill(producer, consumer)
+                context = data.draw(st.sampled_from([None, 4, 4096]), label="context")
+                placed = ContinuationPlaced(producer, consumer, context, now)
+                route = machine.handle(placed)
             else:
                 life.saw(type(step) is Fresh, "an attempt is fresh or a continuation")
-                life.saw(not machine.lifecycle.output_seen, "a fresh attempt only before output")
+                life.saw(not machine.output_seen, "a fresh attempt only before output")
                 producer = _place(data, machine)
                 decode_first = data.draw(st.none() | st.sampled_from(ENGINES))
-                route = machine.producer_placed(
-                    producer,
-                    consumer=decode_first,
-                    only_consumer=None,
-                    consumers=len(ENGINES),
-                    body=body,
-                )
+                consumers = data.draw(st.sampled_from([0, len(ENGINES)]), label="consumers")
+                if decode_first is not None:
+                    consumers = 1
+                route = machine.handle(ProducerPlaced(producer, decode_first, None, consumers, now))
+            if isinstance(route, Resume | Retry | End):
+                life.saw(type(route.fault) is NoCapacity, "placement's fault: no capacity")
+                after = route
+                raise route.fault
             if isinstance(route, GoLocal):
-                machine.going_local(route.consumer)
+                life.saw(machine.attempt_line.local, "a local attempt is recorded so")
                 leg_engine, phase = route.consumer, Phase.DECODE
             else:
                 leg_engine, phase = route.producer, Phase.PREFILL
@@ -171,12 +228,12 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                     route.asks_descriptor or route.consumer == route.producer,
                     "no descriptor asked for only where one engine runs both legs",
                 )
-                machine.prefill_sent(route.producer, asks_descriptor=route.asks_descriptor)
+                life.saw(machine.attempt_line.producer == route.producer, "its producer recorded")
                 started = now
                 if data.draw(st.booleans(), label="prefill fails"):
                     raise _fault(data, phase, leg_engine)
                 now += data.draw(st.floats(0, 2 * LEASE_S), label="prefill and placement")
-                handoff = machine.prefill_answered("r", route.producer, _result(), started)
+                handoff = machine.handle(PrefillAnswered("r", route.producer, _result(), started))
                 life.saw(
                     (handoff is not None) == route.asks_descriptor, "a descriptor iff asked for"
                 )
@@ -184,13 +241,14 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                     life.handoffs.append(handoff)
                 consumer = route.consumer or _place(data, machine, apart_from=route.producer)
                 phase = Phase.HANDOFF
-                try:
-                    decode = machine.handing_off(consumer, now)
-                except HandoffExpired:
+                decode = machine.handle(DecodeDue(consumer, now))
+                if not isinstance(decode, Decode):
                     expired = handoff is not None and handoff.age(now) > LIMIT_S
                     life.saw(expired, "a descriptor expires past the lease only")
                     life.saw(handoff is not None and handoff.fate is Fate.EXPIRED, "expired")
-                    raise
+                    life.saw(type(decode.fault) is HandoffExpired, "the fault says so")
+                    after = decode
+                    raise decode.fault
                 if handoff is not None:
                     life.saw(
                         handoff.age(now) <= LIMIT_S, "invariant 6: never handed off past the lease"
@@ -200,50 +258,47 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 leg_engine, phase = consumer, Phase.DECODE
                 if decode.crossed and data.draw(st.booleans(), label="clock fires before send"):
                     late = HandoffExpired("KV handoff expired: not sent", phase=Phase.HANDOFF)
-                    machine.decode_failed(consumer, late)
+                    machine.handle(DecodeFailed(consumer, late))
                     life.saw(handoff is not None and handoff.fate is Fate.EXPIRED, "unsent")
                     raise late
                 if data.draw(st.booleans(), label="consumer refuses"):
                     fault = _fault(data, phase, consumer)
-                    machine.decode_failed(consumer, fault)
+                    machine.handle(DecodeFailed(consumer, fault))
                     raise fault
-                machine.decode_taken(decode)
+                machine.handle(DECODE_TAKEN)
                 decode_taken = True
                 if decode.crossed:
                     key = id(handoff)
                     life.decode_legs[key] = life.decode_legs.get(key, 0) + 1
             # the decode leg streams
             tokens = data.draw(st.integers(0, 5), label="tokens before the leg ends")
-            if tokens and not machine.lifecycle.output_seen:
-                machine.first_token()
-            if tokens and machine.lifecycle.state is State.GENERATING:
-                machine.commit()  # a stream commits at its first token
+            if tokens and not machine.output_seen:
+                machine.handle(FIRST_TOKEN)
+            if tokens and machine.state is State.GENERATING:
+                machine.handle(COMMITTED)  # a stream commits at its first token
             if tokens and data.draw(st.booleans(), label="the first token told again"):
                 with pytest.raises(InvalidTransition):  # one first token, one commit point
-                    machine.first_token()
+                    machine.handle(FIRST_TOKEN)
                 with pytest.raises(InvalidTransition):
-                    machine.commit()
+                    machine.handle(COMMITTED)
             if machine.kept is not None:
                 machine.kept.ids.extend(
                     range(len(machine.kept.ids), len(machine.kept.ids) + tokens)
                 )
             ending = data.draw(st.sampled_from(["done", "fault", "client"]), label="leg ends")
             if ending == "client":
-                machine.cancelled()
+                machine.handle(CLIENT_LEFT)
                 _end(machine, life, "cancelled")
                 return
-            if ending == "fault" or not machine.lifecycle.output_seen:
-                raise _fault(
-                    data, Phase.STREAM if machine.lifecycle.output_seen else phase, leg_engine
-                )
-            machine.finish()
+            if ending == "fault" or not machine.output_seen:
+                raise _fault(data, Phase.STREAM if machine.output_seen else phase, leg_engine)
+            machine.handle(FINISHED)
             _end(machine, life, "completed")
             return
         except RequestFault as fault:
-            output = machine.lifecycle.output_seen
-            after = machine.failed(
-                fault, now=now, body=body, chat=False, consumers=lambda: ENGINES, needed_s=0.0
-            )
+            output = machine.output_seen
+            if after is None:  # a leg's fault; the machine's own came answered
+                after = machine.handle(LegFailed(fault, now))
             if type(after) is Retry:
                 life.saw(not output, "invariant 3: no retry after output")
                 life.saw(fault.transient, "only a transient fault is retried")
@@ -262,18 +317,18 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 life.resumes += 1
             else:
                 life.saw(isinstance(after, End) and after.fault is fault, "the end is the fault")
-                machine.lifecycle.advance(Input.FAIL)
+                machine.handle(GAVE_UP)
                 _end(machine, life, outcome_of(fault))
                 return
         finally:
             if handoff is not None:
-                orphan = machine.leg_done()
+                orphan = machine.handle(LEGS_DONE)
                 if decode_taken and handoff.result is not None and orphan is None:
                     life.saw(handoff.fate is Fate.DECODED, "a taken descriptor is decoded")
                 else:
                     life.saw(orphan is handoff, "invariant 7: to the reclaim queue")
                     life.orphans.append(handoff)
-            if not machine.lifecycle.finished:
+            if not machine.finished:
                 life.saw(
                     len(machine.attempts) <= 1 + life.retries + life.resumes,
                     "one attempt per retry or resume",
@@ -290,20 +345,14 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
 def test_every_life_keeps_the_rules(
     data: st.DataObject, max_attempts: int, credits: int, resume_streams: int
 ) -> None:
-    budget = RetryBudget(float(credits), 0.0)
-    machine = RequestMachine(
-        _config(max_attempts, resume_streams),
-        deadline=DEADLINE_S,
-        budget=budget,
-        rng=random.Random(0),
-        new_kept=_Kept if resume_streams else None,
-    )
+    body = data.draw(st.sampled_from([BODY, ECHO]), label="body")
+    machine = _machine(max_attempts, resume_streams, credits, body)
+    budget = machine._budget
     life = Life()
     _live(data, machine, life, kept=resume_streams > 0)
     assert life.broken == []  # every step's rule held (invariants 3, 4, 6 and 7 as it went)
     assert len(life.ends) == 1  # invariant 1
-    assert machine.lifecycle.finished
-    assert machine.lifecycle.history.count(State.FINISHED) == 1
+    assert machine.finished
     # invariant 4: the budget pays for each retry and each resume, attempts are bounded
     assert life.retries + life.resumes <= credits
     assert budget.credits >= 0
@@ -321,47 +370,164 @@ def test_every_life_keeps_the_rules(
 
 def _attempting(max_attempts: int, credits: int) -> RequestMachine:
     """A machine dispatched and in its first attempt, resume off."""
-    budget = RetryBudget(float(credits), 0.0)
-    config = _config(max_attempts, 0)
-    machine = RequestMachine(config, deadline=DEADLINE_S, budget=budget, rng=random.Random(0))
-    machine.dispatched()
-    machine.attempt()
+    machine = _machine(max_attempts, 0, credits)
+    machine.handle(DISPATCHED)
+    machine.handle(NEXT_ATTEMPT)
     return machine
 
 
 def test_a_retry_goes_to_engines_that_have_not_failed() -> None:
     machine = _attempting(max_attempts=3, credits=5)
-    machine.prefill_sent("e0")
+    machine.handle(ProducerPlaced("e0", "e1", None, 1, 0.0))
     fault = PrefillTimeout("slow", phase=Phase.PREFILL, engine_id="e0")
-    after = machine.failed(
-        fault, now=1.0, body=BODY, chat=False, consumers=lambda: ENGINES, needed_s=0
-    )
+    after = machine.handle(LegFailed(fault, 1.0))
     assert type(after) is Retry
-    assert machine.usable(ENGINES) == ["e1", "e2"]
+    assert after.fault is fault
+    assert machine.failed_engines == {"e0"}
     assert machine.attempts[0].retry == "retry"
     assert machine.attempts[0].error == "slow"
 
 
 def test_a_handoff_to_its_own_producer_runs_alone_unless_it_needs_the_prefill() -> None:
-    machine = _attempting(max_attempts=1, credits=0)
-    route = machine.producer_placed("e0", consumer=None, only_consumer="e0", consumers=1, body=BODY)
+    route = _attempting(max_attempts=1, credits=0).handle(ProducerPlaced("e0", None, "e0", 1, 0))
     assert type(route) is GoLocal
     assert route.decision == "local_one_engine"
-    echo = machine.producer_placed(
-        "e0", consumer=None, only_consumer="e0", consumers=1, body={**BODY, "echo": True}
-    )
-    assert type(echo) is Prefill
-    assert not echo.asks_descriptor  # its producer decodes too: no descriptor, no blocks held
-    with pytest.raises(NoCapacity):
-        machine.producer_placed("e0", consumer=None, only_consumer=None, consumers=0, body=BODY)
+    echo = _machine(1, 0, 0, ECHO)
+    echo.handle(DISPATCHED)
+    echo.handle(NEXT_ATTEMPT)
+    both = echo.handle(ProducerPlaced("e0", None, "e0", 1, 0.0))
+    assert type(both) is Prefill
+    assert not both.asks_descriptor  # its producer decodes too: no descriptor, no blocks held
+    alone = _attempting(max_attempts=1, credits=0).handle(ProducerPlaced("e0", None, None, 0, 0))
+    assert type(alone) is End  # no consumer: refused now rather than pin KV nobody reads
+    assert type(alone.fault) is NoCapacity
 
 
 def test_a_descriptor_past_the_lease_is_never_handed_off() -> None:
     machine = _attempting(max_attempts=1, credits=0)
-    machine.prefill_sent("e0")
-    handoff = machine.prefill_answered("r", "e0", _result(), started=0.0)
-    with pytest.raises(HandoffExpired, match="older than the producer's KV lease"):
-        machine.handing_off("e1", now=LEASE_S + 1)
+    machine.handle(ProducerPlaced("e0", "e1", None, 1, 0.0))
+    handoff = machine.handle(PrefillAnswered("r", "e0", _result(), started=0.0))
+    assert handoff is not None
+    after = machine.handle(DecodeDue("e1", now=LEASE_S + 1))
+    assert type(after) is End  # the fault is returned, answered: here, no attempt is left
+    assert type(after.fault) is HandoffExpired
+    assert "older than the producer's KV lease" in after.fault.message
     assert handoff.fate is Fate.EXPIRED
-    assert machine.leg_done() is handoff  # to the reclaim queue
+    assert machine.handle(LEGS_DONE) is handoff  # to the reclaim queue
     assert machine.attempts[0].handoff_fate == "expired"
+
+
+# ---- any sequence of events -----------------------------------------------------------------
+
+_ENGINE = st.sampled_from(ENGINES)
+_NOW = st.floats(0, 2 * LEASE_S)
+_FAULT = st.sampled_from(
+    [
+        PrefillTimeout("slow", phase=Phase.PREFILL, engine_id="e0"),
+        EngineUnreachable("down", phase=Phase.DECODE, engine_id="e1"),
+        StreamBroken("cut", phase=Phase.STREAM, engine_id="e2"),
+        EngineStatusError(400, "bad", phase=Phase.DECODE, engine_id="e1"),
+    ]
+)
+EVENTS = st.one_of(
+    st.sampled_from(
+        [
+            DISPATCHED,
+            NEXT_ATTEMPT,
+            DECODE_TAKEN,
+            LEGS_DONE,
+            FIRST_TOKEN,
+            COMMITTED,
+            STREAM_ENDED,
+            FINISHED,
+            GAVE_UP,
+            CLIENT_LEFT,
+        ]
+    ),
+    st.builds(ConsumerPlaced, _ENGINE, st.sampled_from(["disaggregated", "local_short"])),
+    st.builds(
+        ProducerPlaced, _ENGINE, st.none() | _ENGINE, st.none() | _ENGINE, st.integers(0, 2), _NOW
+    ),
+    st.builds(ContinuationPlaced, _ENGINE, _ENGINE, st.sampled_from([None, 4, 4096]), _NOW),
+    st.builds(PrefillAnswered, st.just("r"), _ENGINE, st.just(_result()), _NOW),
+    st.builds(DecodeDue, _ENGINE, _NOW),
+    st.builds(DecodeFailed, _ENGINE, _FAULT),
+    st.builds(LegFailed, _FAULT, _NOW),
+)
+
+
+def _next(machine: RequestMachine) -> st.SearchStrategy[Any]:
+    """An event the request's state may well allow: the shell's way through a life."""
+    step = machine.step
+    if step == "closed":
+        return st.sampled_from([DISPATCHED, NEXT_ATTEMPT, LEGS_DONE])
+    if step == "placing":
+        if machine.continuation is not None:
+            return st.builds(ContinuationPlaced, _ENGINE, _ENGINE, st.just(4096), _NOW)
+        return st.builds(ProducerPlaced, _ENGINE, st.none() | _ENGINE, st.none(), st.just(2), _NOW)
+    if step == "prefilling":
+        return st.builds(PrefillAnswered, st.just("r"), _ENGINE, st.just(_result()), _NOW)
+    if step == "handing_off":
+        return st.builds(DecodeDue, _ENGINE, _NOW)
+    if step == "decoding":
+        if not machine.output_seen:
+            return st.sampled_from([DECODE_TAKEN, FIRST_TOKEN])
+        if machine.state is State.GENERATING:
+            return st.just(COMMITTED)
+        return st.sampled_from([FINISHED, LEGS_DONE]) | st.builds(LegFailed, _FAULT, _NOW)
+    return st.just(GAVE_UP)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    data=st.data(),
+    max_attempts=st.integers(1, 3),
+    credits=st.integers(0, 3),
+    resume_streams=st.integers(0, 2),
+)
+def test_any_sequence_of_events_keeps_the_rules(
+    data: st.DataObject, max_attempts: int, credits: int, resume_streams: int
+) -> None:
+    """Events in any order, as a buggy or hostile shell could tell them (half of them drawn
+    from what the request's state allows, to reach deep lives): each one the state allows
+    is answered, any other raises ``InvalidTransition`` and changes nothing of where it
+    stands; on every path the rules hold."""
+    machine = _machine(max_attempts, resume_streams, credits)
+    fresh = retries = resumes = 0
+    decoded: list[Handoff] = []  # the descriptors decode legs were given
+    reclaimed: list[Handoff] = []
+    for _ in range(data.draw(st.integers(0, 40), label="events")):
+        likely = data.draw(st.booleans(), label="an event the state allows")
+        event = data.draw(_next(machine) if likely else EVENTS, label="event")
+        state, output_seen, finished = machine.state, machine.output_seen, machine.finished
+        try:
+            answer = machine.handle(event)
+        except InvalidTransition:
+            assert machine.state is state  # refused whole
+            continue
+        if finished:  # invariant 1: an ended request stays ended, once
+            assert machine.state is State.FINISHED
+        event_note(type(answer).__name__)
+        if type(answer) is Fresh:
+            fresh += 1
+        elif type(answer) is Retry:
+            assert not output_seen  # invariant 3: no retry after output
+            retries += 1
+        elif type(answer) is Resume:
+            assert output_seen
+            assert machine.kept is not None
+            resumes += 1
+        elif isinstance(answer, Decode) and answer.handoff is not None:
+            assert answer.handoff.age(event.now) <= LIMIT_S  # invariant 6: within the lease
+            if answer.crossed:
+                assert answer.handoff not in decoded  # invariant 6: one decode leg each
+                decoded.append(answer.handoff)
+        elif isinstance(answer, Handoff) and type(event) is type(LEGS_DONE):
+            assert answer.fate is not Fate.DECODED  # invariant 7: only what nobody decoded
+            assert answer not in reclaimed  # once
+            reclaimed.append(answer)
+        if machine.kept is not None and type(event) is type(FIRST_TOKEN):
+            machine.kept.ids.append(len(machine.kept.ids))  # what the client got
+    assert fresh <= max_attempts  # invariant 4: bounded, and paid for
+    assert retries + resumes <= credits
+    assert resumes <= resume_streams

@@ -42,12 +42,14 @@ wait_readable = trio.lowlevel.wait_readable
 
 
 class HandBack:
-    """Handed back when the reactor stops, or a read must wait: the request's task reads."""
+    """Handed back when the reactor stops, or a read must wait (``HAND_BACK``: the request's
+    task reads), or when ``on_due`` says the request's time is up (``TIME_UP``: its task's
+    own clock ends it)."""
 
     __slots__ = ()
 
 
-HAND_BACK = HandBack()
+HAND_BACK, TIME_UP = HandBack(), HandBack()
 NEVER = math.inf
 # the dues heap is rebuilt from the parked streams when it holds more entries than this
 # many per parked stream, plus the slack (each rebuild is one pass over the parked)
@@ -67,7 +69,7 @@ class _Parked:
         fd: int,
         task: trio.lowlevel.Task,
         on_ready: Callable[[], object],
-        on_due: Callable[[], float] | None,
+        on_due: Callable[[], float | None] | None,
     ) -> None:
         # descriptor kept: the registration's key, ended by ``before_close`` before any close
         self.sock, self.fd, self.task = sock, fd, task
@@ -84,8 +86,11 @@ class StreamReactor:
     """The parked streams' sockets in one epoll, served by ``run`` (the server's background
     nursery). ``running`` is False outside a server (tests of the core): nothing parks.
 
-    A parked request may also ask for a call at a time (``due``, ``set_due``): its silence
-    clock is moved there, not on every read (``TokenPath.on_due``)."""
+    A parked request may also ask for a call at a time (``due``, ``set_due``): the expiry
+    of its clock, which its task lifted to park. The call (``TokenPath.on_due``) names the
+    expiry that reads since have moved it to, or hands the request back ``TIME_UP``; a read
+    moves only a float of the request's, so the dues are pushed at most once per expiry,
+    not per read. No clock of a request's is moved here: only its task moves its own."""
 
     def __init__(self) -> None:
         self._epoll: select.epoll | None = None
@@ -131,14 +136,15 @@ class StreamReactor:
         sock: Parkable,
         on_ready: Callable[[], object],
         due: float = NEVER,
-        on_due: Callable[[], float] | None = None,
+        on_due: Callable[[], float | None] | None = None,
     ) -> object:
         """Wait here while ``on_ready`` (called on each readiness of ``sock``, in the
         reactor's task) returns None; return what it returned otherwise, raise what it
         raised (or what ``on_due`` raised, or what the socket's closer gave
-        ``before_close``). ``on_due`` is called at ``due`` and returns the next one.
-        Cancellation ends the wait as any checkpoint's; the socket is unregistered before
-        this returns or raises, so the caller may close it."""
+        ``before_close``). ``on_due`` is called at ``due`` (in the reactor's task) and
+        returns the next one, or None: return ``TIME_UP``. Cancellation ends the wait as
+        any checkpoint's; the socket is unregistered before this returns or raises, so the
+        caller may close it."""
         epoll = self._epoll
         if epoll is None or sock.fileno() < 0:  # no reactor, or closed: the task reads
             await trio.lowlevel.checkpoint()
@@ -174,8 +180,8 @@ class StreamReactor:
                 self._timer.deadline = due
 
     def _compact_dues(self) -> None:
-        """Drop the stale entries: a due moved at each half-silence, and requests that
-        ended, leave one each until its time (the heap stays within a few per stream)."""
+        """Drop the stale entries: a due brought forward, and requests that ended, leave
+        one each until its time (the heap stays within a few per stream)."""
         dues = self._dues  # the same list: ``run`` holds it
         dues.clear()
         for seq, (fd, entry) in enumerate(self._parked.items(), 1):
@@ -205,14 +211,18 @@ class StreamReactor:
             self._hand_back(epoll, entry, outcome.Value(result))
 
     def _call_due(self, epoll: select.epoll, entry: _Parked) -> None:
-        """``on_due``, in the reactor's task: it names the next due; an error is handed back."""
+        """``on_due``, in the reactor's task: it names the next due, or None: the request
+        is handed back ``TIME_UP``; an error is handed back."""
         assert entry.on_due is not None
         try:
             due = entry.on_due()
         except Exception as exc:
             self._hand_back(epoll, entry, outcome.Error(exc))
             return
-        self.set_due(entry.sock, due)
+        if due is None:
+            self._hand_back(epoll, entry, outcome.Value(TIME_UP))
+        else:
+            self.set_due(entry.sock, due)
 
     def _closing(self, entry: _Parked, error: BaseException) -> None:
         """The parked socket's ``before_close``: its request raises ``error``."""

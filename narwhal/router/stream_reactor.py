@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 import select
+import socket
 from collections.abc import Callable
 from functools import partial
 
@@ -90,7 +91,10 @@ class StreamReactor:
     of its clock, which its task lifted to park. The call (``TokenPath.on_due``) names the
     expiry that reads since have moved it to, or hands the request back ``TIME_UP``; a read
     moves only a float of the request's, so the dues are pushed at most once per expiry,
-    not per read. No clock of a request's is moved here: only its task moves its own."""
+    not per read. No task moves another's clock: a request's is its task's, and the
+    reactor's timer (armed at the earliest due before each wait) is the reactor's; a park
+    with a sooner due wakes the reactor, with a byte on a socketpair in its epoll, to arm
+    it anew."""
 
     def __init__(self) -> None:
         self._epoll: select.epoll | None = None
@@ -100,7 +104,11 @@ class StreamReactor:
         # request's objects alive until its due (at 3,000 requests a second, tens of MiB)
         self._dues: list[tuple[float, int, int]] = []
         self._seq = 0
-        self._timer = trio.CancelScope()  # the reactor's wait, until the earliest due
+        # the reactor's timer is a cancel scope of its own task, armed at the earliest due
+        # before each wait; a park whose due comes sooner wakes it with a byte on this pair
+        # to arm it anew, rather than move another task's clock
+        self._armed = -math.inf  # the due the reactor waits until; -inf: it is not waiting
+        self._wake: socket.socket | None = None  # the pair's end that wakes the reactor
         self.parks = 0  # streams parked here so far (a compiled class takes no wrapper)
 
     @property
@@ -109,19 +117,27 @@ class StreamReactor:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         epoll = self._epoll = select.epoll()
+        woken, self._wake = socket.socketpair()
+        woken.setblocking(False)
+        self._wake.setblocking(False)
+        epoll.register(woken, select.EPOLLIN)
         parked, dues = self._parked, self._dues
         try:
             task_status.started()
             poll = epoll.poll
             while True:
-                # the timer: the earliest due; ``set_due`` brings it forward while waiting
-                with trio.CancelScope(deadline=dues[0][0] if dues else NEVER) as self._timer:
+                # the timer: the earliest due (a sooner one parked meanwhile wakes it)
+                armed = self._armed = dues[0][0] if dues else NEVER
+                with trio.CancelScope(deadline=armed):
                     await wait_readable(epoll)
+                self._armed = -math.inf  # it arms its timer anew before it waits again
                 # level-triggered: a socket with bytes left after one read is ready again
                 for ready, _ in poll(0):
                     entry = parked.get(ready)
                     if entry is not None:
                         self._serve(epoll, entry)
+                    elif ready == woken.fileno():
+                        woken.recv(64)
                 if dues and dues[0][0] <= trio.current_time():
                     self._call_dues(epoll)
         finally:
@@ -130,6 +146,9 @@ class StreamReactor:
             for entry in list(parked.values()):
                 self._hand_back(epoll, entry, outcome.Value(HAND_BACK))
             epoll.close()
+            woken.close()
+            self._wake.close()
+            self._wake = None
 
     async def park(
         self,
@@ -176,8 +195,10 @@ class StreamReactor:
             heapq.heappush(self._dues, (due, self._seq, entry.fd))
             if len(self._dues) > STALE_DUES_FACTOR * len(self._parked) + STALE_DUES_SLACK:
                 self._compact_dues()
-            if due < self._timer.deadline:
-                self._timer.deadline = due
+            if due < self._armed:  # sooner than the reactor waits: wake it (once, it reads
+                self._armed = -math.inf  # every due before it waits again)
+                assert self._wake is not None
+                self._wake.send(b"\0")
 
     def _compact_dues(self) -> None:
         """Drop the stale entries: a due brought forward, and requests that ended, leave

@@ -144,6 +144,30 @@ async def test_on_due_saying_none_hands_the_request_back_time_up(
     theirs.close()
 
 
+async def test_a_sooner_due_parked_while_the_reactor_waits_is_called_at_its_time(
+    reactor: StreamReactor, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The reactor waits under a timer of its own, armed at the earliest due; a request
+    that parks with a sooner one wakes it to arm it anew (it moves no other task's clock)."""
+    later, theirs = socket.socketpair()
+    sooner, others = socket.socketpair()
+    start = trio.current_time()
+    called: list[float] = []
+
+    def time_up() -> None:
+        called.append(trio.current_time() - start)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reactor.park, Parked(later), lambda: None, start + 100.0, time_up)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(10):  # virtual: had the reactor slept on, at its first due
+            assert await reactor.park(Parked(sooner), lambda: None, start + 1.0, time_up) is TIME_UP
+        assert called == [1.0]
+        nursery.cancel_scope.cancel()
+    for sock in (later, theirs, sooner, others):
+        sock.close()
+
+
 async def test_a_deadline_that_has_come_cancels_at_the_next_checkpoint(
     mock_clock: trio.testing.MockClock,
 ) -> None:

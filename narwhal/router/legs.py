@@ -8,7 +8,8 @@ makes one ``RequestLegs`` with the request's record and machine, places the legs
 Timeouts are cancel scopes owned here: the prefill clock over the whole producer leg, and
 one decode clock that is the first-token budget until the first generated token (it starts
 before the decode request is opened) and the silence budget between transport chunks after
-it. The request deadline is the outer scope, owned by ``Router.handle``.
+it, moved only by this task (``TokenPath``, its stream parked in the reactor or not). The
+request deadline is the outer scope, owned by ``Router.handle``.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 import select
+import socket
 from collections.abc import Callable
 from functools import partial
 
@@ -42,12 +43,14 @@ wait_readable = trio.lowlevel.wait_readable
 
 
 class HandBack:
-    """Handed back when the reactor stops, or a read must wait: the request's task reads."""
+    """Handed back when the reactor stops, or a read must wait (``HAND_BACK``: the request's
+    task reads), or when ``on_due`` says the request's time is up (``TIME_UP``: its task's
+    own clock ends it)."""
 
     __slots__ = ()
 
 
-HAND_BACK = HandBack()
+HAND_BACK, TIME_UP = HandBack(), HandBack()
 NEVER = math.inf
 # the dues heap is rebuilt from the parked streams when it holds more entries than this
 # many per parked stream, plus the slack (each rebuild is one pass over the parked)
@@ -67,7 +70,7 @@ class _Parked:
         fd: int,
         task: trio.lowlevel.Task,
         on_ready: Callable[[], object],
-        on_due: Callable[[], float] | None,
+        on_due: Callable[[], float | None] | None,
     ) -> None:
         # descriptor kept: the registration's key, ended by ``before_close`` before any close
         self.sock, self.fd, self.task = sock, fd, task
@@ -84,8 +87,14 @@ class StreamReactor:
     """The parked streams' sockets in one epoll, served by ``run`` (the server's background
     nursery). ``running`` is False outside a server (tests of the core): nothing parks.
 
-    A parked request may also ask for a call at a time (``due``, ``set_due``): its silence
-    clock is moved there, not on every read (``TokenPath.on_due``)."""
+    A parked request may also ask for a call at a time (``due``, ``set_due``): the expiry
+    of its clock, which its task lifted to park. The call (``TokenPath.on_due``) names the
+    expiry that reads since have moved it to, or hands the request back ``TIME_UP``; a read
+    moves only a float of the request's, so the dues are pushed at most once per expiry,
+    not per read. No task moves another's clock: a request's is its task's, and the
+    reactor's timer (armed at the earliest due before each wait) is the reactor's; a park
+    with a sooner due wakes the reactor, with a byte on a socketpair in its epoll, to arm
+    it anew."""
 
     def __init__(self) -> None:
         self._epoll: select.epoll | None = None
@@ -95,7 +104,11 @@ class StreamReactor:
         # request's objects alive until its due (at 3,000 requests a second, tens of MiB)
         self._dues: list[tuple[float, int, int]] = []
         self._seq = 0
-        self._timer = trio.CancelScope()  # the reactor's wait, until the earliest due
+        # the reactor's timer is a cancel scope of its own task, armed at the earliest due
+        # before each wait; a park whose due comes sooner wakes it with a byte on this pair
+        # to arm it anew, rather than move another task's clock
+        self._armed = -math.inf  # the due the reactor waits until; -inf: it is not waiting
+        self._wake: socket.socket | None = None  # the pair's end that wakes the reactor
         self.parks = 0  # streams parked here so far (a compiled class takes no wrapper)
 
     @property
@@ -104,19 +117,27 @@ class StreamReactor:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         epoll = self._epoll = select.epoll()
+        woken, self._wake = socket.socketpair()
+        woken.setblocking(False)
+        self._wake.setblocking(False)
+        epoll.register(woken, select.EPOLLIN)
         parked, dues = self._parked, self._dues
         try:
             task_status.started()
             poll = epoll.poll
             while True:
-                # the timer: the earliest due; ``set_due`` brings it forward while waiting
-                with trio.CancelScope(deadline=dues[0][0] if dues else NEVER) as self._timer:
+                # the timer: the earliest due (a sooner one parked meanwhile wakes it)
+                armed = self._armed = dues[0][0] if dues else NEVER
+                with trio.CancelScope(deadline=armed):
                     await wait_readable(epoll)
+                self._armed = -math.inf  # it arms its timer anew before it waits again
                 # level-triggered: a socket with bytes left after one read is ready again
                 for ready, _ in poll(0):
                     entry = parked.get(ready)
                     if entry is not None:
                         self._serve(epoll, entry)
+                    elif ready == woken.fileno():
+                        woken.recv(64)
                 if dues and dues[0][0] <= trio.current_time():
                     self._call_dues(epoll)
         finally:
@@ -125,20 +146,24 @@ class StreamReactor:
             for entry in list(parked.values()):
                 self._hand_back(epoll, entry, outcome.Value(HAND_BACK))
             epoll.close()
+            woken.close()
+            self._wake.close()
+            self._wake = None
 
     async def park(
         self,
         sock: Parkable,
         on_ready: Callable[[], object],
         due: float = NEVER,
-        on_due: Callable[[], float] | None = None,
+        on_due: Callable[[], float | None] | None = None,
     ) -> object:
         """Wait here while ``on_ready`` (called on each readiness of ``sock``, in the
         reactor's task) returns None; return what it returned otherwise, raise what it
         raised (or what ``on_due`` raised, or what the socket's closer gave
-        ``before_close``). ``on_due`` is called at ``due`` and returns the next one.
-        Cancellation ends the wait as any checkpoint's; the socket is unregistered before
-        this returns or raises, so the caller may close it."""
+        ``before_close``). ``on_due`` is called at ``due`` (in the reactor's task) and
+        returns the next one, or None: return ``TIME_UP``. Cancellation ends the wait as
+        any checkpoint's; the socket is unregistered before this returns or raises, so the
+        caller may close it."""
         epoll = self._epoll
         if epoll is None or sock.fileno() < 0:  # no reactor, or closed: the task reads
             await trio.lowlevel.checkpoint()
@@ -170,12 +195,14 @@ class StreamReactor:
             heapq.heappush(self._dues, (due, self._seq, entry.fd))
             if len(self._dues) > STALE_DUES_FACTOR * len(self._parked) + STALE_DUES_SLACK:
                 self._compact_dues()
-            if due < self._timer.deadline:
-                self._timer.deadline = due
+            if due < self._armed:  # sooner than the reactor waits: wake it (once, it reads
+                self._armed = -math.inf  # every due before it waits again)
+                assert self._wake is not None
+                self._wake.send(b"\0")
 
     def _compact_dues(self) -> None:
-        """Drop the stale entries: a due moved at each half-silence, and requests that
-        ended, leave one each until its time (the heap stays within a few per stream)."""
+        """Drop the stale entries: a due brought forward, and requests that ended, leave
+        one each until its time (the heap stays within a few per stream)."""
         dues = self._dues  # the same list: ``run`` holds it
         dues.clear()
         for seq, (fd, entry) in enumerate(self._parked.items(), 1):
@@ -205,14 +232,18 @@ class StreamReactor:
             self._hand_back(epoll, entry, outcome.Value(result))
 
     def _call_due(self, epoll: select.epoll, entry: _Parked) -> None:
-        """``on_due``, in the reactor's task: it names the next due; an error is handed back."""
+        """``on_due``, in the reactor's task: it names the next due, or None: the request
+        is handed back ``TIME_UP``; an error is handed back."""
         assert entry.on_due is not None
         try:
             due = entry.on_due()
         except Exception as exc:
             self._hand_back(epoll, entry, outcome.Error(exc))
             return
-        self.set_due(entry.sock, due)
+        if due is None:
+            self._hand_back(epoll, entry, outcome.Value(TIME_UP))
+        else:
+            self.set_due(entry.sock, due)
 
     def _closing(self, entry: _Parked, error: BaseException) -> None:
         """The parked socket's ``before_close``: its request raises ``error``."""

@@ -19,9 +19,19 @@ to **the request's task**, parked in ``relay_all``, which ``settle``s it in the 
 nursery and parks again. Without a reactor (tests of the core, in-memory streams) the
 request's task reads too.
 
-The silence clock (``decode_read_timeout_s``) is moved once per read, after the write; it is
-lifted (a slow client is not a silent engine) only while a write waits. Gaps between tokens
-are counted per request and flushed to the histogram at the end.
+The decode clock (``TokenPath.clock``: the first-token budget, then the silence between
+reads, ``decode_read_timeout_s``) is a cancel scope of the request's task, and only that task
+moves it. Reading itself, it restarts the silence after each read; it lifts the clock (a
+slow client is not a silent engine) only while a write waits. Parking, it notes the clock's
+expiry in ``due``, lifts it, and parks with that due: the reactor's task then keeps plain
+floats (``restarted_at``, the last read that restarted the silence) and, at the due
+(``on_due``), either names the expiry that reads have moved it to or hands the request back
+``TIME_UP``. Unparked, the task puts the clock's deadline back to the expiry those floats
+give; handed back ``TIME_UP``, that deadline has passed and its next checkpoint is
+cancelled by its own clock, as if it had never parked. So a read while parked pushes
+nothing on a heap: the due moves only when it comes, to the last read's expiry (for tokens
+closer than the silence, about once a silence). Gaps between tokens are counted per request
+and flushed to the histogram at the end.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from narwhal.core.request_events import COMMITTED, FIRST_TOKEN, Committed, First
 from narwhal.engines.client import DecodeStream
 from narwhal.lowlevel.fast_io import Parkable
 from narwhal.observe.batched_histogram import RequestBuckets
-from narwhal.router.stream_reactor import HAND_BACK, HandBack, StreamReactor
+from narwhal.router.stream_reactor import HAND_BACK, TIME_UP, HandBack, StreamReactor
 from narwhal.stream.assemble import Echo
 from narwhal.stream.rules import Fault, Finish, FirstOutput, Send, StreamRelay
 
@@ -155,11 +165,11 @@ class TokenPath:
         self.first_token_at: float | None = None
         self.last_output_at: float | None = None
         self.stream: DecodeStream | None = None
-        # the silence clock while parked (``_restart_clock``): the deadline moves only when
-        # a read comes in the second half of the silence, or at ``due`` (``on_due``)
+        # the decode clock while parked, lifted (``park``): plain floats, which the reactor's
+        # task may write, and from which the request's task puts the clock back (``expiry``)
         self.parked: Parkable | None = None  # the engine connection, while parked
-        self.restarted_at = -math.inf  # the last read that restarted the silence clock
-        self.due = -math.inf  # -inf: the next read sets the deadline (none set yet)
+        self.due = math.inf  # the clock's expiry at the park, or as ``on_due`` last found it
+        self.restarted_at = -math.inf  # the last read that restarted the silence since; -inf: none
 
     @property
     def tokens(self) -> int:
@@ -178,21 +188,28 @@ class TokenPath:
                 if sock is not None:
                     assert reactor is not None
                     # parked here, not in a call of its own: a held stream's task keeps one
-                    # frame fewer (bench/results/request-machine)
+                    # frame fewer (bench/results/request-machine). The clock is lifted while
+                    # parked: the reactor's task keeps its expiry in floats (module docstring)
+                    due = self.due = self.clock.deadline
+                    self.restarted_at = -math.inf
+                    self.clock.deadline = math.inf
                     self.parked = sock
                     try:
-                        due = self.due if self.due > -math.inf else math.inf
-                        pending = await reactor.park(sock, self.on_ready, due, self.on_due)
+                        try:
+                            pending = await reactor.park(sock, self.on_ready, due, self.on_due)
+                        finally:  # before anything awaits under the clock again
+                            self.parked = None
+                            self.clock.deadline = self.expiry()
                     except StreamBroken:  # the engine's read broke (``read_nowait``), or
                         await stream.aclose()  # another task closed its connection
                         raise
-                    finally:
-                        self.parked = None
                     if type(pending) is not HandBack:
                         end = await self.settle(pending)  # type: ignore[arg-type]
                         if end is not None:
                             return end
                         continue
+                    if pending is TIME_UP:  # the clock's deadline has passed: it cancels us
+                        await trio.lowlevel.checkpoint()
                 data = await stream.read()
                 if data is None:
                     raise self.relay.end_of_stream().fault
@@ -240,10 +257,8 @@ class TokenPath:
         match action:
             case Send(data=out) if self.client.direct is not None:
                 if not self.client.write_nowait(out):
-                    self.clock.deadline = math.inf  # a slow client is not a silent engine
                     return WRITE_REST
             case FirstOutput() | Send():
-                self.clock.deadline = math.inf  # nor is a write that waits
                 return action
         self._restart_clock()
         return None
@@ -263,33 +278,45 @@ class TokenPath:
                 self.clock.deadline = math.inf  # a slow client taking the end is not silence
                 return data
             case WriteRest():
+                self.clock.deadline = math.inf  # a slow client is not a silent engine
                 await self.client.write_rest()
             case FirstOutput() | Send():
+                self.clock.deadline = math.inf  # nor is a write that waits
                 await self.client.output(pending)
         self._restart_clock()
         return None
 
     def _restart_clock(self) -> None:
-        """The silence clock starts again now (a read, or a write that waited). The
-        deadline is exact: parked, it is ``restarted_at`` + silence once ``on_due`` or a
-        read in the second half has moved it; in the request's task it moves at once."""
+        """The silence clock starts again now (a read, or a write that waited). In the
+        request's task the clock moves at once; parked, in the reactor's task, only
+        ``restarted_at`` does, and the due only when it must come sooner (the first token
+        of a stream that parked under the first-token budget)."""
         now = self.restarted_at = trio.current_time()
+        silence = self.silence
+        expiry = now + silence if silence > 0 else math.inf
         parked = self.parked
-        if parked is None or now >= self.due:
-            silence = self.silence
-            deadline = self.clock.deadline = now + silence if silence > 0 else math.inf
-            self.due = deadline - silence / 2
-            if parked is not None:
-                assert self.reactor is not None
-                self.reactor.set_due(parked, self.due)
+        if parked is None:
+            self.clock.deadline = expiry
+        elif expiry < self.due:
+            assert self.reactor is not None
+            self.due = expiry
+            self.reactor.set_due(parked, expiry)
 
-    def on_due(self) -> float:
-        """The reactor's call at ``due``, half the silence before the deadline: move the
-        deadline to the last read's, and say when to look again (never: no read since the
-        deadline was set; the next read moves it, as it comes after ``due``)."""
-        deadline = self.restarted_at + self.silence
-        if deadline <= self.clock.deadline:
-            return math.inf
-        self.clock.deadline = deadline
-        self.due = deadline - self.silence / 2
-        return self.due
+    def expiry(self) -> float:
+        """When the decode clock runs out, as the floats kept while parked say: the expiry it
+        had at the park, unless a read restarted the silence since."""
+        restarted = self.restarted_at
+        if restarted == -math.inf:
+            return self.due
+        silence = self.silence
+        return restarted + silence if silence > 0 else math.inf
+
+    def on_due(self) -> float | None:
+        """The reactor's call at ``due``: the next due, the expiry that reads since have
+        moved the clock to; None when it has come (the reactor hands the request back
+        ``TIME_UP``, and its task's own clock cancels it)."""
+        expiry = self.expiry()
+        if expiry <= trio.current_time():
+            return None
+        self.due = expiry
+        return expiry

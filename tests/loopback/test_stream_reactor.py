@@ -5,9 +5,11 @@ parked request's task in charge with its socket unregistered."""
 from __future__ import annotations
 
 import gc
+import math
 import socket
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -16,17 +18,25 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narwhal.core.config import EngineConfig
 from narwhal.core.lifecycle import Input, Lifecycle
 from narwhal.core.request_events import Committed, FirstToken
 from narwhal.engines.client import EngineClient
+from narwhal.fake_engine.faults import Fault
 from narwhal.frontdoor.send_lock import SendLock
+from narwhal.observe.batched_histogram import RequestBuckets
+from narwhal.observe.metrics import Metrics
 from narwhal.router.stream_reactor import (
     HAND_BACK,
     STALE_DUES_FACTOR,
     STALE_DUES_SLACK,
+    TIME_UP,
     StreamReactor,
 )
-from tests.support.fleet import MODEL, finish, start_fleet
+from narwhal.router.token_path import ClientStream, TokenPath
+from narwhal.stream.assemble import Assembler
+from narwhal.stream.rules import StreamRelay
+from tests.support.fleet import MODEL, finish, post_raw, start_fleet
 from tests.support.wire import CHUNK, EVENT, HEAD, serve_once
 
 
@@ -122,6 +132,55 @@ async def test_on_due_is_called_at_its_time_and_names_the_next(
     assert calls == pytest.approx([1.0, 3.0, 5.0])
     ours.close()
     theirs.close()
+
+
+async def test_on_due_saying_none_hands_the_request_back_time_up(
+    reactor: StreamReactor, autojump_clock: trio.testing.MockClock
+) -> None:
+    ours, theirs = socket.socketpair()
+    start = trio.current_time()
+    assert await reactor.park(Parked(ours), lambda: None, start + 1.0, lambda: None) is TIME_UP
+    assert trio.current_time() == start + 1.0
+    ours.close()
+    theirs.close()
+
+
+async def test_a_sooner_due_parked_while_the_reactor_waits_is_called_at_its_time(
+    reactor: StreamReactor, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The reactor waits under a timer of its own, armed at the earliest due; a request
+    that parks with a sooner one wakes it to arm it anew (it moves no other task's clock)."""
+    later, theirs = socket.socketpair()
+    sooner, others = socket.socketpair()
+    start = trio.current_time()
+    called: list[float] = []
+
+    def time_up() -> None:
+        called.append(trio.current_time() - start)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reactor.park, Parked(later), lambda: None, start + 100.0, time_up)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(10):  # virtual: had the reactor slept on, at its first due
+            assert await reactor.park(Parked(sooner), lambda: None, start + 1.0, time_up) is TIME_UP
+        assert called == [1.0]
+        nursery.cancel_scope.cancel()
+    for sock in (later, theirs, sooner, others):
+        sock.close()
+
+
+async def test_a_deadline_that_has_come_cancels_at_the_next_checkpoint(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """What a parked request relies on when it is handed back ``TIME_UP``: its task puts its
+    clock's deadline back to a time that has come (now included: virtual time stands
+    still here) and is cancelled by that clock at its next checkpoint, which says so."""
+    for before in (0.0, 1.0):
+        with trio.CancelScope(deadline=math.inf) as clock:
+            clock.deadline = trio.current_time() - before
+            await trio.lowlevel.checkpoint()
+            pytest.fail("the clock's deadline had come")
+        assert clock.cancelled_caught
 
 
 async def test_cancellation_unparks_and_the_callback_never_runs_after(
@@ -253,19 +312,42 @@ TOKEN = (
     b'data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
     b'"text":" fox","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
 )
+DONE = b"data: [DONE]\n\n"
+
+
+class _WatchedClock:
+    """The decode clock as ``TokenPath`` sees it, a real cancel scope underneath: each write
+    of its deadline is kept, with the task that wrote it."""
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope = scope
+        self.writes: list[tuple[trio.lowlevel.Task, float]] = []
+
+    @property
+    def deadline(self) -> float:
+        return self.scope.deadline
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+        self.writes.append((trio.lowlevel.current_task(), value))
+        self.scope.deadline = value
 
 
 class _SocketStream:
-    """A decode stream over one end of a socketpair: SSE bytes, no HTTP framing."""
+    """A decode stream over one end of a socketpair: SSE bytes, no HTTP framing. Each read
+    without waiting (the reactor's, while parked) notes its task and the clock's deadline."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, clock: _WatchedClock) -> None:
         self.sock = sock
         self.parked = Parked(sock)
+        self.clock = clock
+        self.reads: list[tuple[trio.lowlevel.Task, float]] = []
 
     def park_socket(self) -> Parked:
         return self.parked
 
     def read_nowait(self) -> bytes | None:
+        self.reads.append((trio.lowlevel.current_task(), self.clock.deadline))
         try:
             return self.sock.recv(65536) or None
         except BlockingIOError:
@@ -322,39 +404,74 @@ def silence_ends(gaps: list[float]) -> float:
     return t + SILENCE
 
 
-async def _relay_until_silent(gaps: list[float]) -> float:
-    from narwhal.observe.batched_histogram import RequestBuckets
-    from narwhal.observe.metrics import Metrics
-    from narwhal.router.token_path import ClientStream, TokenPath
-    from narwhal.stream.rules import StreamRelay
+@dataclass
+class Relayed:
+    ended: float  # virtual seconds from the start
+    timed_out: bool  # the decode clock ran out (else: the stream's end)
+    path: TokenPath
+    clock: _WatchedClock
+    stream: _SocketStream
+    owner: trio.lowlevel.Task  # the request's task, which owns the clock
+    dues: int  # the reactor's pushes on its dues heap
 
+
+async def _relay(
+    sends: list[tuple[float, bytes]], *, budget: float = 100.0, json: bool = False
+) -> Relayed:
+    """Relay what the engine sends (each after its gap, then nothing) through a parked
+    stream under its decode clock (``budget``: the first-token budget; ``json``: assembled
+    for a JSON answer, else streamed), until the end or the clock runs out."""
     reactor = StreamReactor()
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
+    with ours, theirs:
+        return await _relay_over(reactor, ours, theirs, sends, budget, json)
+
+
+async def _relay_over(
+    reactor: StreamReactor,
+    ours: socket.socket,
+    theirs: socket.socket,
+    sends: list[tuple[float, bytes]],
+    budget: float,
+    json: bool,
+) -> Relayed:
     async with trio.open_nursery() as nursery:
         await nursery.start(reactor.run)
 
         async def engine() -> None:
-            theirs.send(TOKEN)
-            for gap in gaps:
+            for gap, data in sends:
                 await trio.sleep(gap)
-                theirs.send(TOKEN)
+                theirs.send(data)
             await trio.sleep_forever()
 
         nursery.start_soon(engine)
         start = trio.current_time()
-        clock = trio.CancelScope(deadline=start + 100.0)  # the first-token budget
+        scope = trio.CancelScope(deadline=start + budget)
+        clock = _WatchedClock(scope)
         gauge = RequestBuckets(Metrics(["d0"], model="m").token_gap)
-        client = ClientStream(_Nowhere(), _Decoding(), None, _Nowhere())
-        path = TokenPath(client, StreamRelay(None), clock, SILENCE, gauge, reactor)
-        with clock:
-            await path.relay_all(_SocketStream(ours))  # type: ignore[arg-type]
-        assert clock.cancelled_caught
-        fired = trio.current_time() - start
+        if json:
+            relay = StreamRelay(Assembler(chat=False, model="m"))
+            client = ClientStream(_Nowhere(), _Decoding(), None, None)
+        else:
+            relay, client = (
+                StreamRelay(None),
+                ClientStream(_Nowhere(), _Decoding(), None, _Nowhere()),
+            )
+        path = TokenPath(client, relay, clock, SILENCE, gauge, reactor)  # type: ignore[arg-type]
+        stream = _SocketStream(ours, clock)
+        with scope:
+            await path.relay_all(stream)  # type: ignore[arg-type]
+        ended = trio.current_time() - start
         nursery.cancel_scope.cancel()
-    ours.close()
-    theirs.close()
-    return fired
+    owner = trio.lowlevel.current_task()
+    return Relayed(ended, scope.cancelled_caught, path, clock, stream, owner, reactor._seq)
+
+
+async def _relay_until_silent(gaps: list[float]) -> float:
+    relayed = await _relay([(0.0, TOKEN)] + [(gap, TOKEN) for gap in gaps])
+    assert relayed.timed_out
+    return relayed.ended
 
 
 gap_values = st.one_of(
@@ -365,11 +482,112 @@ gap_values = st.one_of(
 @settings(max_examples=40, deadline=None)
 @given(st.lists(gap_values, max_size=25))
 def test_a_parked_stream_goes_silent_exactly_silence_after_its_last_read(gaps: list[float]) -> None:
-    """While parked, the deadline moves only at half the silence or on a read after it
-    (``TokenPath.on_due``), not on every read: it still fires when the old clock, moved on
-    every read, would have."""
+    """While parked, the decode clock is lifted and the reactor's task keeps its expiry in
+    floats, calling ``TokenPath.on_due`` at most once a silence, not on every read: the
+    clock still runs out when the old one, moved on every read, would have."""
     fired = trio.run(_relay_until_silent, gaps, clock=trio.testing.MockClock(autojump_threshold=0))
     assert fired == pytest.approx(silence_ends(gaps), abs=1e-6)
+
+
+async def test_only_the_request_task_moves_its_decode_clock(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """While parked, tokens flowing, the reactor's task reads and writes without moving
+    the request's decode clock: it is lifted while parked, and every write of its deadline
+    is the request's task's. The reactor's dues are pushed when a due comes, not per read:
+    each moves the due to the last read's expiry, at least half a silence on."""
+    gaps = [SILENCE * 0.05] * 200 + [SILENCE * 0.9] * 3
+    relayed = await _relay([(0.0, TOKEN)] + [(gap, TOKEN) for gap in gaps])
+    assert relayed.timed_out
+    assert relayed.ended == pytest.approx(sum(gaps) + SILENCE)
+    parked = [deadline for task, deadline in relayed.stream.reads if task is not relayed.owner]
+    assert len(parked) >= len(gaps)  # the tokens after the first were read in the reactor
+    assert set(parked) == {math.inf}
+    assert relayed.clock.writes
+    assert {task for task, _ in relayed.clock.writes} == {relayed.owner}
+    assert relayed.dues <= 1 + 2 * relayed.ended / SILENCE
+    assert relayed.dues < len(gaps) / 10
+
+
+async def test_a_parked_stream_silent_past_its_budget_is_cut_by_its_own_clock(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    relayed = await _relay([(0.0, TOKEN), (1.0, TOKEN), (1.0, TOKEN)])
+    assert relayed.timed_out
+    assert relayed.ended == 2.0 + SILENCE
+    assert relayed.path.first_token_at is not None  # the leg says: silent between tokens
+    assert relayed.clock.scope.deadline == relayed.ended + relayed.path.first_token_at
+
+
+@pytest.mark.parametrize("json", [False, True], ids=["stream", "json"])
+async def test_a_parked_stream_whose_tokens_keep_coming_is_not_cut(
+    json: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    sends = [(0.0, TOKEN)] + [(SILENCE * 0.9, TOKEN)] * 30 + [(SILENCE * 0.9, DONE)]
+    relayed = await _relay(sends, json=json)
+    assert not relayed.timed_out
+    assert relayed.ended == pytest.approx(31 * SILENCE * 0.9)
+    assert relayed.path.tokens == 31
+
+
+@pytest.mark.parametrize("json", [False, True], ids=["stream", "json"])
+async def test_the_first_token_budget_holds_while_parked(
+    json: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A comment is no token: the first-token budget runs on while the reactor reads it."""
+    relayed = await _relay([(1.0, b": keep-alive\n\n")] * 5, budget=3.0, json=json)
+    assert relayed.timed_out
+    assert relayed.ended == 3.0
+    assert relayed.path.first_token_at is None  # the leg says: no first token
+    assert any(task is not relayed.owner for task, _ in relayed.stream.reads)
+
+
+async def test_a_json_answer_parked_before_its_first_token_then_keeps_the_silence(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A JSON answer's first token is read in the reactor (nothing is written until the
+    end): its silence clock takes over from the longer first-token budget at once."""
+    relayed = await _relay([(1.0, TOKEN), (1.0, TOKEN)], budget=100.0, json=True)
+    assert relayed.timed_out
+    assert relayed.ended == 2.0 + SILENCE
+    assert relayed.path.first_token_at is not None
+    assert {task for task, _ in relayed.clock.writes} == {relayed.owner}
+
+
+async def test_parked_streams_keep_the_decode_budgets(nursery: trio.Nursery) -> None:
+    """Over real sockets, the leg's faults: silent between tokens, no first token; and a
+    slow drip within the silence runs well past it."""
+    silence = 0.4
+    harness = await start_fleet(
+        nursery,
+        {"p0": "prefill", "d0": "decode"},
+        engine=EngineConfig(first_token_timeout_s=silence, decode_read_timeout_s=silence),
+    )
+    reactor, engine = harness.router.reactor, harness.engines["d0"]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": True}
+    parks = reactor.parks
+    engine.faults.push(Fault(kind="tokens_then_silence", tokens=2))
+    reply = await post_raw(harness, "/v1/completions", body)
+    *tokens, terminal = reply.events()
+    assert len(tokens) == 2
+    assert msgspec.json.decode(terminal)["error"]["message"].startswith(
+        "engine went silent between tokens"
+    )
+    assert reactor.parks > parks
+    parks = reactor.parks
+    engine.faults.push(Fault(kind="headers_then_silence", leg="decode"))
+    reply = await post_raw(harness, "/v1/completions", body)
+    assert reply.status == 504
+    assert reply.json()["error"]["message"].startswith(f"no first token within {silence}s")
+    assert reactor.parks > parks
+    parks = reactor.parks
+    engine.faults.push(Fault(kind="slow_drip", interval_s=silence / 4))  # 8 tokens: 4 silences
+    reply = await post_raw(harness, "/v1/completions", body)
+    assert reply.status == 200
+    assert reply.events()[-1] == b"[DONE]"
+    assert len(reply.events()) == 9
+    assert reactor.parks > parks
+    await finish(harness)
 
 
 async def test_a_request_that_left_is_not_kept_alive_until_its_due(

@@ -243,8 +243,7 @@ class RequestRun:
                 raise
             health.success(producer)
             placer.prefilled(producer, started)
-            answer = PrefillAnswered(record.rid, producer.id, result, started)
-            handoff = machine.handle(answer)
+            handoff = machine.handle(PrefillAnswered(record.rid, producer.id, result, started))
             if machine.continuation is None:
                 self.prefill_s = record.elapsed
             try:

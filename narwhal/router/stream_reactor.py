@@ -32,7 +32,6 @@ import math
 import select
 import socket
 from collections.abc import Callable
-from functools import partial
 
 import outcome
 import trio
@@ -60,12 +59,15 @@ STALE_DUES_SLACK = 1024
 
 class _Parked:
     """One parked request: its socket and the number it was registered under, its task,
-    its callbacks, and when ``on_due`` is next called (``seq``: its entry in the dues)."""
+    its callbacks, and when ``on_due`` is next called (``seq``: its entry in the dues).
+    It is its socket's ``before_close`` too (called, its request raises the error): one
+    object a park, not a second one to bind the reactor (bench/results/request-machine-events)."""
 
-    __slots__ = ("due", "fd", "on_due", "on_ready", "seq", "sock", "task")
+    __slots__ = ("due", "fd", "on_due", "on_ready", "reactor", "seq", "sock", "task")
 
     def __init__(
         self,
+        reactor: StreamReactor,
         sock: Parkable,
         fd: int,
         task: trio.lowlevel.Task,
@@ -73,7 +75,7 @@ class _Parked:
         on_due: Callable[[], float | None] | None,
     ) -> None:
         # descriptor kept: the registration's key, ended by ``before_close`` before any close
-        self.sock, self.fd, self.task = sock, fd, task
+        self.reactor, self.sock, self.fd, self.task = reactor, sock, fd, task
         self.on_ready, self.on_due = on_ready, on_due
         self.due = NEVER
         self.seq = 0
@@ -81,6 +83,10 @@ class _Parked:
     def registered(self) -> bool:
         """Its socket still holds the number it was registered under (not closed)."""
         return self.sock.fileno() == self.fd
+
+    def __call__(self, error: BaseException) -> None:
+        """The parked socket's ``before_close``: its request raises ``error``."""
+        self.reactor.closing(self, error)
 
 
 class StreamReactor:
@@ -172,11 +178,11 @@ class StreamReactor:
         stale = self._parked.get(fd)
         if stale is not None:  # closed without a word, and this socket took its number
             self._hand_back(epoll, stale, outcome.Error(trio.ClosedResourceError()))
-        entry = _Parked(sock, fd, trio.lowlevel.current_task(), on_ready, on_due)
+        entry = _Parked(self, sock, fd, trio.lowlevel.current_task(), on_ready, on_due)
         self.parks += 1
         epoll.register(fd, select.EPOLLIN)
         self._parked[fd] = entry
-        sock.before_close = partial(self._closing, entry)
+        sock.before_close = entry
         self.set_due(sock, due)
 
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
@@ -245,8 +251,8 @@ class StreamReactor:
         else:
             self.set_due(entry.sock, due)
 
-    def _closing(self, entry: _Parked, error: BaseException) -> None:
-        """The parked socket's ``before_close``: its request raises ``error``."""
+    def closing(self, entry: _Parked, error: BaseException) -> None:
+        """``entry``'s socket is about to close: its request raises ``error``."""
         epoll = self._epoll
         if epoll is not None and self._parked.get(entry.fd) is entry:
             self._hand_back(epoll, entry, outcome.Error(error))

@@ -383,7 +383,7 @@ def test_a_retry_goes_to_engines_that_have_not_failed() -> None:
     after = machine.handle(LegFailed(fault, 1.0))
     assert type(after) is Retry
     assert after.fault is fault
-    assert machine.failed_engines == {"e0"}
+    assert machine.failed_engines == ("e0",)
     assert machine.attempts[0].retry == "retry"
     assert machine.attempts[0].error == "slow"
 

@@ -83,7 +83,6 @@ class RequestMachine:
         "_new_kept",
         "_queued",
         "_rng",
-        "_view",
         "attempts",
         "body",
         "continuation",
@@ -104,7 +103,6 @@ class RequestMachine:
         rng: random.Random,
         body: Mapping[str, Any],
         chat: bool,
-        view: ev.RunView,
         new_kept: Callable[[], ev.KeptStream] | None = None,
         fanout_index: int | None = None,
         lifecycle: Lifecycle | None = None,
@@ -113,7 +111,6 @@ class RequestMachine:
         self._budget = budget
         self._rng = rng
         self.body, self._chat = body, chat
-        self._view = view
         self.deadline = deadline
         self._life = lifecycle or Lifecycle()
         self.fanout_index = fanout_index  # a fan-out's sub-request: the choice it answers
@@ -191,7 +188,7 @@ class RequestMachine:
         elif isinstance(event, ev.PrefillAnswered):
             return self._prefill_answered(event)
         elif isinstance(event, ev.DecodeDue):
-            return self._decode_due(event.consumer, event.now)
+            return self._decode_due(event)
         elif kind is ev.DecodeTaken:
             if self._crossed and self._handoff is not None:
                 self._handoff.fate = Fate.DECODED
@@ -200,7 +197,7 @@ class RequestMachine:
         elif kind is ev.LegsDone:
             return self._legs_done()
         elif isinstance(event, ev.LegFailed):
-            return self._failed(event.fault, event.now)
+            return self._failed(event.fault, event.now, event.view)
         elif kind is ev.StreamEnded:
             return self._stream_ended()
         elif kind is ev.Finished:
@@ -315,7 +312,7 @@ class RequestMachine:
         if consumer is None and placed.consumers == 0:
             # no consumer to decode: refuse now rather than pin KV nobody will read
             fault = NoCapacity("no placeable consumer engine", phase=Phase.ADMISSION)
-            return self._failed(fault, placed.now)
+            return self._failed(fault, placed.now, None)  # before output: no resume
         alone = consumer if consumer is not None else placed.only_consumer
         if producer != alone:
             return self._prefill(producer, consumer, True)
@@ -330,13 +327,13 @@ class RequestMachine:
         consumer = placed.consumer
         if consumer in self.failed_engines:
             message = "no placeable consumer engine but the failed"
-            return self._failed(NoCapacity(message, phase=Phase.STREAM), placed.now)
+            return self._failed(NoCapacity(message, phase=Phase.STREAM), placed.now, placed.view)
         assert self.continuation is not None
         try:
             resume.within_context(self.continuation, placed.context)
         except ValueError as exc:
             message = f"no continuation on engine {consumer}: {exc}"
-            return self._failed(NoCapacity(message, phase=Phase.STREAM), placed.now)
+            return self._failed(NoCapacity(message, phase=Phase.STREAM), placed.now, placed.view)
         return self._prefill(placed.producer, consumer, placed.producer != consumer)
 
     # ---- the legs --------------------------------------------------------------------------
@@ -353,12 +350,12 @@ class RequestMachine:
         self._handoff = handoff
         return handoff
 
-    def _decode_due(self, consumer: str, now: float) -> Decode | AfterFault:
+    def _decode_due(self, due: ev.DecodeDue) -> Decode | AfterFault:
         """The descriptor's way to ``consumer``, or what follows the fault that it is too
         old for it (past the lease the producer may have freed the blocks: a read gives
         garbage). A prefill that asked for none decodes where it is, with nothing to hand
         off."""
-        handoff = self._handoff
+        handoff, consumer, now = self._handoff, due.consumer, due.now
         self.attempt_line.consumer = consumer
         if handoff is None:
             self._life.advance(Input.DISPATCH)
@@ -373,7 +370,7 @@ class RequestMachine:
         if reason is not None:
             handoff.fate = Fate.EXPIRED
             message = f"KV handoff expired: descriptor is {age:.3f}s old, {reason}"
-            return self._failed(HandoffExpired(message, phase=Phase.HANDOFF), now)
+            return self._failed(HandoffExpired(message, phase=Phase.HANDOFF), now, due.view)
         self._life.advance(Input.DISPATCH)
         self._at = "decoding"
         self._crossed = consumer != handoff.producer
@@ -400,12 +397,13 @@ class RequestMachine:
 
     # ---- what follows a fault --------------------------------------------------------------
 
-    def _failed(self, fault: RequestFault, now: float) -> AfterFault:
+    def _failed(self, fault: RequestFault, now: float, view: ev.RunView | None) -> AfterFault:
         """A resume for a stream that failed after output (when allowed), else a retry
         before output (when every rule allows one), else the end."""
         self._at = "closed"
         if self._resumable():
-            reason = self._resume_refusal(fault, now)
+            assert view is not None  # told with every event that may follow output
+            reason = self._resume_refusal(fault, now, view)
             self.attempt_line.resume = reason or "resumed"
             if reason is None:
                 self.attempt_line.error, self.attempt_line.phase = fault.message, fault.phase
@@ -429,7 +427,7 @@ class RequestMachine:
             self._failed_on(consumer)
         return True
 
-    def _resume_refusal(self, fault: RequestFault, now: float) -> str | None:
+    def _resume_refusal(self, fault: RequestFault, now: float, view: ev.RunView) -> str | None:
         kept = self.kept
         assert kept is not None
         refusal = self.refused or kept.refusal()
@@ -445,7 +443,6 @@ class RequestMachine:
             )
         except ValueError as exc:  # the limit was reached, or there is none to give
             return str(exc)
-        view = self._view
         if all(c in self.failed_engines for c in view.consumers()):
             return "no other consumer"
         reason = resume.after(

@@ -61,6 +61,7 @@ class ContinuationPlaced:
     consumer: str
     context: int | None
     now: float
+    view: RunView
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class DecodeDue:
 
     consumer: str
     now: float
+    view: RunView
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,7 @@ class LegFailed:
 
     fault: RequestFault
     now: float
+    view: RunView
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +176,9 @@ Event = (
 
 
 class RunView(Protocol):
-    """What the machine asks of its shell, only when a fault may be answered by a resume:
+    """What the machine asks of its shell, only when a fault may be answered by a resume
+    (told with the events that may bring one, never kept: the machine holds no reference
+    to its shell, so a request's objects are freed with it, not by the cycle collector):
     the placeable consumers (a continuation goes to one this request has not failed on)
     and how long its first output took (a continuation needs as long)."""
 

@@ -80,7 +80,6 @@ class RequestRun:
             rng=router.rng,
             body=req.body,
             chat=req.chat,
-            view=self,
             new_kept=Kept if config.recovery.resume_streams > 0 else None,
             fanout_index=fanout_index,
             lifecycle=Lifecycle(progress),
@@ -94,7 +93,7 @@ class RequestRun:
         """The client went away, or could not be told of the failure."""
         self.record.cancelled(self.machine.handle(CLIENT_LEFT))
 
-    # what the machine asks, to answer a fault with a resume (``RunView``)
+    # what the machine asks, to answer a fault with a resume (``RunView``, told with events)
     def consumers(self) -> list[str]:
         return self.placer.consumers()
 
@@ -159,7 +158,7 @@ class RequestRun:
                         else:
                             after = route
                     except RequestFault as fault:  # a leg's, or placement's
-                        after = machine.handle(LegFailed(fault, trio.current_time()))
+                        after = machine.handle(LegFailed(fault, trio.current_time(), self))
                     if after is None:
                         self._stream_ended("completed")
                         return
@@ -203,7 +202,8 @@ class RequestRun:
         if consumer.id not in self.machine.failed_engines:
             context = await self.legs.context_of(consumer)
         now = trio.current_time()
-        return self.machine.handle(ContinuationPlaced(producer.id, consumer.id, context, now))
+        placed = ContinuationPlaced(producer.id, consumer.id, context, now, self)
+        return self.machine.handle(placed)
 
     async def _local(self, route: GoLocal) -> None:
         """One leg to the consumer with no descriptor: it computes the prompt itself. Its
@@ -252,7 +252,7 @@ class RequestRun:
                 else:
                     consumer = fleet.by_id[route.consumer]
                 sent = trio.current_time()
-                decode = machine.handle(DecodeDue(consumer.id, sent))
+                decode = machine.handle(DecodeDue(consumer.id, sent, self))
                 if not isinstance(decode, Decode):
                     return decode  # too old to hand off
                 try:

@@ -116,6 +116,9 @@ class _View:
         return list(ENGINES)
 
 
+VIEW = _View()
+
+
 def _machine(
     max_attempts: int, resume_streams: int, credits: int, body: dict[str, Any] = BODY
 ) -> RequestMachine:
@@ -126,7 +129,6 @@ def _machine(
         rng=random.Random(0),
         body=body,
         chat=False,
-        view=_View(),
         new_kept=_Kept if resume_streams else None,
     )
 
@@ -204,7 +206,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 consumer = _place(data, machine)
                 producer = _place(data, machine, apart_from=consumer)
                 context = data.draw(st.sampled_from([None, 4, 4096]), label="context")
-                placed = ContinuationPlaced(producer, consumer, context, now)
+                placed = ContinuationPlaced(producer, consumer, context, now, VIEW)
                 route = machine.handle(placed)
             else:
                 life.saw(type(step) is Fresh, "an attempt is fresh or a continuation")
@@ -241,7 +243,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                     life.handoffs.append(handoff)
                 consumer = route.consumer or _place(data, machine, apart_from=route.producer)
                 phase = Phase.HANDOFF
-                decode = machine.handle(DecodeDue(consumer, now))
+                decode = machine.handle(DecodeDue(consumer, now, VIEW))
                 if not isinstance(decode, Decode):
                     expired = handoff is not None and handoff.age(now) > LIMIT_S
                     life.saw(expired, "a descriptor expires past the lease only")
@@ -298,7 +300,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
         except RequestFault as fault:
             output = machine.output_seen
             if after is None:  # a leg's fault; the machine's own came answered
-                after = machine.handle(LegFailed(fault, now))
+                after = machine.handle(LegFailed(fault, now, VIEW))
             if type(after) is Retry:
                 life.saw(not output, "invariant 3: no retry after output")
                 life.saw(fault.transient, "only a transient fault is retried")
@@ -380,7 +382,7 @@ def test_a_retry_goes_to_engines_that_have_not_failed() -> None:
     machine = _attempting(max_attempts=3, credits=5)
     machine.handle(ProducerPlaced("e0", "e1", None, 1, 0.0))
     fault = PrefillTimeout("slow", phase=Phase.PREFILL, engine_id="e0")
-    after = machine.handle(LegFailed(fault, 1.0))
+    after = machine.handle(LegFailed(fault, 1.0, VIEW))
     assert type(after) is Retry
     assert after.fault is fault
     assert machine.failed_engines == ("e0",)
@@ -408,7 +410,7 @@ def test_a_descriptor_past_the_lease_is_never_handed_off() -> None:
     machine.handle(ProducerPlaced("e0", "e1", None, 1, 0.0))
     handoff = machine.handle(PrefillAnswered("r", "e0", _result(), started=0.0))
     assert handoff is not None
-    after = machine.handle(DecodeDue("e1", now=LEASE_S + 1))
+    after = machine.handle(DecodeDue("e1", LEASE_S + 1, VIEW))
     assert type(after) is End  # the fault is returned, answered: here, no attempt is left
     assert type(after.fault) is HandoffExpired
     assert "older than the producer's KV lease" in after.fault.message
@@ -448,11 +450,13 @@ EVENTS = st.one_of(
     st.builds(
         ProducerPlaced, _ENGINE, st.none() | _ENGINE, st.none() | _ENGINE, st.integers(0, 2), _NOW
     ),
-    st.builds(ContinuationPlaced, _ENGINE, _ENGINE, st.sampled_from([None, 4, 4096]), _NOW),
+    st.builds(
+        ContinuationPlaced, _ENGINE, _ENGINE, st.sampled_from([None, 4, 4096]), _NOW, st.just(VIEW)
+    ),
     st.builds(PrefillAnswered, st.just("r"), _ENGINE, st.just(_result()), _NOW),
-    st.builds(DecodeDue, _ENGINE, _NOW),
+    st.builds(DecodeDue, _ENGINE, _NOW, st.just(VIEW)),
     st.builds(DecodeFailed, _ENGINE, _FAULT),
-    st.builds(LegFailed, _FAULT, _NOW),
+    st.builds(LegFailed, _FAULT, _NOW, st.just(VIEW)),
 )
 
 
@@ -463,18 +467,22 @@ def _next(machine: RequestMachine) -> st.SearchStrategy[Any]:
         return st.sampled_from([DISPATCHED, NEXT_ATTEMPT, LEGS_DONE])
     if step == "placing":
         if machine.continuation is not None:
-            return st.builds(ContinuationPlaced, _ENGINE, _ENGINE, st.just(4096), _NOW)
+            return st.builds(
+                ContinuationPlaced, _ENGINE, _ENGINE, st.just(4096), _NOW, st.just(VIEW)
+            )
         return st.builds(ProducerPlaced, _ENGINE, st.none() | _ENGINE, st.none(), st.just(2), _NOW)
     if step == "prefilling":
         return st.builds(PrefillAnswered, st.just("r"), _ENGINE, st.just(_result()), _NOW)
     if step == "handing_off":
-        return st.builds(DecodeDue, _ENGINE, _NOW)
+        return st.builds(DecodeDue, _ENGINE, _NOW, st.just(VIEW))
     if step == "decoding":
         if not machine.output_seen:
             return st.sampled_from([DECODE_TAKEN, FIRST_TOKEN])
         if machine.state is State.GENERATING:
             return st.just(COMMITTED)
-        return st.sampled_from([FINISHED, LEGS_DONE]) | st.builds(LegFailed, _FAULT, _NOW)
+        return st.sampled_from([FINISHED, LEGS_DONE]) | st.builds(
+            LegFailed, _FAULT, _NOW, st.just(VIEW)
+        )
     return st.just(GAVE_UP)
 
 

@@ -266,6 +266,8 @@ class Placer:
         left. Whether they may take it is the machine's to say."""
         self._forecast = None  # placed by the rules: a continuation's prompt is its own
         consumer = self.place("decode")
+        if consumer.id in self.machine.failed_engines:  # refused: no producer is placed
+            return consumer, consumer
         return self.place("prefill", other_leg=consumer.id), consumer
 
     # ---- what the legs teach: the prefix index, the cost model -----------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import overload
 
 from narwhal.core.faults import Phase
-from narwhal.core.lifecycle import Input, Lifecycle, State
+from narwhal.core.lifecycle import Input, Lifecycle, Standing, State
 from narwhal.core.request_events import ChildOutput, ChildReached, ClientLeft, Finished, GaveUp
 from narwhal.core.request_owner import PHASE_OF
 
@@ -65,20 +65,9 @@ class FanOutParent:
         return phase
 
     @property
-    def state(self) -> State:
-        return self._life.state
-
-    @property
-    def output_seen(self) -> bool:
-        return self._life.output_seen
-
-    @property
-    def committed(self) -> bool:
-        return self._life.committed
-
-    @property
-    def finished(self) -> bool:
-        return self._life.finished
+    def standing(self) -> Standing:
+        """Where it stands, to read (``Lifecycle``, as its read-only ``Standing``)."""
+        return self._life
 
     def _follow(self, reached: State) -> None:
         life = self._life

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import StrEnum
+from typing import Protocol
 
 
 class State(StrEnum):
@@ -63,6 +64,20 @@ TRANSITIONS: dict[tuple[State, Input], State] = {
     **{(s, Input.FAIL): State.FINISHED for s in State if s is not State.FINISHED},
     **{(s, Input.CANCEL): State.FINISHED for s in State if s is not State.FINISHED},
 }
+
+
+class Standing(Protocol):
+    """Where a request stands, to read: what its owner lets the shell see of its
+    ``Lifecycle`` (only the owner advances it)."""
+
+    @property
+    def state(self) -> State: ...
+    @property
+    def output_seen(self) -> bool: ...
+    @property
+    def committed(self) -> bool: ...
+    @property
+    def finished(self) -> bool: ...
 
 
 class InvalidTransition(Exception):

@@ -47,7 +47,7 @@ from narwhal.core.faults import (
     RequestFault,
 )
 from narwhal.core.handoff import Fate, Handoff, age_limit, too_old
-from narwhal.core.lifecycle import Input, InvalidTransition, Lifecycle, State
+from narwhal.core.lifecycle import Input, InvalidTransition, Lifecycle, Standing
 from narwhal.core.records import AttemptLine
 from narwhal.core.request_actions import (
     CONTINUE,
@@ -218,24 +218,13 @@ class RequestMachine:
     # ---- where it stands (read only) -------------------------------------------------------
 
     @property
-    def state(self) -> State:
-        return self._life.state
-
-    @property
     def phase(self) -> Phase:
         return PHASE_OF[self._life.state]
 
     @property
-    def output_seen(self) -> bool:
-        return self._life.output_seen
-
-    @property
-    def committed(self) -> bool:
-        return self._life.committed
-
-    @property
-    def finished(self) -> bool:
-        return self._life.finished
+    def standing(self) -> Standing:
+        """Where it stands, to read (``Lifecycle``, as its read-only ``Standing``)."""
+        return self._life
 
     @property
     def step(self) -> ev.Step:

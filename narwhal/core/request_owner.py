@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from narwhal.core.faults import DeadlineExpired, NotDispatched, Phase, RequestFault
-from narwhal.core.lifecycle import State
+from narwhal.core.lifecycle import Standing, State
 from narwhal.core.records import Outcome
 from narwhal.core.request_events import GaveUp
 
@@ -35,11 +35,5 @@ class Owner(Protocol):
     parent) keeps it: read by the shell, ended through ``handle``."""
 
     @property
-    def state(self) -> State: ...
-    @property
-    def output_seen(self) -> bool: ...
-    @property
-    def committed(self) -> bool: ...
-    @property
-    def finished(self) -> bool: ...
+    def standing(self) -> Standing: ...
     def handle(self, event: GaveUp, /) -> bool: ...

@@ -243,7 +243,7 @@ class RequestLegs:
                     await stream.drain()
                     return
             if not self._leg_output():
-                phase = Phase.STREAM if self.machine.output_seen else Phase.DECODE
+                phase = Phase.STREAM if self.machine.standing.output_seen else Phase.DECODE
                 clock, budget_s = Clock.FIRST_TOKEN, budget
             else:
                 phase, clock, budget_s = Phase.STREAM, Clock.SILENCE, engine.decode_read_timeout_s

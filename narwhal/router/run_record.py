@@ -140,7 +140,7 @@ class RunRecord:
 
     @property
     def phase(self) -> Phase:
-        return PHASE_OF[self.owner.state]
+        return PHASE_OF[self.owner.standing.state]
 
     @property
     def elapsed(self) -> float:
@@ -185,7 +185,7 @@ class RunRecord:
         """Tell the client: JSON before the commit point, one terminal event after it, and
         then the body is cut (contract 6): a client that ignores error events must not count
         the stream a success."""
-        if self.owner.finished:
+        if self.owner.standing.finished:
             if self.cut:  # the connection is closed: the journal says why, nobody else can
                 self._record(fault)
             return

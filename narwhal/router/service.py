@@ -272,7 +272,7 @@ class Router:
     def _end(self, run: Run, traced: contextvars.Token[dict[str, str] | None] | None) -> None:
         """Its one journal line, its metrics and log line, its span: on every exit path."""
         record = run.record
-        if not record.owner.finished:
+        if not record.owner.standing.finished:
             run.cancel()  # the client is gone (or so is the notice of its failure)
         if record.outcome == "completed":
             self.retry_budget.earn()
@@ -469,7 +469,7 @@ class Router:
         await self.admission.wait_drained()
 
     def _disconnected(self, scope: trio.CancelScope, record: RunRecord) -> None:
-        if record.owner.finished:
+        if record.owner.standing.finished:
             # hypercorn reports the end of a completed response as a disconnect too; what
             # is left (reading the engine's end of body) must not be cancelled for it
             return

@@ -25,9 +25,9 @@ EVENTS = st.one_of(
 def test_it_follows_its_furthest_child_and_never_goes_back() -> None:
     parent = FanOutParent()
     parent.handle(ChildReached(State.DECODING))
-    assert parent.state is State.DECODING
+    assert parent.standing.state is State.DECODING
     parent.handle(ChildReached(State.PREFILLING))  # another child's retry: the parent stays
-    assert parent.state is State.DECODING
+    assert parent.standing.state is State.DECODING
 
 
 def test_the_first_output_commits_and_a_finished_answer_writes_nothing_more() -> None:
@@ -43,7 +43,7 @@ def test_an_answer_every_child_gave_at_once_is_committed_whole() -> None:
     parent = FanOutParent()
     parent.handle(ChildReached(State.PREFILLING))
     assert parent.handle(FINISHED) is False  # a JSON answer: committed with its end
-    assert parent.finished
+    assert parent.standing.finished
 
 
 @given(st.lists(EVENTS, max_size=12))
@@ -54,11 +54,11 @@ def test_any_sequence_of_events_commits_at_most_once_and_ends_once(
     commits = 0
     ended = False
     for kind, state in events:
-        before = parent.state
+        before = parent.standing.state
         if kind == "reached":
             assert state is not None
             parent.handle(ChildReached(state))
-            after = parent.state
+            after = parent.standing.state
             if before in (State.ADMITTED, *PROGRESS) and after in PROGRESS:
                 rank = PROGRESS.index
                 assert before is State.ADMITTED or rank(after) >= rank(before)  # never back
@@ -69,7 +69,7 @@ def test_any_sequence_of_events_commits_at_most_once_and_ends_once(
         elif ended:
             continue  # the end is once: a second end is the shell's bug, not an event
         elif kind == "finish":
-            committed_before = parent.committed
+            committed_before = parent.standing.committed
             assert parent.handle(FINISHED) is committed_before
             commits += not committed_before
             ended = True
@@ -77,8 +77,8 @@ def test_any_sequence_of_events_commits_at_most_once_and_ends_once(
             parent.handle(CLIENT_LEFT)
             ended = True
         else:
-            committed_before = parent.committed
+            committed_before = parent.standing.committed
             assert parent.handle(GAVE_UP) is committed_before
             ended = True
         assert commits <= 1
-        assert parent.finished == ended
+        assert parent.standing.finished == ended

@@ -173,7 +173,7 @@ def _place(data: st.DataObject, machine: RequestMachine, apart_from: str | None 
 
 def _end(machine: RequestMachine, life: Life, how: str) -> None:
     life.ends.append(how)
-    assert machine.finished
+    assert machine.standing.finished
 
 
 def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) -> None:
@@ -202,7 +202,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
         after: Resume | Retry | End | None = None
         try:
             if type(step) is Continue:
-                life.saw(machine.output_seen, "a continuation only after output")
+                life.saw(machine.standing.output_seen, "a continuation only after output")
                 consumer = _place(data, machine)
                 producer = _place(data, machine, apart_from=consumer)
                 context = data.draw(st.sampled_from([None, 4, 4096]), label="context")
@@ -210,7 +210,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 route = machine.handle(placed)
             else:
                 life.saw(type(step) is Fresh, "an attempt is fresh or a continuation")
-                life.saw(not machine.output_seen, "a fresh attempt only before output")
+                life.saw(not machine.standing.output_seen, "a fresh attempt only before output")
                 producer = _place(data, machine)
                 decode_first = data.draw(st.none() | st.sampled_from(ENGINES))
                 consumers = data.draw(st.sampled_from([0, len(ENGINES)]), label="consumers")
@@ -274,9 +274,9 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                     life.decode_legs[key] = life.decode_legs.get(key, 0) + 1
             # the decode leg streams
             tokens = data.draw(st.integers(0, 5), label="tokens before the leg ends")
-            if tokens and not machine.output_seen:
+            if tokens and not machine.standing.output_seen:
                 machine.handle(FIRST_TOKEN)
-            if tokens and machine.state is State.GENERATING:
+            if tokens and machine.standing.state is State.GENERATING:
                 machine.handle(COMMITTED)  # a stream commits at its first token
             if tokens and data.draw(st.booleans(), label="the first token told again"):
                 with pytest.raises(InvalidTransition):  # one first token, one commit point
@@ -292,13 +292,15 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 machine.handle(CLIENT_LEFT)
                 _end(machine, life, "cancelled")
                 return
-            if ending == "fault" or not machine.output_seen:
-                raise _fault(data, Phase.STREAM if machine.output_seen else phase, leg_engine)
+            if ending == "fault" or not machine.standing.output_seen:
+                raise _fault(
+                    data, Phase.STREAM if machine.standing.output_seen else phase, leg_engine
+                )
             machine.handle(FINISHED)
             _end(machine, life, "completed")
             return
         except RequestFault as fault:
-            output = machine.output_seen
+            output = machine.standing.output_seen
             if after is None:  # a leg's fault; the machine's own came answered
                 after = machine.handle(LegFailed(fault, now, VIEW))
             if type(after) is Retry:
@@ -330,7 +332,7 @@ def _live(data: st.DataObject, machine: RequestMachine, life: Life, kept: bool) 
                 else:
                     life.saw(orphan is handoff, "invariant 7: to the reclaim queue")
                     life.orphans.append(handoff)
-            if not machine.finished:
+            if not machine.standing.finished:
                 life.saw(
                     len(machine.attempts) <= 1 + life.retries + life.resumes,
                     "one attempt per retry or resume",
@@ -354,7 +356,7 @@ def test_every_life_keeps_the_rules(
     _live(data, machine, life, kept=resume_streams > 0)
     assert life.broken == []  # every step's rule held (invariants 3, 4, 6 and 7 as it went)
     assert len(life.ends) == 1  # invariant 1
-    assert machine.finished
+    assert machine.standing.finished
     # invariant 4: the budget pays for each retry and each resume, attempts are bounded
     assert life.retries + life.resumes <= credits
     assert budget.credits >= 0
@@ -476,9 +478,9 @@ def _next(machine: RequestMachine) -> st.SearchStrategy[Any]:
     if step == "handing_off":
         return st.builds(DecodeDue, _ENGINE, _NOW, st.just(VIEW))
     if step == "decoding":
-        if not machine.output_seen:
+        if not machine.standing.output_seen:
             return st.sampled_from([DECODE_TAKEN, FIRST_TOKEN])
-        if machine.state is State.GENERATING:
+        if machine.standing.state is State.GENERATING:
             return st.just(COMMITTED)
         return st.sampled_from([FINISHED, LEGS_DONE]) | st.builds(
             LegFailed, _FAULT, _NOW, st.just(VIEW)
@@ -507,14 +509,18 @@ def test_any_sequence_of_events_keeps_the_rules(
     for _ in range(data.draw(st.integers(0, 40), label="events")):
         likely = data.draw(st.booleans(), label="an event the state allows")
         event = data.draw(_next(machine) if likely else EVENTS, label="event")
-        state, output_seen, finished = machine.state, machine.output_seen, machine.finished
+        state, output_seen, finished = (
+            machine.standing.state,
+            machine.standing.output_seen,
+            machine.standing.finished,
+        )
         try:
             answer = machine.handle(event)
         except InvalidTransition:
-            assert machine.state is state  # refused whole
+            assert machine.standing.state is state  # refused whole
             continue
         if finished:  # invariant 1: an ended request stays ended, once
-            assert machine.state is State.FINISHED
+            assert machine.standing.state is State.FINISHED
         event_note(type(answer).__name__)
         if type(answer) is Fresh:
             fresh += 1

@@ -399,11 +399,13 @@ def start_narwhal(
     pure: bool = False,
     launcher: tuple[str, ...] = ("-m", "narwhal"),
     extra: tuple[str, ...] = (),
+    python: str | None = None,
 ) -> tuple[Proc, str]:
     """This tree's narwhal, or with ``root`` the narwhal of that checkout (``--baseline``);
     ``pure``: its pure-Python build (NARWHAL_PURE=1, docs/build.md); ``launcher``: what
     the interpreter runs, the command line's arguments after it; ``extra``: fleet-file
-    lines beyond ``--set``'s (``--variant``)."""
+    lines beyond ``--set``'s (``--variant``); ``python``: what runs ``launcher`` (default
+    this interpreter; ``bench/router_instructions.py`` puts callgrind first)."""
     return serve_narwhal(
         f'model = "{MODEL}"\n'
         + engines_toml([p_url], [d_url])
@@ -417,6 +419,7 @@ def start_narwhal(
         root=root,
         pure=pure,
         launcher=launcher,
+        python=python,
     )
 
 

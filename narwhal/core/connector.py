@@ -26,6 +26,8 @@ RECLAIM_MODEL = "narwhal-reclaim-no-such-model"
 # what a block id must be (a JSON integer, never ``true``, not negative), checked by msgspec
 # at C speed: a long prompt's descriptor holds a block id per 16 tokens
 BlockId = Annotated[int, msgspec.Meta(ge=0)]
+_FLAT_IDS = list[BlockId]
+_GROUPED_IDS = list[list[BlockId]]
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -283,15 +285,12 @@ def valid_block_ids(ids: list[Any]) -> bool:
     """Whether ``ids`` are good block ids: flat, or groups of them (one per KV cache group)
     with at least one not empty; what is wrong with them otherwise is
     ``_block_ids_problem``'s to say."""
+    grouped = bool(ids) and isinstance(ids[0], list)  # vLLM's shape: one try, no exception
     try:
-        msgspec.convert(ids, list[BlockId])
+        msgspec.convert(ids, _GROUPED_IDS if grouped else _FLAT_IDS)
     except msgspec.ValidationError:
-        try:
-            msgspec.convert(ids, list[list[BlockId]])
-        except msgspec.ValidationError:
-            return False
-        return any(ids)
-    return True
+        return False
+    return any(ids) if grouped else True
 
 
 def _asks_usage(body: Mapping[str, Any]) -> bool:

@@ -414,19 +414,24 @@ class DecodeStream:
         """Read what follows ``[DONE]`` (the end of the chunked body), so the connection
         goes back to the pool instead of being closed; give up after ``timeout_s``."""
         response = self._response
-        if response is not None:
+        if response is not None and response.body_read():
+            await _read_rest(response)  # no clock: the end came with [DONE], nothing waits
+        elif response is not None:
             with trio.move_on_after(timeout_s):
-                size = 0
-                try:
-                    while (
-                        part := await response.next_batch()
-                    ) is not None and size < MAX_ERROR_BODY_BYTES:
-                        size += len(part)
-                except StreamBroken:
-                    pass  # after [DONE] the answer is whole: the connection is not reused
+                await _read_rest(response)
         await self.aclose()
 
     async def aclose(self) -> None:
         response, self._response = self._response, None
         if response is not None:
             await response.aclose()
+
+
+async def _read_rest(response: Response) -> None:
+    """Read what is left of a stream's body, up to ``MAX_ERROR_BODY_BYTES``."""
+    size = 0
+    try:
+        while (part := await response.next_batch()) is not None and size < MAX_ERROR_BODY_BYTES:
+            size += len(part)
+    except StreamBroken:
+        pass  # after [DONE] the answer is whole: the connection is not reused

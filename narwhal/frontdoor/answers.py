@@ -269,11 +269,9 @@ def framing_problem(headers: list[tuple[bytes, bytes]]) -> BadRequest | None:
     return None
 
 
-async def read_body_within(scope: Scope, receive: Receive, serving: ServingConfig) -> bytes:
-    """The body, or 408 when it trickles in slower than ``client_body_timeout_s``."""
-    with trio.move_on_after(serving.client_body_timeout_s):
-        return await read_body(scope, receive, serving.max_request_bytes)
-    raise BodyTimeout(
+def body_too_slow(serving: ServingConfig) -> BodyTimeout:
+    """408: the body trickled in slower than ``client_body_timeout_s``."""
+    return BodyTimeout(
         f"request body not received within client_body_timeout_s="
         f"{serving.client_body_timeout_s:g}s",
         phase=Phase.ADMISSION,

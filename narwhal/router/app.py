@@ -41,11 +41,11 @@ from narwhal.frontdoor.answers import (
     Send,
     answer_read,
     answer_unread,
+    body_too_slow,
     finish_reading,
     framing_problem,
     headers_problem,
     read_body,
-    read_body_within,
     refuse_websocket,
     respond,
     respond_and_close,
@@ -273,9 +273,12 @@ class RouterApp:
         RequestFault) while draining, in maintenance or at ``max_inflight``."""
         router = self.router
         serving = router.config.serving
-        with router.drain_bound() as drain:  # a trickling body does not outlive the drain
-            raw = await read_body_within(scope, receive, serving)
-        if drain.cancelled_caught:
+        # one scope for the body's timeout and the drain: a trickling body outlives neither
+        with router.drain_bound(trio.current_time() + serving.client_body_timeout_s) as bound:
+            raw = await read_body(scope, receive, serving.max_request_bytes)
+        if bound.scope.cancelled_caught:
+            if not bound.drained(router.drain_deadline):
+                raise body_too_slow(serving)
             raise BodyCut(
                 "router shutting down: the request body was still arriving when the "
                 "graceful timeout ended",

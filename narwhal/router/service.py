@@ -17,8 +17,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 import msgspec
@@ -47,6 +46,7 @@ from narwhal.router.admission import Admission
 from narwhal.router.auth import ApiKeys, warn_plain_http_keys
 from narwhal.router.background import Background
 from narwhal.router.discovery import Discovery
+from narwhal.router.drain_bound import DrainBound
 from narwhal.router.engine_events import EngineEvents
 from narwhal.router.fanout import FanOutRun
 from narwhal.router.health import Health
@@ -228,7 +228,8 @@ class Router:
                         await self._tell_limit(record, limit, deadline, timeout)
                 finally:
                     self._end(run, traced)  # before a checkpoint: the line is out with the answer
-                    limit.cancel()  # what it started beside its main line
+                    if nursery.child_tasks:  # what it started beside its main line
+                        limit.cancel()
         return run
 
     def _begin(
@@ -328,16 +329,11 @@ class Router:
         timeout, first_token = config.serving.request_timeout_s, config.engine.first_token_timeout_s
         return dispatch_by(record.deadline, timeout, first_token)
 
-    @contextmanager
-    def drain_bound(self) -> Iterator[trio.CancelScope]:
-        """A scope that a graceful shutdown ends at its deadline, like an admitted request's
-        (for work before admission: a body still arriving when the drain ends)."""
-        with trio.CancelScope(deadline=self.drain_deadline) as scope:
-            self.running.add(scope)
-            try:
-                yield scope
-            finally:
-                self.running.discard(scope)
+    def drain_bound(self, deadline: float = math.inf) -> DrainBound:
+        """A scope that ends at ``deadline``, or at a graceful shutdown's deadline like an
+        admitted request's (for work before admission: a body still arriving when the
+        drain ends); ``DrainBound.drained`` says which."""
+        return DrainBound(self.running, deadline, self.drain_deadline)
 
     def begin_drain(self) -> None:
         """Graceful shutdown: refuse new requests (``/ready`` 503) and give the running ones

@@ -14,6 +14,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.engine_connection import EngineConnection
 from narwhal.fake_engine.config import FakeEngineConfig
 from narwhal.fake_engine.engine import FakeEngine
+from tests.support.wire import CHUNK, HEAD, serve_once
 
 MODEL = "fake-model"
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 20}
@@ -140,3 +141,46 @@ async def test_a_request_the_kernel_takes_in_part_is_still_sent_whole() -> None:
     assert bytes(received) == payload
     ours.close()
     theirs.close()
+
+
+DONE = b"data: [DONE]\n\n"
+DONE_CHUNK = b"%x\r\n%s\r\n" % (len(DONE), DONE)
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+async def _read_to_done(client: EngineClient, url: str, timeout_s: float) -> None:
+    """A decode stream read up to its ``[DONE]``, then drained as the relay does."""
+    async with client.decode(url, "/v1/completions", BODY, None) as stream:
+        seen = b""
+        while DONE not in seen:
+            batch = await stream.read()
+            assert batch is not None
+            seen += batch
+        await stream.drain(timeout_s)
+
+
+async def test_a_stream_whose_end_came_with_done_is_drained_at_once(
+    nursery: trio.Nursery,
+) -> None:
+    """The body's last chunk in the read that brought ``[DONE]`` (an engine's usual
+    answer): the drain has nothing to wait for, ends with no clock of its own, and the
+    connection goes back to the pool for the next request."""
+    url = await serve_once(nursery, [HEAD + CHUNK + DONE_CHUNK + LAST_CHUNK], [])
+    client = EngineClient()
+    with trio.fail_after(5):
+        await _read_to_done(client, url, timeout_s=3600.0)
+    assert client.connections()[url] == (1, 0)  # kept alive, no slot held
+    await client.aclose()
+
+
+async def test_a_stream_whose_end_never_comes_is_drained_within_its_bound(
+    nursery: trio.Nursery,
+) -> None:
+    """``[DONE]`` without the body's last chunk, which never follows: the drain gives up
+    at its bound and closes the connection rather than keep one in an unknown state."""
+    url = await serve_once(nursery, [HEAD + CHUNK + DONE_CHUNK], [])
+    client = EngineClient()
+    with trio.fail_after(5):
+        await _read_to_done(client, url, timeout_s=0.05)
+    assert client.connections()[url] == (0, 0)  # closed, no slot held
+    await client.aclose()

@@ -272,16 +272,15 @@ class Response:
                 event = await self._next_event()
             assert isinstance(event, h11.Response)
             self.status = event.status_code
-            if _is_chunked(event):
-                self._take_chunked_body(conn, event)
+            chunked, closes = _framing(event)
+            if chunked:
+                self._take_chunked_body(conn, event, closes)
 
-    def _take_chunked_body(self, conn: EngineConnection, head: h11.Response) -> None:
+    def _take_chunked_body(self, conn: EngineConnection, head: h11.Response, closes: bool) -> None:
         """From here on the body is ours to decode; h11 saw only the head (it accepts no
         transfer coding but chunked, so a head it parsed with one is chunked)."""
         self._chunked = ChunkedDecoder()
-        self._keep_alive = head.http_version == b"1.1" and not any(
-            name == b"connection" and b"close" in value.lower() for name, value in head.headers
-        )
+        self._keep_alive = head.http_version == b"1.1" and not closes
         early, _ = conn.h11.trailing_data
         if early:
             self._early = self._chunked.feed(bytes(early))  # never an empty part
@@ -465,7 +464,15 @@ class Response:
         await self.aclose()
 
 
-def _is_chunked(head: h11.Response) -> bool:
-    if head.status_code in (204, 304):
-        return False
-    return any(name == b"transfer-encoding" for name, _ in head.headers)
+def _framing(head: h11.Response) -> tuple[bool, bool]:
+    """Whether the body is chunked, and whether the engine said ``connection: close``: one
+    pass over the head's raw items (a ``Headers`` iterated as a sequence costs a call per
+    field, on every response)."""
+    chunked = closes = False
+    for raw_name, value in head.headers.raw_items():
+        name = raw_name.lower()
+        if name == b"transfer-encoding":
+            chunked = True
+        elif name == b"connection" and b"close" in value.lower():
+            closes = True
+    return chunked and head.status_code not in (204, 304), closes

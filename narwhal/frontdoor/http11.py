@@ -130,7 +130,8 @@ class _Http11Connection(h11.Connection):
             self._body_read += len(event.data)  # type: ignore[union-attr]
         elif kind is h11.Request:
             self._body_read = 0
-            names = {name for name, _ in event.headers}  # type: ignore[union-attr]
+            # its raw items: a ``Headers`` iterated as a sequence costs a call per field
+            names = {raw.lower() for raw, _ in event.headers.raw_items()}  # type: ignore[union-attr]
             self._both_lengths = {b"content-length", b"transfer-encoding"} <= names
         elif event is h11.NEED_DATA and self.their_state is h11.SEND_BODY:
             self._refuse_a_chunk_too_large()

@@ -466,7 +466,8 @@ class RequestMachine:
         return decision
 
     def _failed_on(self, engine: str) -> None:
-        self.failed_engines += () if engine in self.failed_engines else (engine,)
+        if engine not in self.failed_engines:
+            self.failed_engines += (engine,)
 
     def _stream_ended(self) -> bool:
         """A resumed stream ended: True the first time (its outcome is counted once)."""

@@ -414,11 +414,12 @@ class DecodeStream:
         """Read what follows ``[DONE]`` (the end of the chunked body), so the connection
         goes back to the pool instead of being closed; give up after ``timeout_s``."""
         response = self._response
-        if response is not None and response.body_read():
-            await _read_rest(response)  # no clock: the end came with [DONE], nothing waits
-        elif response is not None:
-            with trio.move_on_after(timeout_s):
+        if response is not None:
+            if response.body_read():  # the end came with [DONE]: nothing waits, no clock
                 await _read_rest(response)
+            else:
+                with trio.move_on_after(timeout_s):
+                    await _read_rest(response)
         await self.aclose()
 
     async def aclose(self) -> None:

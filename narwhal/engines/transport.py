@@ -143,7 +143,11 @@ class Pool:
         response = Response(self, phase)
         try:
             for _ in range(2):  # a reused connection closed under us gets one fresh retry
-                reused = await self._send_within(send_by, response, method, target, headers, body)
+                clock = _NO_CLOCK if send_by == math.inf else trio.CancelScope(deadline=send_by)
+                with clock:
+                    reused = await self._send(response, method, target, headers, body)
+                if clock.cancelled_caught:
+                    raise SendTooLate(send_by)
                 try:
                     await response.read_head()
                     return response
@@ -155,24 +159,6 @@ class Pool:
         except BaseException:
             await response.aclose()
             raise
-
-    async def _send_within(
-        self,
-        send_by: float,
-        response: Response,
-        method: bytes,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> bool:
-        """``_send`` under the handoff clock ``send_by``; without one (inf, every request
-        but a handed-off decode) under no scope of its own: a cancel scope's entry and exit
-        are a fair share of a request's router CPU (bench/results/request-machine-events/)."""
-        if send_by == math.inf:
-            return await self._send(response, method, target, headers, body)
-        with trio.CancelScope(deadline=send_by):
-            return await self._send(response, method, target, headers, body)
-        raise SendTooLate(send_by)  # reached only when the clock fired
 
     async def _send(
         self,
@@ -207,6 +193,23 @@ class Pool:
         idle, self.idle = self.idle, []
         for conn in idle:
             await close(conn)
+
+
+class _NoClock:
+    """The handoff clock of a request that has none (every one but a handed-off decode):
+    no cancel scope, whose entry and exit are a fair share of a request's router CPU
+    (bench/results/request-machine-events/)."""
+
+    cancelled_caught = False
+
+    def __enter__(self) -> _NoClock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_CLOCK = _NoClock()
 
 
 class SendTooLate(Exception):
